@@ -1,0 +1,29 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: install test demo bench unit clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(BIN)/.installed
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+unit: install
+	$(BIN)/python -m pytest -q tests/unit tests/storage
+
+demo: install
+	$(BIN)/python examples/demo.py
+
+bench: install
+	$(BIN)/python bench/bench_sync.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,53 @@
+"""shardpoint: sharded checkpoints for PyTorch training at any parallel layout.
+
+Save from any layout (single process, DDP, FSDP2/HSDP, DTensor TP, 2-D) and
+load into any other; the checkpoint records logical tensors and where each
+saved chunk sits, and loading reshards by geometry.
+
+Example::
+
+    import shardpoint as sp
+    state = {"model": model, "optimizer": optimizer, "extra": {"step": 100}}
+    sp.save("ckpt/step_100", state)
+    sp.load("ckpt/step_100", state)
+"""
+
+from .api import LoadResult, SaveResult, load, read_manifest, save
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DistributedError,
+    FormatError,
+    IncompleteCheckpointError,
+    KeyMismatchError,
+    ShapeMismatchError,
+    StorageError,
+    UnsupportedStateError,
+)
+from .format.manifest import FORMAT_VERSION
+from .storage import LocalStorage, MemoryStorage, Storage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "save",
+    "load",
+    "read_manifest",
+    "SaveResult",
+    "LoadResult",
+    "Storage",
+    "LocalStorage",
+    "MemoryStorage",
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "CorruptCheckpointError",
+    "FormatError",
+    "KeyMismatchError",
+    "ShapeMismatchError",
+    "StorageError",
+    "UnsupportedStateError",
+    "DistributedError",
+]

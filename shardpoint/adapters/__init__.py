@@ -1,0 +1,38 @@
+"""Adapters: one per framework, tried in order; the first that claims an object handles it.
+
+The order matters: optimizers and modules are also "stateful" objects, so the
+specific adapters come before the generic ``StatefulAdapter`` and the
+``TreeAdapter`` fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor
+from .module import ModuleAdapter, unwrap_module
+from .optimizer import OptimizerAdapter
+from .tree import StatefulAdapter, TreeAdapter
+
+__all__ = [
+    "AdapterContext",
+    "LoadPart",
+    "LoadTarget",
+    "SavePart",
+    "SaveTensor",
+    "default_adapters",
+    "adapter_for",
+    "unwrap_module",
+]
+
+
+def default_adapters() -> list:
+    """A fresh list of the built-in adapters, most specific first."""
+    return [OptimizerAdapter(), ModuleAdapter(), StatefulAdapter(), TreeAdapter()]
+
+
+def adapter_for(obj: Any, adapters: list) -> Any:
+    for a in adapters:
+        if a.claims(obj):
+            return a
+    raise AssertionError("TreeAdapter claims everything")  # pragma: no cover

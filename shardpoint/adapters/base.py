@@ -1,0 +1,139 @@
+"""What adapters produce and consume: tensors with geometry, and load targets.
+
+An adapter turns one entry of the user's ``state`` into
+:class:`SaveTensor` items (local data plus where it sits in the global tensor)
+and JSON-safe values, and on load into :class:`LoadTarget` items (local
+tensors to fill in place) plus a ``finish`` callback that installs the result.
+The rest of shardpoint never imports a framework.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
+
+import torch
+
+from ..geometry import Box
+
+__all__ = [
+    "SaveTensor",
+    "LoadTarget",
+    "SavePart",
+    "LoadPart",
+    "AdapterContext",
+    "Adapter",
+    "dtype_name",
+    "torch_dtype",
+]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest name of a torch dtype (``torch.float32`` -> ``"float32"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+@dataclass
+class SaveTensor:
+    """One local shard to save.
+
+    ``data`` holds the shard's elements: shaped like ``box`` when ``flat`` is
+    ``None``, otherwise a 1-D tensor of elements ``[flat[0], flat[1])`` of the
+    box's row-major order. ``replica_index``/``replica_count`` say which copy
+    this is among ranks holding identical data; exactly one copy is written.
+    ``cost`` is a rank-independent size estimate used to balance writers.
+    """
+
+    fqn: str
+    data: torch.Tensor
+    shape: tuple[int, ...]
+    box: Box
+    flat: tuple[int, int] | None = None
+    replica_index: int = 0
+    replica_count: int = 1
+    cost: float = 0.0
+    layout: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        n = self.box.numel if self.flat is None else self.flat[1] - self.flat[0]
+        return n * self.data.element_size()
+
+
+@dataclass
+class LoadTarget:
+    """One local tensor to fill from the checkpoint, in place.
+
+    ``dest`` is shaped like ``box`` (or 1-D over ``flat``), with the dtype and
+    global ``shape`` the target expects.
+    """
+
+    fqn: str
+    dest: torch.Tensor
+    shape: tuple[int, ...]
+    box: Box
+    flat: tuple[int, int] | None = None
+
+
+@dataclass
+class SavePart:
+    """What one state entry contributes to a save."""
+
+    tensors: list[SaveTensor] = field(default_factory=list)
+    value: Any = None  # JSON-safe document stored under the entry's key
+    framework: str = ""
+
+
+@dataclass
+class LoadPart:
+    """What one state entry needs from a load, and how to install it.
+
+    ``finish()`` runs after every target is filled and returns the entry's new
+    value (the same object for in-place restores). ``missing``/``unexpected``
+    list tensor names for strict checking.
+    """
+
+    targets: list[LoadTarget] = field(default_factory=list)
+    finish: Callable[[], Any] = lambda: None
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    consumed: set[str] = field(default_factory=set)
+
+
+@dataclass
+class AdapterContext:
+    """Facts every adapter may need: ranks, and parameter names across the state."""
+
+    rank: int
+    world: int
+    param_names: Mapping[int, str]
+    allow_pickle: bool = False
+
+    def plain_replica(self) -> tuple[int, int]:
+        """A plain (non-DTensor) tensor is assumed identical on every rank of the group."""
+        return self.rank, self.world
+
+
+class Adapter(Protocol):
+    """One framework's bridge. ``claims`` is tried in registry order."""
+
+    name: str
+
+    def claims(self, obj: Any) -> bool: ...
+
+    def save(self, key: str, obj: Any, ctx: AdapterContext) -> SavePart: ...
+
+    def load(self, key: str, obj: Any, doc: Any, tensors: Mapping[str, Any], ctx: AdapterContext) -> LoadPart: ...
+
+
+def global_cost(shape: tuple[int, ...], itemsize: int, replica_count: int, mesh_size: int) -> float:
+    """Size estimate of one chunk computed only from global facts (same on every rank)."""
+    return math.prod(shape) * itemsize * replica_count / max(1, mesh_size)

@@ -1,0 +1,98 @@
+"""Geometry of one tensor: plain tensors and DTensors (FSDP2, TP, HSDP, 2-D).
+
+A DTensor's local shard is located with PyTorch's own
+``compute_local_shape_and_global_offset``, which also understands the
+``_StridedShard`` placements that 2-D FSDP2 + TP produces. Replicated mesh
+dimensions make copies; the copy index is the rank's coordinate along them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedStateError
+from ..geometry import Box
+from .base import AdapterContext, LoadTarget, SaveTensor, global_cost
+
+__all__ = ["is_dtensor", "save_tensor", "load_target", "empty_like_target"]
+
+
+def is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def _dtensor_geometry(dt) -> tuple[Box, int, int, int] | None:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    for p in dt.placements:
+        if p.is_partial():
+            raise UnsupportedStateError(
+                f"DTensor with a Partial placement {dt.placements} cannot be saved; reduce it first"
+            )
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+    index, count = 0, 1
+    for d, p in enumerate(dt.placements):
+        if p.is_replicate():
+            index = index * mesh.size(d) + coord[d]
+            count *= mesh.size(d)
+    return Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape)), index, count, mesh.size()
+
+
+def save_tensor(fqn: str, t: torch.Tensor, ctx: AdapterContext) -> SaveTensor | None:
+    """A :class:`SaveTensor` for a plain tensor or DTensor, or ``None`` if this rank holds none."""
+    t = t.detach()
+    if is_dtensor(t):
+        geo = _dtensor_geometry(t)
+        if geo is None:
+            return None
+        box, index, count, mesh_size = geo
+        local = t.to_local()
+        if tuple(local.shape) != box.sizes:
+            raise UnsupportedStateError(
+                f"{fqn}: local shard shape {tuple(local.shape)} differs from its placement box {box.sizes}"
+            )
+        shape = tuple(int(s) for s in t.shape)
+        return SaveTensor(
+            fqn, local, shape, box, None, index, count,
+            global_cost(shape, local.element_size(), count, mesh_size), f"dtensor{tuple(t.placements)}",
+        )
+    if t.is_sparse or t.layout != torch.strided:
+        raise UnsupportedStateError(f"{fqn}: only dense strided tensors can be saved, got {t.layout}")
+    shape = tuple(int(s) for s in t.shape)
+    index, count = ctx.plain_replica()
+    return SaveTensor(
+        fqn, t, shape, Box.full(shape), None, index, count,
+        float(math.prod(shape) * t.element_size()), "replicated" if count > 1 else "local",
+    )
+
+
+def load_target(fqn: str, t: torch.Tensor) -> LoadTarget | None:
+    """A :class:`LoadTarget` that fills ``t`` (plain or DTensor) in place."""
+    t = t.detach()
+    shape = tuple(int(s) for s in t.shape)
+    if is_dtensor(t):
+        geo = _dtensor_geometry(t)
+        if geo is None:
+            return None
+        box = geo[0]
+        return LoadTarget(fqn, t.to_local(), shape, box)
+    return LoadTarget(fqn, t, shape, Box.full(shape))
+
+
+def empty_like_target(like: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device=None):
+    """A fresh tensor to load into: sharded like ``like`` when shapes agree, else whole."""
+    if like is not None and tuple(like.shape) == tuple(shape):
+        return torch.zeros_like(like.detach(), dtype=dtype)
+    dev = device if device is not None else (like.device if like is not None and not is_dtensor(like) else "cpu")
+    return torch.zeros(shape, dtype=dtype, device=dev)

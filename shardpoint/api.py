@@ -1,0 +1,337 @@
+"""The public entry points: :func:`save` and :func:`load`.
+
+Thin glue: adapters flatten the state, the planners decide who writes and
+what to read, the engine moves bytes, storage persists them. Every collective
+goes through :class:`~shardpoint.dist.Comm`, which is a world of one when no
+process group is initialised, so the same path runs everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, MutableMapping
+
+from torch import nn
+
+from .adapters import AdapterContext, SaveTensor, adapter_for, default_adapters, unwrap_module
+from .dist import Comm, Outcome, raise_if_failed, run_guarded
+from .engine.io import DEFAULT_BLOCK_SIZE, read_targets, write_chunks
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    KeyMismatchError,
+    ShapeMismatchError,
+    UnsupportedStateError,
+)
+from .format.manifest import MANIFEST_NAME, ChunkMeta, Manifest, TensorMeta
+from .planning.save_plan import ReplicaItem, assign_writers
+from .storage import Storage, storage_for
+
+__all__ = ["save", "load", "read_manifest", "SaveResult", "LoadResult"]
+
+log = logging.getLogger("shardpoint")
+
+
+@dataclass
+class SaveResult:
+    """What a save did on this rank: phase timings (seconds) and bytes written."""
+
+    path: str
+    save_id: str
+    bytes_written: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class LoadResult:
+    """What a load did on this rank; ``missing``/``unexpected`` are filled under ``strict=False``."""
+
+    path: str = ""
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _context(state: MutableMapping[str, Any], comm: Comm, allow_pickle: bool) -> AdapterContext:
+    names: dict[int, str] = {}
+    for key, obj in state.items():
+        if isinstance(obj, nn.Module):
+            for n, p in unwrap_module(obj).named_parameters():
+                names.setdefault(id(p), f"{key}.{n}")
+    return AdapterContext(comm.rank, comm.world, names, allow_pickle)
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, MutableMapping):
+        raise UnsupportedStateError(f"state must be a dict of name -> object, got {type(state).__name__}")
+    for k in state:
+        if not isinstance(k, str) or not k or "." in k:
+            raise UnsupportedStateError(f"state keys must be non-empty strings without '.', got {k!r}")
+
+
+def _merge(a: Any, b: Any) -> Any:
+    """Union of two value documents from different ranks; the lower rank wins conflicts."""
+    if isinstance(a, dict) and isinstance(b, dict) and "__sp__" not in a:
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = _merge(a[k], v) if k in a else v
+        return out
+    return a
+
+
+def save(
+    path: str | Storage,
+    state: MutableMapping[str, Any],
+    *,
+    process_group: Any = None,
+    allow_pickle: bool = False,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> SaveResult:
+    """Save ``state`` to ``path``; a collective when a process group is initialised.
+
+    ``state`` maps names to modules, optimizers, ``Stateful`` objects, tensors
+    (DTensors included) and plain values. Each rank writes its own shards;
+    replicated tensors are written once, balanced over the ranks holding them.
+    The manifest is written last, so an interrupted save never looks like a
+    checkpoint, and overwriting ``path`` switches atomically from the old
+    checkpoint to the new one.
+
+    Example::
+
+        sp.save("ckpt/step_100", {"model": model, "optimizer": opt, "extra": {"step": 100}})
+    """
+    _check_state(state)
+    if block_size < 16 or block_size % 16:
+        raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
+    comm = Comm.resolve(process_group)
+    storage = storage_for(path)
+    where = storage.url
+    t0 = time.monotonic()
+    save_id = comm.broadcast(uuid.uuid4().hex if comm.rank == 0 else None)
+    result = SaveResult(where, save_id)
+
+    def local() -> dict:
+        ta = time.monotonic()
+        ctx = _context(state, comm, allow_pickle)
+        adapters = default_adapters()
+        tensors: list[SaveTensor] = []
+        values, layout = {}, {}
+        for key, obj in state.items():
+            part = adapter_for(obj, adapters).save(key, obj, ctx)
+            tensors.extend(part.tensors)
+            values[key] = part.value
+            layout[key] = part.framework
+        seen = set()
+        for t in tensors:
+            if t.fqn in seen:
+                raise UnsupportedStateError(f"{where}: tensor name {t.fqn!r} appears twice in the state")
+            seen.add(t.fqn)
+        writers = assign_writers(
+            ReplicaItem(t.fqn, t.replica_count, t.cost) for t in tensors if t.replica_count > 1
+        )
+        mine = [t for t in tensors if t.replica_count <= 1 or writers[t.fqn] == t.replica_index]
+        result.timings["plan"] = time.monotonic() - ta
+        tb = time.monotonic()
+        records, files = [], {}
+        if mine:
+            name = f"data/{save_id}-r{comm.rank:05d}.bin"
+            records, size = write_chunks(storage, name, mine, comm.rank, block_size)
+            files[name] = size
+            result.bytes_written = size
+        result.timings["write"] = time.monotonic() - tb
+        meta = {t.fqn: (str(t.data.dtype).removeprefix("torch."), t.shape, t.layout) for t in tensors}
+        return {"records": records, "files": files, "values": values, "layout": layout, "meta": meta}
+
+    out = run_guarded(local)
+    if comm.world == 1 and not out.ok:
+        raise out.exc
+    gathered = comm.gather(Outcome(out.ok, out.value, out.error_type, out.message))
+    final: list[Outcome] | None = None
+    if comm.rank == 0:
+        assert gathered is not None
+        tc = time.monotonic()
+        if all(o.ok for o in gathered):
+            commit = run_guarded(lambda: _commit(storage, save_id, comm.world, block_size, gathered, where))
+            if comm.world == 1 and not commit.ok:
+                raise commit.exc
+            final = [Outcome(commit.ok, None, commit.error_type, commit.message)]
+        else:
+            final = [Outcome(o.ok, None, o.error_type, o.message) for o in gathered]
+        result.timings["commit"] = time.monotonic() - tc
+    final = comm.broadcast(final)
+    raise_if_failed(final, f"save to {where}")
+    result.timings["total"] = time.monotonic() - t0
+    log.info("rank %s saved %s bytes to %s in %.3fs", comm.rank, result.bytes_written, where, result.timings["total"])
+    return result
+
+
+def _commit(storage: Storage, save_id: str, world: int, block: int, gathered: list[Outcome], where: str) -> None:
+    chunks: dict[str, list[ChunkMeta]] = {}
+    meta: dict[str, tuple] = {}
+    files: dict[str, int] = {}
+    values: dict[str, Any] = {}
+    layout: dict[str, Any] = {}
+    placements: dict[str, str] = {}
+    for o in gathered:
+        v = o.value
+        for fqn, c in v["records"]:
+            chunks.setdefault(fqn, []).append(c)
+        files.update(v["files"])
+        for fqn, (dt, shape, lay) in v["meta"].items():
+            prev = meta.setdefault(fqn, (dt, tuple(shape)))
+            if prev != (dt, tuple(shape)):
+                raise ShapeMismatchError(f"{where}: ranks disagree on tensor {fqn!r}: {prev} vs {(dt, tuple(shape))}")
+            placements.setdefault(fqn, lay)
+        for k, doc in v["values"].items():
+            values[k] = _merge(values[k], doc) if k in values else doc
+        for k, fw in v["layout"].items():
+            layout.setdefault(k, fw)
+    tensors = {}
+    for fqn, (dt, shape) in meta.items():
+        cs = sorted(chunks.get(fqn, []), key=lambda c: (c.box.offsets, c.flat or (0, 0)))
+        covered = sum(c.numel for c in cs)
+        if covered != math.prod(shape):
+            raise CorruptCheckpointError(
+                f"{where}: saved chunks of {fqn!r} cover {covered} of {math.prod(shape)} elements; "
+                "two ranks disagree on its sharding"
+            )
+        tensors[fqn] = TensorMeta(dt, tuple(shape), tuple(cs))
+    manifest = Manifest(
+        save_id=save_id,
+        world_size=world,
+        block_size=block,
+        tensors=tensors,
+        values=values,
+        files=files,
+        layout={"world_size": world, "entries": layout, "placements": placements},
+        created=time.time(),
+    )
+    storage.put_atomic(MANIFEST_NAME, manifest.to_json())
+    # Commit done: drop data files of the checkpoint this one replaced, and of crashed saves.
+    for name in storage.list("data/"):
+        if name not in files:
+            storage.delete(name)
+
+
+def read_manifest(path: str | Storage) -> Manifest:
+    """Read and validate the manifest of a committed checkpoint (no process group needed).
+
+    Example::
+
+        m = sp.read_manifest("ckpt/step_100"); print(sorted(m.tensors))
+    """
+    storage = storage_for(path)
+    return Manifest.from_json(_manifest_bytes(storage), storage.url)
+
+
+def _manifest_bytes(storage: Storage) -> bytes:
+    try:
+        return storage.get(MANIFEST_NAME)
+    except FileNotFoundError:
+        if not storage.location_exists():
+            raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: the path does not exist") from None
+        raise IncompleteCheckpointError(
+            f"{storage.url} holds no committed manifest: the save that wrote it was interrupted or is "
+            "still running; load an earlier checkpoint"
+        ) from None
+
+
+def load(
+    path: str | Storage,
+    state: MutableMapping[str, Any],
+    *,
+    process_group: Any = None,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    verify: bool = True,
+    report: LoadResult | None = None,
+) -> MutableMapping[str, Any]:
+    """Load a checkpoint into ``state``, resharding to the current layout.
+
+    Modules, optimizers and ``Stateful`` objects are restored in place (a fresh,
+    never-stepped optimizer is fine). Plain values and plain tensors in
+    ``state`` are replaced by the saved ones; the same dict is returned. With
+    ``strict=True`` any key missing from or unexpected in the checkpoint raises
+    :class:`KeyMismatchError`; with ``strict=False`` the intersection loads and
+    the rest is logged. Checksums of everything read are verified. Pass a
+    :class:`LoadResult` as ``report`` to receive timings, bytes and key lists.
+
+    Example::
+
+        state = {"model": model, "optimizer": opt, "extra": {}}
+        sp.load("ckpt/step_100", state); step = state["extra"]["step"]
+    """
+    _check_state(state)
+    comm = Comm.resolve(process_group)
+    storage = storage_for(path)
+    where = storage.url
+    t0 = time.monotonic()
+    got = run_guarded(lambda: _manifest_bytes(storage)) if comm.rank == 0 else None
+    if comm.world == 1 and got is not None and not got.ok:
+        raise got.exc
+    got = comm.broadcast(Outcome(got.ok, got.value, got.error_type, got.message) if comm.rank == 0 else None)
+    raise_if_failed([got], f"load of {where}")
+    manifest = Manifest.from_json(got.value, where)
+    result = LoadResult(where)
+    result.timings["manifest"] = time.monotonic() - t0
+
+    def local() -> dict:
+        ctx = _context(state, comm, allow_pickle)
+        adapters = default_adapters()
+        parts = {}
+        missing: list[str] = []
+        unexpected: list[str] = []
+        consumed: set[str] = set()
+        for key, obj in state.items():
+            prefix = key + "."
+            has_tensors = any(f == key or f.startswith(prefix) for f in manifest.tensors)
+            if key not in manifest.values and not has_tensors:
+                missing.append(key)
+                continue
+            part = adapter_for(obj, adapters).load(key, obj, manifest.values.get(key), manifest.tensors, ctx, where)
+            parts[key] = part
+            missing.extend(part.missing)
+            unexpected.extend(part.unexpected)
+            consumed |= part.consumed
+        loaded = set(parts)
+        for fqn in manifest.tensors:
+            top = fqn.split(".", 1)[0]
+            if top in loaded and fqn not in consumed:
+                unexpected.append(fqn)
+        for key in manifest.values:
+            if key not in state:
+                unexpected.append(key)
+        if missing or unexpected:
+            msg = (
+                f"{where}: state and checkpoint differ: missing from the checkpoint "
+                f"{sorted(missing)[:20]}{' ...' if len(missing) > 20 else ''}; unexpected in the checkpoint "
+                f"{sorted(unexpected)[:20]}{' ...' if len(unexpected) > 20 else ''}"
+            )
+            if strict:
+                raise KeyMismatchError(msg + " (pass strict=False to load the intersection)", missing, unexpected)
+            log.warning("%s", msg)
+        result.missing, result.unexpected = sorted(missing), sorted(unexpected)
+        tr = time.monotonic()
+        targets = [t for p in parts.values() for t in p.targets]
+        stats = read_targets(storage, manifest, targets, where, verify)
+        result.bytes_read, result.bytes_needed = stats.bytes_read, stats.bytes_needed
+        result.timings["read"] = time.monotonic() - tr
+        return {key: p.finish() for key, p in parts.items()}
+
+    out = run_guarded(local)
+    new = comm.check(out, f"load of {where}")
+    for key, value in new.items():
+        state[key] = value
+    result.timings["total"] = time.monotonic() - t0
+    if report is not None:
+        for f in ("path", "bytes_read", "bytes_needed", "missing", "unexpected", "timings"):
+            setattr(report, f, getattr(result, f))
+    log.info("rank %s loaded %s from %s in %.3fs", comm.rank, result.bytes_read, where, result.timings["total"])
+    return state

@@ -1,0 +1,139 @@
+"""Process-group helpers that also work with no process group at all.
+
+Every collective shardpoint runs goes through :class:`Comm`. With no
+initialised process group (the CLI, unit tests, one-process jobs) it is a
+world of one and each collective is the identity, so the same code path runs
+everywhere. Errors are aggregated: :meth:`Comm.check` gathers each rank's
+outcome and raises the same typed error on every rank, so one failing rank
+never leaves the others hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+from . import errors as _errors
+from .errors import CheckpointError, DistributedError
+
+__all__ = ["Comm", "Outcome", "run_guarded"]
+
+log = logging.getLogger("shardpoint")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A rank's result, or the class name and message of what it raised."""
+
+    ok: bool
+    value: Any = None
+    error_type: str = ""
+    message: str = ""
+    exc: Any = field(default=None, compare=False, repr=False)
+
+
+def run_guarded(fn: Callable[[], T]) -> Outcome:
+    """Run ``fn`` and capture any exception as a picklable :class:`Outcome`."""
+    try:
+        return Outcome(True, fn())
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        log.debug("local failure: %s", traceback.format_exc())
+        return Outcome(False, None, type(e).__name__, str(e), e)
+
+
+class Comm:
+    """The ranks taking part in one save or load.
+
+    Example::
+
+        comm = Comm.resolve(None)      # default group, or a world of one
+        comm.rank, comm.world
+    """
+
+    def __init__(self, group: Any = None, active: bool = False):
+        self.group = group
+        self.active = active
+        self.rank = dist.get_rank(group) if active else 0
+        self.world = dist.get_world_size(group) if active else 1
+
+    @staticmethod
+    def resolve(process_group: Any = None) -> "Comm":
+        """Use ``process_group``, else the default group when initialised, else a world of one."""
+        if process_group is not None:
+            return Comm(process_group, True)
+        if dist.is_available() and dist.is_initialized():
+            return Comm(None, True)
+        return Comm(None, False)
+
+    def _global(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from group rank ``src`` on every rank."""
+        if not self.active or self.world == 1:
+            return obj
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=self._global(src), group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """A list of every rank's ``obj`` on ``dst``; ``None`` elsewhere."""
+        if not self.active or self.world == 1:
+            return [obj]
+        out = [None] * self.world if self.rank == dst else None
+        dist.gather_object(obj, out, dst=self._global(dst), group=self.group)
+        return out
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.active or self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.active and self.world > 1:
+            dist.barrier(group=self.group)
+
+    def check(self, outcome: Outcome, what: str) -> Any:
+        """All-gather outcomes; raise one aggregated error on every rank if any failed."""
+        if not self.active or self.world == 1:
+            if not outcome.ok and outcome.exc is not None:
+                raise outcome.exc
+        outcomes = self.all_gather(Outcome(outcome.ok, None, outcome.error_type, outcome.message))
+        raise_if_failed(outcomes, what)
+        if not outcome.ok:  # pragma: no cover - raise_if_failed already raised
+            raise DistributedError(outcome.message, {self.rank: outcome.message})
+        return outcome.value
+
+
+def raise_if_failed(outcomes: list[Outcome], what: str) -> None:
+    """Raise one typed error naming every failing rank, if any outcome failed."""
+    failed = {r: o for r, o in enumerate(outcomes) if not o.ok}
+    if not failed:
+        return
+    causes = {r: f"{o.error_type}: {o.message}" for r, o in failed.items()}
+    first = next(iter(failed.values()))
+    cls = getattr(_errors, first.error_type, None)
+    if len(outcomes) == 1:
+        detail = first.message
+    else:
+        detail = first.message + "".join(
+            f"\n  rank {r}: {c}" for r, c in sorted(causes.items())
+        )
+        detail = f"{what} failed on rank(s) {sorted(failed)}: {detail}"
+    if isinstance(cls, type) and issubclass(cls, CheckpointError) and cls is not DistributedError:
+        try:
+            err = cls(detail)
+        except TypeError:
+            err = DistributedError(detail, causes, cls)
+        err.causes = causes  # type: ignore[attr-defined]
+        raise err
+    raise DistributedError(f"{what} failed: {detail}", causes, cls if isinstance(cls, type) else None)

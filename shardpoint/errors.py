@@ -1,0 +1,78 @@
+"""One error tree for everything shardpoint raises.
+
+Every error derives from :class:`CheckpointError` (itself an ``Exception``), so
+``except sp.CheckpointError`` catches anything the library reports on purpose.
+Messages name the checkpoint, the tensor and, where it helps, what to do.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "CorruptCheckpointError",
+    "FormatError",
+    "KeyMismatchError",
+    "ShapeMismatchError",
+    "UnsupportedStateError",
+    "StorageError",
+    "DistributedError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error shardpoint raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """The checkpoint path does not exist at all."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The path exists but holds no committed manifest (a crashed or running save)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Bytes on storage do not match their recorded checksum or size."""
+
+
+class FormatError(CheckpointError):
+    """The manifest is malformed, from an unknown format version, or unsafe."""
+
+
+class KeyMismatchError(CheckpointError):
+    """Keys are missing from, or unexpected in, the checkpoint under ``strict=True``."""
+
+    def __init__(self, message: str, missing: list[str] | None = None, unexpected: list[str] | None = None):
+        super().__init__(message)
+        self.missing = list(missing or [])
+        self.unexpected = list(unexpected or [])
+
+
+class ShapeMismatchError(CheckpointError):
+    """A tensor's global shape or dtype differs between checkpoint and target."""
+
+
+class UnsupportedStateError(CheckpointError):
+    """A state object or value that no adapter or codec knows how to handle."""
+
+
+class StorageError(CheckpointError):
+    """A storage backend failed (after its own retries)."""
+
+
+class DistributedError(CheckpointError):
+    """One or more ranks failed during a collective operation.
+
+    Raised identically on every rank. ``causes`` maps each failing rank to a
+    short description of its exception; ``first`` is the most specific
+    shardpoint error class seen, so callers can still branch on it.
+    """
+
+    def __init__(self, message: str, causes: Mapping[int, str], first: type | None = None):
+        super().__init__(message)
+        self.causes = dict(causes)
+        self.first = first

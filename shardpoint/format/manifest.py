@@ -1,0 +1,286 @@
+"""The manifest: the versioned, JSON-encoded description of one checkpoint.
+
+The manifest is the commit record. Data files hold raw bytes; everything
+needed to find and check them is here. ``Manifest.from_json`` treats its input
+as untrusted: every name, size, offset and box is validated before any read is
+planned from it, so a tampered manifest cannot point outside the checkpoint or
+make the loader allocate absurd memory. See ``docs/format.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import FormatError
+from ..geometry import Box
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "DTYPE_SIZES",
+    "ChunkMeta",
+    "TensorMeta",
+    "Manifest",
+    "check_file_name",
+    "MAX_ELEMENTS",
+]
+
+FORMAT_NAME = "shardpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+# Upper bound on any single logical tensor: 2**48 elements (256 TiB of bytes at fp8).
+MAX_ELEMENTS = 1 << 48
+MAX_NDIM = 16
+
+DTYPE_SIZES: Mapping[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9_][A-Za-z0-9._-]{0,127}){0,3}$")
+
+
+def check_file_name(name: str) -> str:
+    """Reject file names that could escape the checkpoint (absolute, ``..``, odd characters)."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or any(p in (".", "..") for p in name.split("/")):
+        raise FormatError(f"unsafe or malformed data file name in manifest: {name!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """One saved chunk of a logical tensor.
+
+    ``box`` is where the chunk lies in the global tensor. ``flat``, when set,
+    says the chunk holds only elements ``[flat[0], flat[1])`` of the box's
+    row-major order (an FSDP1/ZeRO flat-parameter slice). The stored bytes are
+    ``nbytes`` at ``offset`` in ``file``; ``checksums`` has one xxh3_64 digest
+    per ``block_size`` bytes of them. ``rank`` is the writer, for information.
+    """
+
+    box: Box
+    file: str
+    offset: int
+    nbytes: int
+    checksums: tuple[str, ...]
+    flat: tuple[int, int] | None = None
+    rank: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.box.numel if self.flat is None else self.flat[1] - self.flat[0]
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {
+            "offsets": list(self.box.offsets),
+            "sizes": list(self.box.sizes),
+            "file": self.file,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "checksums": list(self.checksums),
+            "rank": self.rank,
+        }
+        if self.flat is not None:
+            d["flat"] = list(self.flat)
+        return d
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A logical tensor: dtype name, global shape, and its saved chunks."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkMeta, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def to_json(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The whole checkpoint description. Frozen: derive variants with ``dataclasses.replace``."""
+
+    save_id: str
+    world_size: int
+    block_size: int
+    tensors: Mapping[str, TensorMeta]
+    values: Mapping[str, Any]
+    files: Mapping[str, int]
+    layout: Mapping[str, Any] = field(default_factory=dict)
+    created: float = 0.0
+    checksum_algorithm: str = "xxh3_64"
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "save_id": self.save_id,
+            "created": self.created,
+            "world_size": self.world_size,
+            "checksum_algorithm": self.checksum_algorithm,
+            "block_size": self.block_size,
+            "files": dict(sorted(self.files.items())),
+            "tensors": {k: v.to_json() for k, v in sorted(self.tensors.items())},
+            "values": dict(self.values),
+            "layout": dict(self.layout),
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+    @staticmethod
+    def from_json(data: bytes, where: str = "<checkpoint>") -> "Manifest":
+        """Parse and validate untrusted manifest bytes; raise ``FormatError`` on anything off."""
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise FormatError(f"{where}: manifest is not valid JSON ({e})") from None
+        try:
+            return _parse(doc, where)
+        except FormatError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise FormatError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not (lo <= v <= hi):
+        raise FormatError(f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _parse(doc: Any, where: str) -> Manifest:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise FormatError(f"{where}: not a shardpoint manifest")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise FormatError(
+            f"{where}: format_version {version!r} is not supported by this shardpoint "
+            f"(reads version {FORMAT_VERSION}); upgrade shardpoint to read it"
+        )
+    algo = doc.get("checksum_algorithm")
+    if algo != "xxh3_64":
+        raise FormatError(f"{where}: unknown checksum algorithm {algo!r}")
+    block = _int(doc["block_size"], f"{where}: block_size", 16, 1 << 40)
+    if block % 16:
+        raise FormatError(f"{where}: block_size {block} is not a multiple of 16")
+    world = _int(doc["world_size"], f"{where}: world_size", 1, 1 << 24)
+    files_doc = doc["files"]
+    if not isinstance(files_doc, dict):
+        raise FormatError(f"{where}: 'files' must be an object")
+    files = {check_file_name(k): _int(v, f"{where}: size of {k}") for k, v in files_doc.items()}
+    tensors: dict[str, TensorMeta] = {}
+    tdoc = doc["tensors"]
+    if not isinstance(tdoc, dict):
+        raise FormatError(f"{where}: 'tensors' must be an object")
+    for fqn, t in tdoc.items():
+        tensors[fqn] = _parse_tensor(fqn, t, files, block, world, where)
+    values = doc.get("values", {})
+    layout = doc.get("layout", {})
+    if not isinstance(values, dict) or not isinstance(layout, dict):
+        raise FormatError(f"{where}: 'values' and 'layout' must be objects")
+    save_id = doc["save_id"]
+    if not isinstance(save_id, str) or not re.fullmatch(r"[0-9a-f]{8,64}", save_id):
+        raise FormatError(f"{where}: malformed save_id {save_id!r}")
+    created = doc.get("created", 0.0)
+    if not isinstance(created, (int, float)):
+        raise FormatError(f"{where}: malformed 'created'")
+    return Manifest(
+        save_id=save_id,
+        world_size=world,
+        block_size=block,
+        tensors=tensors,
+        values=values,
+        files=files,
+        layout=layout,
+        created=float(created),
+        checksum_algorithm=algo,
+        format_version=version,
+    )
+
+
+def _parse_tensor(fqn: str, t: Any, files: Mapping[str, int], block: int, world: int, where: str) -> TensorMeta:
+    what = f"{where}: tensor {fqn!r}"
+    if not isinstance(t, dict):
+        raise FormatError(f"{what}: entry must be an object")
+    dtype = t["dtype"]
+    if dtype not in DTYPE_SIZES:
+        raise FormatError(f"{what}: unknown dtype {dtype!r}")
+    shape_doc = t["shape"]
+    if not isinstance(shape_doc, list) or len(shape_doc) > MAX_NDIM:
+        raise FormatError(f"{what}: shape must be a list of at most {MAX_NDIM} ints")
+    shape = tuple(_int(s, f"{what}: shape") for s in shape_doc)
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise FormatError(f"{what}: shape {shape} exceeds {MAX_ELEMENTS} elements")
+    itemsize = DTYPE_SIZES[dtype]
+    chunks = []
+    for c in t["chunks"]:
+        offs = tuple(_int(o, f"{what}: chunk offset") for o in c["offsets"])
+        sizes = tuple(_int(s, f"{what}: chunk size") for s in c["sizes"])
+        if len(offs) != len(shape) or len(sizes) != len(shape):
+            raise FormatError(f"{what}: chunk rank differs from shape {shape}")
+        box = Box(offs, sizes)
+        if not box.within(shape):
+            raise FormatError(f"{what}: chunk {offs}+{sizes} lies outside shape {shape}")
+        flat = None
+        if "flat" in c:
+            f = c["flat"]
+            if not isinstance(f, list) or len(f) != 2:
+                raise FormatError(f"{what}: malformed flat range {f!r}")
+            a, b = _int(f[0], f"{what}: flat start"), _int(f[1], f"{what}: flat stop")
+            if not a <= b <= box.numel:
+                raise FormatError(f"{what}: flat range [{a}, {b}) outside its box of {box.numel} elements")
+            flat = (a, b)
+        name = check_file_name(c["file"])
+        if name not in files:
+            raise FormatError(f"{what}: chunk refers to unlisted file {name!r}")
+        offset = _int(c["offset"], f"{what}: chunk byte offset")
+        nbytes = _int(c["nbytes"], f"{what}: chunk nbytes")
+        numel = box.numel if flat is None else flat[1] - flat[0]
+        if nbytes != numel * itemsize:
+            raise FormatError(f"{what}: chunk nbytes {nbytes} != {numel} elements x {itemsize} bytes")
+        if offset + nbytes > files[name]:
+            raise FormatError(f"{what}: chunk bytes [{offset}, {offset + nbytes}) run past the end of {name}")
+        sums = c["checksums"]
+        nblocks = max(1, -(-nbytes // block))
+        if not isinstance(sums, list) or len(sums) != nblocks:
+            raise FormatError(f"{what}: expected {nblocks} block checksums, got {len(sums) if isinstance(sums, list) else sums!r}")
+        for s in sums:
+            if not isinstance(s, str) or not re.fullmatch(r"[0-9a-f]{16}", s):
+                raise FormatError(f"{what}: malformed checksum {s!r}")
+        rank = _int(c.get("rank", 0), f"{what}: writer rank", 0, world - 1)
+        chunks.append(ChunkMeta(box, name, offset, nbytes, tuple(sums), flat, rank))
+    return TensorMeta(dtype, shape, tuple(chunks))

@@ -1,0 +1,137 @@
+"""The storage interface: a few primitives every backend implements.
+
+A :class:`Storage` is bound to one location (a checkpoint folder, or a run
+folder that holds many). Names inside it are relative, ``/``-separated paths.
+Backends implement the primitives; everything else (``read``, ``exists``,
+``child``) is derived here so each backend stays small.
+
+The commit rule is the same everywhere: data files are written and made
+durable first; ``put_atomic`` of the manifest is the commit. On a filesystem it
+is write-temp, fsync, rename, fsync-directory; on an object store it is the
+single PUT of the manifest object.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass, field
+
+from ..errors import StorageError
+
+__all__ = ["Storage", "Writer", "IOStats"]
+
+
+@dataclass
+class IOStats:
+    """Bytes and calls through one storage instance (thread-safe counters)."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    writes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add_read(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+            self.reads += 1
+
+    def add_write(self, n: int) -> None:
+        with self._lock:
+            self.bytes_written += n
+            self.writes += 1
+
+
+class Writer(abc.ABC):
+    """A sequential writer of one data file. ``close()`` makes it durable."""
+
+    @abc.abstractmethod
+    def write(self, data: memoryview | bytes) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flush and make durable (fsync or upload complete)."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Discard what was written; never raises."""
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, et, ev, tb) -> None:
+        if et is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class Storage(abc.ABC):
+    """A checkpoint location. Subclasses implement the abstract primitives."""
+
+    url: str
+
+    def __init__(self) -> None:
+        self.stats = IOStats()
+
+    # --- primitives -------------------------------------------------------
+    @abc.abstractmethod
+    def open_writer(self, name: str) -> Writer:
+        """A writer that creates or replaces ``name``."""
+
+    @abc.abstractmethod
+    def readinto(self, name: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with ``len(buf)`` bytes of ``name`` from ``offset``; short reads raise."""
+
+    @abc.abstractmethod
+    def put_atomic(self, name: str, data: bytes) -> None:
+        """Write a small object so that readers see all of it or none of it."""
+
+    @abc.abstractmethod
+    def get(self, name: str) -> bytes:
+        """The whole content of a (small) object; ``FileNotFoundError`` if absent."""
+
+    @abc.abstractmethod
+    def size(self, name: str) -> int:
+        """Byte size of ``name``; ``FileNotFoundError`` if absent."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """All names under ``prefix`` (recursive), sorted."""
+
+    @abc.abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove ``name``; absent names are ignored."""
+
+    @abc.abstractmethod
+    def location_exists(self) -> bool:
+        """Whether the location itself exists (a folder, or any object under the prefix)."""
+
+    @abc.abstractmethod
+    def child(self, sub: str) -> "Storage":
+        """A storage bound to the sub-location ``sub``."""
+
+    # --- derived ----------------------------------------------------------
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of ``name`` from ``offset``."""
+        buf = bytearray(length)
+        self.readinto(name, offset, memoryview(buf))
+        return bytes(buf)
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.size(name)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def delete_many(self, names: list[str]) -> None:
+        for n in names:
+            self.delete(n)
+
+    def _short(self, name: str, offset: int, want: int, got: int) -> StorageError:
+        return StorageError(f"{self.url}: short read of {name} at {offset}: wanted {want} bytes, got {got}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
