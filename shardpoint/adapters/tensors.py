@@ -28,6 +28,36 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def _replication_outside(mesh) -> tuple[int, int, int]:
+    """(index, count, root size) of copies made by root-mesh dims this mesh does not span.
+
+    A DTensor on a sub-mesh (say the ``dp`` slice of a ``(dp, tp)`` mesh) is
+    held identically by every sibling slice: those ranks are replicas too.
+    """
+    import torch.distributed as dist
+
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    if root is mesh:
+        return 0, 1, mesh.size()
+    me = dist.get_rank()
+    grid = root.mesh
+    where = (grid == me).nonzero()
+    if where.numel() == 0:
+        return 0, 1, mesh.size()
+    coord = [int(c) for c in where[0]]
+    mine = set(int(r) for r in mesh.mesh.flatten().tolist())
+    index, count = 0, 1
+    for d, size in enumerate(grid.shape):
+        if size == 1:
+            continue
+        probe = list(coord)
+        probe[d] = (coord[d] + 1) % size
+        if int(grid[tuple(probe)]) not in mine:  # dim d is not spanned: a sibling holds a copy
+            index = index * size + coord[d]
+            count *= size
+    return index, count, root.size()
+
+
 def _dtensor_geometry(dt) -> tuple[Box, int, int, int] | None:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -41,12 +71,12 @@ def _dtensor_geometry(dt) -> tuple[Box, int, int, int] | None:
                 f"DTensor with a Partial placement {dt.placements} cannot be saved; reduce it first"
             )
     shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
-    index, count = 0, 1
+    index, count, root_size = _replication_outside(mesh)
     for d, p in enumerate(dt.placements):
         if p.is_replicate():
             index = index * mesh.size(d) + coord[d]
             count *= mesh.size(d)
-    return Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape)), index, count, mesh.size()
+    return Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape)), index, count, root_size
 
 
 def save_tensor(fqn: str, t: torch.Tensor, ctx: AdapterContext) -> SaveTensor | None:

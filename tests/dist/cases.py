@@ -1,0 +1,108 @@
+"""Rank functions for the multi-process tests (run by shardpoint.testing.launch)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+import shardpoint as sp
+from shardpoint.testing import GPTConfig, build, full_state, train_step
+
+CFG = GPTConfig(vocab=96, dim=32, heads=4, layers=2, seq=16)
+TRAIN_STEPS = 3
+
+
+def save_job(rank: int, world: int, root: str, layouts: list[str]) -> dict:
+    """Train each layout a few steps, save it, and record the full reference and next losses."""
+    out = {}
+    for layout in layouts:
+        name = f"{layout}{world}"
+        model, opt = build(layout, CFG, seed=0)
+        for s in range(TRAIN_STEPS):
+            train_step(model, opt, s, CFG)
+        res = sp.save(os.path.join(root, name), {"model": model, "optimizer": opt, "extra": {"step": TRAIN_STEPS, "layout": layout}})
+        ref = full_state(model, opt)
+        losses = [train_step(model, opt, TRAIN_STEPS + i, CFG) for i in range(2)]
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(root, f"{name}.ref.safetensors"))
+            with open(os.path.join(root, f"{name}.losses.json"), "w") as f:
+                json.dump(losses, f)
+        out[name] = res.bytes_written
+    return out
+
+
+def load_job(rank: int, world: int, root: str, cases: list[list[str]]) -> dict:
+    """Load each saved checkpoint into a new layout; compare bit-exactly, then train on."""
+    out = {}
+    for src, layout in cases:
+        model, opt = build(layout, CFG, seed=1234)  # different init: the load must overwrite all
+        state = {"model": model, "optimizer": opt, "extra": {}}
+        report = sp.LoadResult()
+        sp.load(os.path.join(root, src), state, report=report)
+        assert state["extra"] == {"step": TRAIN_STEPS, "layout": src[:-1]}, state["extra"]
+        got = full_state(model, opt)
+        ref = load_file(os.path.join(root, f"{src}.ref.safetensors"))
+        assert sorted(got) == sorted(ref), (sorted(set(got) ^ set(ref)))
+        bad = [k for k in ref if not torch.equal(got[k], ref[k])]
+        assert not bad, f"{src} -> {layout}{world}: not bit-exact: {bad[:5]}"
+        with open(os.path.join(root, f"{src}.losses.json")) as f:
+            want = json.load(f)
+        losses = [train_step(model, opt, TRAIN_STEPS + i, CFG) for i in range(2)]
+        for a, b in zip(losses, want):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"{src} -> {layout}{world}: losses {losses} vs {want}"
+        out[f"{src}->{layout}{world}"] = {"losses": losses, "bytes_read": report.bytes_read, "bytes_needed": report.bytes_needed}
+    return out
+
+
+def error_job(rank: int, world: int, root: str) -> dict:
+    """Failures on one rank must raise the same typed error on every rank, with no hang."""
+    out = {}
+    model, opt = build("fsdp2", CFG, seed=0)
+    path = os.path.join(root, "err")
+    sp.save(path, {"model": model, "optimizer": opt})
+    # 1. A key mismatch on rank 1 only.
+    state = {"model": model, "optimizer": opt}
+    if rank == 1:
+        state["extra"] = {"x": 1}
+    try:
+        sp.load(path, state)
+        out["mismatch"] = "no error"
+    except sp.KeyMismatchError as e:
+        out["mismatch"] = f"{type(e).__name__}: {e}"
+    # 2. A corrupt chunk that only rank 1 reads (its own FSDP2 shard of one weight).
+    dist.barrier()
+    m = sp.read_manifest(path)
+    chunk = next(c for c in m.tensors["model.layers.0.mlp.w1.weight"].chunks if c.box.offsets[0] > 0)
+    if rank == 0:
+        fp = os.path.join(path, chunk.file)
+        with open(fp, "r+b") as f:
+            f.seek(chunk.offset + 5)
+            b = f.read(1)
+            f.seek(chunk.offset + 5)
+            f.write(bytes([b[0] ^ 0x40]))
+    dist.barrier()
+    try:
+        sp.load(path, {"model": model, "optimizer": opt})
+        out["corrupt"] = "no error"
+    except sp.CorruptCheckpointError as e:
+        out["corrupt"] = f"{type(e).__name__}: {e}"
+    # 3. A save that fails on one rank leaves no checkpoint and raises everywhere.
+    bad = {"model": model, "optimizer": opt}
+    if rank == 1:
+        bad["extra"] = {"obj": object()}
+    try:
+        sp.save(os.path.join(root, "failed"), bad)
+        out["save"] = "no error"
+    except sp.UnsupportedStateError as e:
+        out["save"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    try:
+        sp.load(os.path.join(root, "failed"), {"model": model})
+        out["after"] = "loaded"
+    except (sp.IncompleteCheckpointError, sp.CheckpointNotFoundError) as e:
+        out["after"] = type(e).__name__
+    return out
