@@ -22,7 +22,7 @@ from ..geometry import row_major_strides, runs_within
 from ..planning.load_plan import ReadOp, SourceIndex, coverage_gaps, plan_reads
 from ..storage.base import Storage
 
-__all__ = ["ALIGN", "DEFAULT_BLOCK_SIZE", "tensor_bytes", "write_chunks", "read_targets", "LoadStats"]
+__all__ = ["ALIGN", "DEFAULT_BLOCK_SIZE", "tensor_bytes", "write_chunks", "read_targets", "verify_chunk", "LoadStats"]
 
 ALIGN = 64
 DEFAULT_BLOCK_SIZE = 4 << 20
@@ -189,3 +189,14 @@ def _read_chunk(storage, chunk: ChunkMeta, ops, tgt, itemsize, dt, block, verify
         src = typed.as_strided(op.region.sizes, strides, op.src.start + r.base - base_e)
         dv = _dst_view(tgt, op)
         dv.copy_(src)
+
+
+def verify_chunk(storage: Storage, manifest: Manifest, fqn: str, chunk: ChunkMeta) -> None:
+    """Read one whole chunk and check every block checksum (used by ``shardpoint verify``)."""
+    block = manifest.block_size
+    buf = bytearray(min(block, max(chunk.nbytes, 0)) or 0)
+    for first in range(0, max(chunk.nbytes, 1), block):
+        n = min(block, chunk.nbytes - first)
+        mv = memoryview(buf)[:n]
+        _readinto(storage, chunk, first, mv, fqn, storage.url)
+        _verify(mv, chunk, first // block, block, fqn, storage.url)
