@@ -198,7 +198,9 @@ class Runs:
         return self.base, last + self.length
 
     def starts(self) -> Iterator[int]:
-        """Element offsets of every run, in order."""
+        """Element offsets of every run, in order (none when a count is zero)."""
+        if any(c == 0 for c in self.counts):
+            return
         if not self.counts:
             yield self.base
             return
