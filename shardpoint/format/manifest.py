@@ -57,10 +57,11 @@ DTYPE_SIZES: Mapping[str, int] = {
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9_][A-Za-z0-9._-]{0,127}){0,3}$")
 
 
-def check_file_name(name: str) -> str:
+def check_file_name(name: str, where: str = "") -> str:
     """Reject file names that could escape the checkpoint (absolute, ``..``, odd characters)."""
     if not isinstance(name, str) or not _NAME_RE.match(name) or any(p in (".", "..") for p in name.split("/")):
-        raise FormatError(f"unsafe or malformed data file name in manifest: {name!r}")
+        prefix = f"{where}: " if where else ""
+        raise FormatError(f"{prefix}unsafe or malformed data file name in manifest: {name!r}")
     return name
 
 
@@ -201,7 +202,7 @@ def _parse(doc: Any, where: str) -> Manifest:
     files_doc = doc["files"]
     if not isinstance(files_doc, dict):
         raise FormatError(f"{where}: 'files' must be an object")
-    files = {check_file_name(k): _int(v, f"{where}: size of {k}") for k, v in files_doc.items()}
+    files = {check_file_name(k, where): _int(v, f"{where}: size of {k}") for k, v in files_doc.items()}
     tensors: dict[str, TensorMeta] = {}
     tdoc = doc["tensors"]
     if not isinstance(tdoc, dict):
@@ -264,7 +265,7 @@ def _parse_tensor(fqn: str, t: Any, files: Mapping[str, int], block: int, world:
             if not a <= b <= box.numel:
                 raise FormatError(f"{what}: flat range [{a}, {b}) outside its box of {box.numel} elements")
             flat = (a, b)
-        name = check_file_name(c["file"])
+        name = check_file_name(c["file"], what)
         if name not in files:
             raise FormatError(f"{what}: chunk refers to unlisted file {name!r}")
         offset = _int(c["offset"], f"{what}: chunk byte offset")
