@@ -23,6 +23,7 @@ tag, so user data can never be mistaken for a tag.
 from __future__ import annotations
 
 import base64
+import binascii
 import math
 import pickle
 from typing import Any, Callable
@@ -119,15 +120,15 @@ def decode_value(
     if tag is None:
         return {k: decode_value(v, get_tensor, allow_pickle, where, d) for k, v in doc.items()}
     if tag == "float":
-        v = doc["v"]
+        v = _field(doc, "v", str, tag, where)
         if v not in ("nan", "inf", "-inf"):
             raise FormatError(f"{where}: bad float tag {v!r}")
         return float(v)
     if tag == "tuple":
-        return tuple(decode_value(v, get_tensor, allow_pickle, where, d) for v in doc["v"])
+        return tuple(decode_value(v, get_tensor, allow_pickle, where, d) for v in _field(doc, "v", list, tag, where))
     if tag == "dict":
         out = {}
-        for pair in doc["items"]:
+        for pair in _field(doc, "items", list, tag, where):
             if not isinstance(pair, list) or len(pair) != 2:
                 raise FormatError(f"{where}: malformed dict item")
             k = decode_value(pair[0], get_tensor, allow_pickle, where, d)
@@ -137,21 +138,33 @@ def decode_value(
                 raise FormatError(f"{where}: unhashable dict key") from None
         return out
     if tag == "bytes":
-        return base64.b64decode(doc["b64"], validate=True)
+        return _b64(_field(doc, "b64", str, tag, where), where)
     if tag == "tensor":
-        key = doc["key"]
-        if not isinstance(key, str):
-            raise FormatError(f"{where}: malformed tensor reference")
-        return get_tensor(key)
+        return get_tensor(_field(doc, "key", str, tag, where))
     if tag == "dtype":
-        dt = getattr(torch, str(doc["v"]), None)
+        name = _field(doc, "v", str, tag, where)
+        dt = getattr(torch, name, None)
         if not isinstance(dt, torch.dtype):
-            raise FormatError(f"{where}: unknown dtype {doc['v']!r}")
+            raise FormatError(f"{where}: unknown dtype {name!r}")
         return dt
     if tag == "pickle":
         if not allow_pickle:
             raise FormatError(
                 f"{where}: holds a pickled value; pass allow_pickle=True only if you trust this checkpoint"
             )
-        return pickle.loads(base64.b64decode(doc["b64"]))
+        return pickle.loads(_b64(_field(doc, "b64", str, tag, where), where))
     raise FormatError(f"{where}: unknown value tag {tag!r}")
+
+
+def _field(doc: dict, name: str, typ: type, tag: str, where: str) -> Any:
+    v = doc.get(name)
+    if not isinstance(v, typ):
+        raise FormatError(f"{where}: malformed {tag!r} value: field {name!r} must be a {typ.__name__}, got {v!r}")
+    return v
+
+
+def _b64(text: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise FormatError(f"{where}: malformed base64 data in a value") from None
