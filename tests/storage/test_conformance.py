@@ -63,11 +63,15 @@ class StorageConformance:
         assert tail.tolist() == [1.5, -2.0]
 
     def test_short_read_raises(self, storage):
+        # ShortReadError (a StorageError) is what the loader turns into CorruptCheckpointError
+        from shardpoint.storage.base import ShortReadError
+
         write_file(storage, "s.bin", b"0123456789")
-        with pytest.raises(StorageError, match=r"short read of s\.bin at 4: wanted 10 bytes, got 6"):
+        with pytest.raises(ShortReadError, match=r"short read of s\.bin at 4: wanted 10 bytes, got 6"):
             storage.readinto("s.bin", 4, memoryview(bytearray(10)))
-        with pytest.raises(StorageError, match="short read"):
+        with pytest.raises(ShortReadError, match="short read"):
             storage.read("s.bin", 11, 1)
+        assert issubclass(ShortReadError, StorageError)
 
     def test_read_absent_is_file_not_found(self, storage):
         with pytest.raises(FileNotFoundError):
