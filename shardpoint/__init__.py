@@ -13,6 +13,7 @@ Example::
 """
 
 from .api import LoadResult, SaveResult, load, read_manifest, save
+from .async_save import AsyncSaveHandle, AsyncSaver, async_save
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -32,6 +33,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "save",
+    "async_save",
+    "AsyncSaver",
+    "AsyncSaveHandle",
     "load",
     "read_manifest",
     "SaveResult",

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, MutableMapping
 
+import torch
 from torch import nn
 
 from .adapters import AdapterContext, SaveTensor, adapter_for, default_adapters, unwrap_module
@@ -108,8 +109,7 @@ def save(
         sp.save("ckpt/step_100", {"model": model, "optimizer": opt, "extra": {"step": 100}})
     """
     _check_state(state)
-    if block_size < 16 or block_size % 16:
-        raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
+    _check_block(block_size)
     comm = Comm.resolve(process_group)
     storage = storage_for(path)
     where = storage.url
@@ -118,40 +118,80 @@ def save(
     result = SaveResult(where, save_id)
 
     def local() -> dict:
-        ta = time.monotonic()
-        ctx = _context(state, comm, allow_pickle)
-        adapters = default_adapters()
-        tensors: list[SaveTensor] = []
-        values, layout = {}, {}
-        for key, obj in state.items():
-            part = adapter_for(obj, adapters).save(key, obj, ctx)
-            tensors.extend(part.tensors)
-            values[key] = part.value
-            layout[key] = part.framework
-        seen = set()
-        for t in tensors:
-            if t.fqn in seen:
-                raise UnsupportedStateError(f"{where}: tensor name {t.fqn!r} appears twice in the state")
-            seen.add(t.fqn)
-        writers = assign_writers(
-            ReplicaItem(t.fqn, t.replica_count, t.cost) for t in tensors if t.replica_count > 1
-        )
-        mine = [t for t in tensors if t.replica_count <= 1 or writers[t.fqn] == t.replica_index]
-        result.timings["plan"] = time.monotonic() - ta
+        prep = _prepare(state, comm, allow_pickle, where, result)
         tb = time.monotonic()
         records, files = [], {}
-        if mine:
-            name = f"data/{save_id}-r{comm.rank:05d}.bin"
-            records, size = write_chunks(storage, name, mine, comm.rank, block_size)
+        if prep.mine:
+            name = _data_file(save_id, comm.rank)
+            records, size = write_chunks(storage, name, prep.mine, comm.rank, block_size)
             files[name] = size
             result.bytes_written = size
         result.timings["write"] = time.monotonic() - tb
-        meta = {t.fqn: (str(t.data.dtype).removeprefix("torch."), t.shape, t.layout) for t in tensors}
-        return {"records": records, "files": files, "values": values, "layout": layout, "meta": meta}
+        return prep.summary(records, files)
 
     out = run_guarded(local)
     if comm.world == 1 and not out.ok:
         raise out.exc
+    _finish_save(comm, storage, save_id, block_size, out, result, where)
+    result.timings["total"] = time.monotonic() - t0
+    log.info("rank %s saved %s bytes to %s in %.3fs", comm.rank, result.bytes_written, where, result.timings["total"])
+    return result
+
+
+def _check_block(block_size: int) -> None:
+    if block_size < 16 or block_size % 16:
+        raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
+
+
+def _data_file(save_id: str, rank: int) -> str:
+    return f"data/{save_id}-r{rank:05d}.bin"
+
+
+@dataclass
+class _Prepared:
+    """The local half of a save: what this rank writes, plus its metadata."""
+
+    tensors: list[SaveTensor]
+    mine: list[SaveTensor]
+    values: dict
+    layout: dict
+    lazy_ok: set
+
+    def summary(self, records, files) -> dict:
+        meta = {t.fqn: (str(t.data.dtype).removeprefix("torch."), t.shape, t.layout) for t in self.tensors}
+        return {"records": records, "files": files, "values": self.values, "layout": self.layout, "meta": meta}
+
+
+def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult) -> _Prepared:
+    ta = time.monotonic()
+    ctx = _context(state, comm, allow_pickle)
+    adapters = default_adapters()
+    tensors: list[SaveTensor] = []
+    values, layout = {}, {}
+    lazy_ok: set[str] = set(ctx.param_names.values())
+    for key, obj in state.items():
+        part = adapter_for(obj, adapters).save(key, obj, ctx)
+        tensors.extend(part.tensors)
+        values[key] = part.value
+        layout[key] = part.framework
+        if isinstance(obj, torch.optim.Optimizer):
+            # Optimizer state changes only inside step(): safe to copy lazily.
+            lazy_ok.update(t.fqn for t in part.tensors if ".state." in t.fqn)
+    seen = set()
+    for t in tensors:
+        if t.fqn in seen:
+            raise UnsupportedStateError(f"{where}: tensor name {t.fqn!r} appears twice in the state")
+        seen.add(t.fqn)
+    writers = assign_writers(
+        ReplicaItem(t.fqn, t.replica_count, t.cost) for t in tensors if t.replica_count > 1
+    )
+    mine = [t for t in tensors if t.replica_count <= 1 or writers[t.fqn] == t.replica_index]
+    result.timings["plan"] = time.monotonic() - ta
+    return _Prepared(tensors, mine, values, layout, lazy_ok)
+
+
+def _finish_save(comm: Comm, storage: Storage, save_id: str, block_size: int, out: Outcome, result: SaveResult, where: str) -> None:
+    """Gather every rank's records, commit on rank 0, and raise the same error everywhere."""
     gathered = comm.gather(Outcome(out.ok, out.value, out.error_type, out.message))
     final: list[Outcome] | None = None
     if comm.rank == 0:
@@ -167,9 +207,6 @@ def save(
         result.timings["commit"] = time.monotonic() - tc
     final = comm.broadcast(final)
     raise_if_failed(final, f"save to {where}")
-    result.timings["total"] = time.monotonic() - t0
-    log.info("rank %s saved %s bytes to %s in %.3fs", comm.rank, result.bytes_written, where, result.timings["total"])
-    return result
 
 
 def _commit(storage: Storage, save_id: str, world: int, block: int, gathered: list[Outcome], where: str) -> None:

@@ -239,6 +239,11 @@ def _rank_entry(rank: int, world: int, port: int, target: str, args: dict, outdi
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    hang = float(os.environ.get("SHARDPOINT_HANG_DUMP_S", "0"))
+    if hang > 0:  # print every thread's stack if this rank is still running then
+        import faulthandler
+
+        faulthandler.dump_traceback_later(hang, exit=True)
     result: dict[str, Any]
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -278,6 +283,7 @@ def launch(world: int, target: str, args: dict | None = None, timeout: float = 3
             json.dump(args or {}, f)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("SHARDPOINT_HANG_DUMP_S", str(max(1.0, timeout - 15)))
         cwd = os.getcwd()
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, env.get("PYTHONPATH", "")]))
         try:
@@ -286,7 +292,8 @@ def launch(world: int, target: str, args: dict | None = None, timeout: float = 3
                 env=env, capture_output=True, text=True, timeout=timeout,
             )
         except subprocess.TimeoutExpired as e:
-            raise LaunchError(f"{target} on {world} ranks timed out after {timeout}s\n{e.stdout}\n{e.stderr}") from None
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            raise LaunchError(f"{target} on {world} ranks timed out after {timeout}s\n{err[-6000:]}") from None
         results, failures = [], []
         for r in range(world):
             p = os.path.join(d, f"rank{r}.json")

@@ -16,11 +16,11 @@ import torch
 import xxhash
 
 from ..adapters.base import LoadTarget, SaveTensor, dtype_name, torch_dtype
-from ..errors import CorruptCheckpointError, FormatError, ShapeMismatchError
+from ..errors import CorruptCheckpointError, FormatError, ShapeMismatchError, StorageError
 from ..format.manifest import ChunkMeta, Manifest
 from ..geometry import row_major_strides, runs_within
 from ..planning.load_plan import ReadOp, SourceIndex, coverage_gaps, plan_reads
-from ..storage.base import Storage
+from ..storage.base import ShortReadError, Storage
 
 __all__ = ["ALIGN", "DEFAULT_BLOCK_SIZE", "tensor_bytes", "write_chunks", "read_targets", "verify_chunk", "LoadStats"]
 
@@ -50,6 +50,13 @@ def write_chunks(
     storage: Storage, file: str, items: Sequence[SaveTensor], rank: int, block: int
 ) -> tuple[list[tuple[str, ChunkMeta]], int]:
     """Write ``items`` into one data file; return their chunk records and the file size."""
+    try:
+        return _write_chunks(storage, file, items, rank, block)
+    except OSError as e:
+        raise StorageError(f"{storage.url}: writing {file} failed: {e}") from e
+
+
+def _write_chunks(storage, file, items, rank, block):
     records: list[tuple[str, ChunkMeta]] = []
     pos = 0
     pad = bytes(ALIGN)
@@ -107,6 +114,11 @@ def _readinto(storage: Storage, chunk: ChunkMeta, lo: int, buf: memoryview, fqn:
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{where}: data file {chunk.file} of tensor {fqn!r} is missing; the checkpoint is damaged"
+        ) from None
+    except ShortReadError as e:
+        raise CorruptCheckpointError(
+            f"{where}: data file {chunk.file} of tensor {fqn!r} is shorter than the manifest says "
+            f"(truncated?): {e}"
         ) from None
 
 

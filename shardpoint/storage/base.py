@@ -19,7 +19,11 @@ from dataclasses import dataclass, field
 
 from ..errors import StorageError
 
-__all__ = ["Storage", "Writer", "IOStats"]
+__all__ = ["Storage", "Writer", "IOStats", "ShortReadError"]
+
+
+class ShortReadError(StorageError):
+    """An object ended before the requested byte range (truncated data)."""
 
 
 @dataclass
@@ -131,7 +135,7 @@ class Storage(abc.ABC):
             self.delete(n)
 
     def _short(self, name: str, offset: int, want: int, got: int) -> StorageError:
-        return StorageError(f"{self.url}: short read of {name} at {offset}: wanted {want} bytes, got {got}")
+        return ShortReadError(f"{self.url}: short read of {name} at {offset}: wanted {want} bytes, got {got}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

@@ -1,0 +1,274 @@
+"""Asynchronous saving: a short snapshot, then background write and commit.
+
+Two phases. The *snapshot* copies this rank's tensors into a bounded host
+staging ring; the *background* phase checksums, writes, fsyncs and commits.
+
+Modes:
+
+- ``"eager"``: ``async_save`` returns once every tensor is staged (or, when the
+  state is larger than the staging budget, once the tail of it is staged while
+  the head is already on storage).
+- ``"lazy"`` (DataStates-style): parameters and optimizer state are copied in
+  the background while forward and backward run, because they only change
+  inside ``optimizer.step()``. A step pre-hook on every optimizer in the state
+  blocks the step until the copy is done; custom loops call
+  :meth:`AsyncSaveHandle.fence` before mutating. Buffers and other tensors are
+  still copied before ``async_save`` returns.
+
+Coordination (the save id, the gather of chunk records, the commit) runs on a
+dedicated gloo process group owned by the :class:`AsyncSaver`, so background
+collectives never interleave with the training loop's own collectives.
+
+Example::
+
+    saver = sp.AsyncSaver(staging_bytes=1 << 30)
+    h = saver.save("ckpt/step_200", state, mode="lazy")
+    ...  # forward, backward; the step pre-hook waits for the copy if needed
+    h.wait()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import Any, MutableMapping
+
+import torch
+import torch.distributed as dist
+
+from .api import SaveResult, _check_block, _check_state, _data_file, _finish_save, _prepare
+from .dist import Comm, Outcome, run_guarded
+from .engine.io import DEFAULT_BLOCK_SIZE
+from .engine.pipeline import StagedWrite
+from .engine.staging import StagingRing
+from .errors import CheckpointError, DistributedError
+from .storage import storage_for
+
+__all__ = ["AsyncSaver", "AsyncSaveHandle", "async_save", "default_saver"]
+
+log = logging.getLogger("shardpoint")
+
+DEFAULT_STAGING_BYTES = 2 << 30
+
+
+class AsyncSaveHandle:
+    """One in-flight asynchronous save.
+
+    ``wait()`` returns the :class:`SaveResult` once the checkpoint is durable
+    and committed, or raises the background error (the same typed error on
+    every rank). ``done()`` never blocks. ``fence()`` waits only for the
+    snapshot copy, after which the state may be mutated.
+    """
+
+    def __init__(self, path: str, result: SaveResult):
+        self.path = path
+        self.result = result
+        self._copied = threading.Event()
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._copy_error: BaseException | None = None
+        self._threads: list[threading.Thread] = []
+        self._hooks: list[Any] = []
+        self._reported = False
+
+    def done(self) -> bool:
+        """True once the save has committed or failed (non-blocking)."""
+        return self._finished.is_set()
+
+    def fence(self, timeout: float | None = None) -> None:
+        """Block until the snapshot copy is complete; the state may then change."""
+        if not self._copied.wait(timeout):
+            raise TimeoutError(f"snapshot of {self.path} not finished within {timeout}s")
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until durable and committed; raise the background failure if any."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            t.join(left)
+            if t.is_alive():
+                raise TimeoutError(f"save to {self.path} still running after {timeout}s")
+        self._remove_hooks()
+        if not self._finished.is_set():
+            # Every worker exited but none reported: a worker died without a trace.
+            raise DistributedError(f"background save to {self.path} ended without a result", {})
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        return self.result
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+class AsyncSaver:
+    """Owns what asynchronous saves reuse: the staging ring and a coordination group.
+
+    Only one save is in flight per saver: :meth:`save` first waits for the
+    previous one (and raises its error, if it failed).
+    """
+
+    def __init__(
+        self,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        piece_bytes: int = 64 << 20,
+        process_group: Any = None,
+    ):
+        self.staging_bytes = int(staging_bytes)
+        self.piece_bytes = max(1, min(int(piece_bytes), self.staging_bytes // 2 or 1))
+        self._pg_arg = process_group
+        self._comm: Comm | None = None
+        self._ring: StagingRing | None = None
+        self._inflight: AsyncSaveHandle | None = None
+
+    def _coordination(self) -> Comm:
+        if self._comm is None:
+            base = Comm.resolve(self._pg_arg)
+            if base.active and base.world > 1:
+                ranks = None if base.group is None else dist.get_process_group_ranks(base.group)
+                # A private gloo group: background collectives cannot interleave with training ones.
+                self._comm = Comm(dist.new_group(ranks=ranks, backend="gloo"), True)
+            else:
+                self._comm = base
+        return self._comm
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the in-flight save, if any, and return its result."""
+        h, self._inflight = self._inflight, None
+        if h is None or (h._reported and h.done()):
+            return None  # its failure was already raised to the caller once
+        return h.wait()
+
+    def save(
+        self,
+        path,
+        state: MutableMapping[str, Any],
+        *,
+        mode: str = "eager",
+        allow_pickle: bool = False,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> AsyncSaveHandle:
+        """Start saving ``state`` to ``path``; see the module docs for ``mode``."""
+        if mode not in ("eager", "lazy"):
+            raise ValueError(f"mode must be 'eager' or 'lazy', got {mode!r}")
+        _check_state(state)
+        _check_block(block_size)
+        self.wait()
+        comm = self._coordination()
+        storage = storage_for(path)
+        where = storage.url
+        t0 = time.monotonic()
+        save_id = comm.broadcast(uuid.uuid4().hex if comm.rank == 0 else None)
+        result = SaveResult(where, save_id)
+        handle = AsyncSaveHandle(where, result)
+        prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result))
+        if comm.world == 1 and not prep_out.ok:
+            raise prep_out.exc
+        if self._ring is None:
+            self._ring = StagingRing(self.staging_bytes)
+        ring = self._ring
+        ring.reopen()
+        staged = None
+        split = 0
+        if prep_out.ok:
+            prep = prep_out.value
+            lazy = set(prep.lazy_ok) if mode == "lazy" else set()
+            items = [t for t in prep.mine if t.fqn not in lazy] + [t for t in prep.mine if t.fqn in lazy]
+            split = sum(1 for t in items if t.fqn not in lazy)
+            if items:
+                staged = StagedWrite(storage, _data_file(save_id, comm.rank), items, ring, comm.rank, block_size, self.piece_bytes)
+
+        def finish() -> None:
+            tb = time.monotonic()
+            out = prep_out
+            if prep_out.ok:
+                def write():
+                    files = {}
+                    if staged is not None:
+                        staged.write()
+                        files[staged.file] = staged.size
+                        result.bytes_written = staged.size
+                    result.timings["write"] = time.monotonic() - tb
+                    return prep_out.value.summary(staged.records if staged else [], files)
+
+                out = run_guarded(write)
+            try:
+                _finish_save(comm, storage, save_id, block_size, out, result, where)
+                result.timings["total"] = time.monotonic() - t0
+            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+                handle._error = e
+            finally:
+                handle._copied.set()
+                handle._finished.set()
+
+        writer = threading.Thread(target=finish, name="shardpoint-save-writer", daemon=True)
+        handle._threads.append(writer)
+        writer.start()
+        ts = time.monotonic()
+        if staged is not None:
+            try:
+                staged.copy(0, split, last=(split == len(staged.items)))
+            except BaseException as e:  # noqa: BLE001 - the writer reports it via wait()
+                log.debug("snapshot copy failed: %s", e)
+                handle._copied.set()
+        result.timings["snapshot"] = time.monotonic() - ts
+        if staged is not None and split < len(staged.items):
+            def lazy_copy():
+                try:
+                    staged.copy(split, len(staged.items), last=True)
+                except BaseException as e:  # noqa: BLE001
+                    log.debug("lazy snapshot copy failed: %s", e)
+                finally:
+                    result.timings["lazy_copy"] = time.monotonic() - ts
+                    handle._copied.set()
+
+            copier = threading.Thread(target=lazy_copy, name="shardpoint-save-copier", daemon=True)
+            handle._threads.insert(0, copier)
+            for obj in state.values():
+                if isinstance(obj, torch.optim.Optimizer):
+                    handle._hooks.append(obj.register_step_pre_hook(lambda *_a, **_k: handle.fence()))
+            copier.start()
+        else:
+            handle._copied.set()
+        result.timings["blocked"] = time.monotonic() - t0
+        self._inflight = handle
+        if not prep_out.ok:
+            # This rank cannot save; its writer thread still joins the commit so no rank hangs.
+            err = prep_out.exc
+            if isinstance(err, CheckpointError):
+                raise err
+        return handle
+
+
+_default: AsyncSaver | None = None
+_default_lock = threading.Lock()
+
+
+def default_saver() -> AsyncSaver:
+    """The process's default :class:`AsyncSaver`, created on first use.
+
+    This is the one piece of process-wide state in shardpoint: ``async_save``
+    must reuse staging memory and know the previous in-flight save across
+    calls. Create your own ``AsyncSaver`` for explicit control.
+    """
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = AsyncSaver()
+        return _default
+
+
+def async_save(path, state: MutableMapping[str, Any], *, mode: str = "eager", **kwargs) -> AsyncSaveHandle:
+    """Save asynchronously with the default saver; returns once the snapshot is safe.
+
+    Example::
+
+        h = sp.async_save("ckpt/step_200", state)
+        ...  # keep training
+        h.wait()
+    """
+    return default_saver().save(path, state, mode=mode, **kwargs)
