@@ -29,7 +29,9 @@ from .errors import (
     ShapeMismatchError,
     UnsupportedStateError,
 )
-from .format.manifest import MANIFEST_NAME, ChunkMeta, Manifest, TensorMeta
+from .adapters.base import dtype_name
+from .errors import StorageError
+from .format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, ChunkMeta, Manifest, TensorMeta
 from .planning.save_plan import ReplicaItem, assign_writers
 from .storage import Storage, storage_for
 
@@ -179,6 +181,11 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
             lazy_ok.update(t.fqn for t in part.tensors if ".state." in t.fqn)
     seen = set()
     for t in tensors:
+        if dtype_name(t.data.dtype) not in DTYPE_SIZES:
+            raise UnsupportedStateError(
+                f"{where}: tensor {t.fqn!r} has dtype {t.data.dtype}, which format version "
+                f"{FORMAT_VERSION} cannot store (supported: {', '.join(sorted(DTYPE_SIZES))}); cast it first"
+            )
         if t.fqn in seen:
             raise UnsupportedStateError(f"{where}: tensor name {t.fqn!r} appears twice in the state")
         seen.add(t.fqn)
@@ -192,7 +199,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
 
 def _finish_save(comm: Comm, storage: Storage, save_id: str, block_size: int, out: Outcome, result: SaveResult, where: str) -> None:
     """Gather every rank's records, commit on rank 0, and raise the same error everywhere."""
-    gathered = comm.gather(Outcome(out.ok, out.value, out.error_type, out.message))
+    gathered = comm.gather(out.sendable())
     final: list[Outcome] | None = None
     if comm.rank == 0:
         assert gathered is not None
@@ -201,9 +208,9 @@ def _finish_save(comm: Comm, storage: Storage, save_id: str, block_size: int, ou
             commit = run_guarded(lambda: _commit(storage, save_id, comm.world, block_size, gathered, where))
             if comm.world == 1 and not commit.ok:
                 raise commit.exc
-            final = [Outcome(commit.ok, None, commit.error_type, commit.message)]
+            final = [commit.sendable(with_value=False)]
         else:
-            final = [Outcome(o.ok, None, o.error_type, o.message) for o in gathered]
+            final = [o.sendable(with_value=False) for o in gathered]
         result.timings["commit"] = time.monotonic() - tc
     final = comm.broadcast(final)
     raise_if_failed(final, f"save to {where}")
@@ -250,7 +257,10 @@ def _commit(storage: Storage, save_id: str, world: int, block: int, gathered: li
         layout={"world_size": world, "entries": layout, "placements": placements},
         created=time.time(),
     )
-    storage.put_atomic(MANIFEST_NAME, manifest.to_json())
+    try:
+        storage.put_atomic(MANIFEST_NAME, manifest.to_json())
+    except OSError as e:
+        raise StorageError(f"{where}: committing {MANIFEST_NAME} failed: {e}") from e
     # Commit done: drop data files of the checkpoint this one replaced, and of crashed saves.
     for name in storage.list("data/"):
         if name not in files:
@@ -313,7 +323,7 @@ def load(
     got = run_guarded(lambda: _manifest_bytes(storage)) if comm.rank == 0 else None
     if comm.world == 1 and got is not None and not got.ok:
         raise got.exc
-    got = comm.broadcast(Outcome(got.ok, got.value, got.error_type, got.message) if comm.rank == 0 else None)
+    got = comm.broadcast(got.sendable() if comm.rank == 0 else None)
     raise_if_failed([got], f"load of {where}")
     manifest = Manifest.from_json(got.value, where)
     result = LoadResult(where)

@@ -35,6 +35,11 @@ class Outcome:
     error_type: str = ""
     message: str = ""
     exc: Any = field(default=None, compare=False, repr=False)
+    attrs: dict | None = None  # picklable extras of the error (e.g. missing/unexpected keys)
+
+    def sendable(self, with_value: bool = True) -> "Outcome":
+        """A copy without the live exception object, fit to send to other ranks."""
+        return Outcome(self.ok, self.value if with_value else None, self.error_type, self.message, None, self.attrs)
 
 
 def run_guarded(fn: Callable[[], T]) -> Outcome:
@@ -43,7 +48,8 @@ def run_guarded(fn: Callable[[], T]) -> Outcome:
         return Outcome(True, fn())
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
         log.debug("local failure: %s", traceback.format_exc())
-        return Outcome(False, None, type(e).__name__, str(e), e)
+        attrs = {k: list(getattr(e, k)) for k in ("missing", "unexpected") if isinstance(getattr(e, k, None), list)}
+        return Outcome(False, None, type(e).__name__, str(e), e, attrs or None)
 
 
 class Comm:
@@ -107,7 +113,7 @@ class Comm:
         if not self.active or self.world == 1:
             if not outcome.ok and outcome.exc is not None:
                 raise outcome.exc
-        outcomes = self.all_gather(Outcome(outcome.ok, None, outcome.error_type, outcome.message))
+        outcomes = self.all_gather(outcome.sendable(with_value=False))
         raise_if_failed(outcomes, what)
         if not outcome.ok:  # pragma: no cover - raise_if_failed already raised
             raise DistributedError(outcome.message, {self.rank: outcome.message})
@@ -135,5 +141,7 @@ def raise_if_failed(outcomes: list[Outcome], what: str) -> None:
         except TypeError:
             err = DistributedError(detail, causes, cls)
         err.causes = causes  # type: ignore[attr-defined]
+        for k, v in (first.attrs or {}).items():
+            setattr(err, k, v)
         raise err
     raise DistributedError(f"{what} failed: {detail}", causes, cls if isinstance(cls, type) else None)

@@ -59,6 +59,7 @@ class OptimizerAdapter:
         saved_groups = doc.get("groups", [])
         group_of = doc.get("group_of", {})
         new_state: dict[int, tuple[torch.Tensor, Any]] = {}
+        cleared: list[torch.Tensor] = []
         seen = set()
         group_updates = []
         for gi, g in enumerate(opt.param_groups):
@@ -69,8 +70,11 @@ class OptimizerAdapter:
                 if sgi is None and name in group_of:
                     sgi = group_of[name]
                 if name not in saved_state:
-                    if saved_state:
+                    # A parameter the saved optimizer knew but held no state for (never got a
+                    # gradient) is fine; one it never knew is missing.
+                    if name not in group_of:
                         part.missing.append(f"{key}.state.{name}")
+                    cleared.append(p)
                     continue
 
                 def get_tensor(fqn, p=p):
@@ -114,6 +118,8 @@ class OptimizerAdapter:
             decoded_groups.append((g, decode_value(gdoc, get_tensor, ctx.allow_pickle, where)))
 
         def finish():
+            for p in cleared:  # the checkpoint had no state for it: drop stale state
+                opt.state.pop(p, None)
             for p, s in new_state.values():
                 opt.state[p] = s
             for g, hyper in decoded_groups:

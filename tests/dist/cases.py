@@ -73,6 +73,7 @@ def error_job(rank: int, world: int, root: str) -> dict:
         out["mismatch"] = "no error"
     except sp.KeyMismatchError as e:
         out["mismatch"] = f"{type(e).__name__}: {e}"
+        out["mismatch_lists"] = [e.missing, e.unexpected]
     # 2. A corrupt chunk that only rank 1 reads (its own FSDP2 shard of one weight).
     dist.barrier()
     m = sp.read_manifest(path)

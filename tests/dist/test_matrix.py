@@ -47,6 +47,8 @@ def test_errors_reach_every_rank(tmp_path):
     results = launch(2, "tests.dist.cases:error_job", {"root": str(tmp_path)})
     for r in results:
         assert r["mismatch"].startswith("KeyMismatchError") and "extra" in r["mismatch"], r
+        # The failing rank's key lists travel with the error to every rank.
+        assert r["mismatch_lists"] == [["extra"], []], r["mismatch_lists"]
         assert r["corrupt"].startswith("CorruptCheckpointError") and "checksum mismatch" in r["corrupt"], r
         assert "model.layers.0.mlp.w1.weight" in r["corrupt"]
         assert r["save"].startswith("UnsupportedStateError") and "rank(s) [1]" in r["save"], r
