@@ -20,7 +20,8 @@ from torch import nn
 
 from .adapters import AdapterContext, SaveTensor, adapter_for, default_adapters, unwrap_module
 from .dist import Comm, Outcome, raise_if_failed, run_guarded
-from .engine.io import DEFAULT_BLOCK_SIZE, read_targets, write_chunks
+from .engine.io import DEFAULT_BLOCK_SIZE, write_chunks
+from .engine.load import execute_reads
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -57,6 +58,7 @@ class LoadResult:
     path: str = ""
     bytes_read: int = 0
     bytes_needed: int = 0
+    bytes_received: int = 0
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
@@ -298,6 +300,7 @@ def load(
     strict: bool = True,
     allow_pickle: bool = False,
     verify: bool = True,
+    share_reads: bool = True,
     report: LoadResult | None = None,
 ) -> MutableMapping[str, Any]:
     """Load a checkpoint into ``state``, resharding to the current layout.
@@ -307,7 +310,10 @@ def load(
     ``state`` are replaced by the saved ones; the same dict is returned. With
     ``strict=True`` any key missing from or unexpected in the checkpoint raises
     :class:`KeyMismatchError`; with ``strict=False`` the intersection loads and
-    the rest is logged. Checksums of everything read are verified. Pass a
+    the rest is logged. Checksums of everything read are verified. With
+    ``share_reads`` (the default) bytes that several ranks need are read from
+    storage once and sent to the others; turn it off where re-reading a fast
+    local disk is cheaper than the network. Pass a
     :class:`LoadResult` as ``report`` to receive timings, bytes and key lists.
 
     Example::
@@ -329,7 +335,7 @@ def load(
     result = LoadResult(where)
     result.timings["manifest"] = time.monotonic() - t0
 
-    def local() -> dict:
+    def prepare() -> dict:
         ctx = _context(state, comm, allow_pickle)
         adapters = default_adapters()
         parts = {}
@@ -365,20 +371,27 @@ def load(
                 raise KeyMismatchError(msg + " (pass strict=False to load the intersection)", missing, unexpected)
             log.warning("%s", msg)
         result.missing, result.unexpected = sorted(missing), sorted(unexpected)
+        return parts
+
+    # Phase 1 (local): targets and plans. Checked collectively, so that the shared read
+    # below starts on every rank or on none.
+    parts = comm.check(run_guarded(prepare), f"load of {where}")
+
+    def read() -> dict:
         tr = time.monotonic()
         targets = [t for p in parts.values() for t in p.targets]
-        stats = read_targets(storage, manifest, targets, where, verify)
+        stats = execute_reads(storage, manifest, targets, where, verify, comm=comm, share=share_reads)
         result.bytes_read, result.bytes_needed = stats.bytes_read, stats.bytes_needed
+        result.bytes_received = stats.bytes_received
         result.timings["read"] = time.monotonic() - tr
         return {key: p.finish() for key, p in parts.items()}
 
-    out = run_guarded(local)
-    new = comm.check(out, f"load of {where}")
+    new = comm.check(run_guarded(read), f"load of {where}")
     for key, value in new.items():
         state[key] = value
     result.timings["total"] = time.monotonic() - t0
     if report is not None:
-        for f in ("path", "bytes_read", "bytes_needed", "missing", "unexpected", "timings"):
+        for f in ("path", "bytes_read", "bytes_needed", "bytes_received", "missing", "unexpected", "timings"):
             setattr(report, f, getattr(result, f))
     log.info("rank %s loaded %s from %s in %.3fs", comm.rank, result.bytes_read, where, result.timings["total"])
     return state

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .api import SaveResult, _check_block, _check_state, _data_file, _finish_save, _prepare
-from .dist import Comm, Outcome, run_guarded
+from .dist import Comm, run_guarded
 from .engine.io import DEFAULT_BLOCK_SIZE
 from .engine.pipeline import StagedWrite
 from .engine.staging import StagingRing

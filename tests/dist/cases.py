@@ -107,3 +107,27 @@ def error_job(rank: int, world: int, root: str) -> dict:
     except (sp.IncompleteCheckpointError, sp.CheckpointNotFoundError) as e:
         out["after"] = type(e).__name__
     return out
+
+
+def read_once_job(rank: int, world: int, root: str, src: str, layout: str) -> dict:
+    """Storage bytes each rank reads with and without shared reads (counted in the storage layer)."""
+    from shardpoint.storage import LocalStorage
+
+    out = {}
+    ref = load_file(os.path.join(root, f"{src}.ref.safetensors"))
+    for share in (True, False):
+        model, opt = build(layout, CFG, seed=7)
+        storage = LocalStorage(os.path.join(root, src))
+        report = sp.LoadResult()
+        sp.load(storage, {"model": model, "optimizer": opt, "extra": {}}, share_reads=share, report=report)
+        got = full_state(model, opt)
+        assert all(torch.equal(got[k], ref[k]) for k in ref), f"share={share}: not bit-exact"
+        out[str(share)] = {
+            "storage_bytes": storage.stats.bytes_read,
+            "needed": report.bytes_needed,
+            "received": report.bytes_received,
+        }
+    m = sp.read_manifest(os.path.join(root, src))
+    out["checkpoint_bytes"] = m.total_bytes
+    out["manifest_bytes"] = len(open(os.path.join(root, src, "manifest.json"), "rb").read())
+    return out

@@ -53,3 +53,21 @@ def test_errors_reach_every_rank(tmp_path):
         assert "model.layers.0.mlp.w1.weight" in r["corrupt"]
         assert r["save"].startswith("UnsupportedStateError") and "rank(s) [1]" in r["save"], r
         assert r["after"] in ("IncompleteCheckpointError", "CheckpointNotFoundError")
+
+
+@pytest.mark.parametrize("src,layout,world", [("ddp4", "ddp", 4), ("fsdp24", "tp", 2)], ids=["ddp4", "fsdp2-to-tp2"])
+def test_read_once(saved, src, layout, world):
+    """Replicas and TP ranks share what they read: storage reads stay near 1x the checkpoint."""
+    results = launch(world, "tests.dist.cases:read_once_job", {"root": saved, "src": src, "layout": layout})
+    ckpt = results[0]["checkpoint_bytes"]
+    manifest = results[0]["manifest_bytes"]
+    shared = sum(r["True"]["storage_bytes"] for r in results)
+    alone = sum(r["False"]["storage_bytes"] for r in results)
+    # Only rank 0 reads the manifest; data bytes are read once in total.
+    assert shared - manifest <= 1.0 * ckpt, (shared, ckpt)
+    assert shared - manifest >= ckpt * 0.999, (shared, ckpt)
+    # Spread: no rank reads everything (when there is enough to spread).
+    assert max(r["True"]["storage_bytes"] for r in results) < 0.75 * ckpt
+    if layout == "ddp":
+        assert alone - manifest >= 3.9 * ckpt  # every replica reads it all
+    assert sum(r["True"]["received"] for r in results) > 0
