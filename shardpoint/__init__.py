@@ -12,7 +12,7 @@ Example::
     sp.load("ckpt/step_100", state)
 """
 
-from .api import LoadResult, SaveResult, load, read_manifest, save
+from .api import LoadResult, SaveResult, load, read_manifest, read_tensor, save
 from .async_save import AsyncSaveHandle, AsyncSaver, async_save
 from .errors import (
     CheckpointError,
@@ -38,6 +38,7 @@ __all__ = [
     "AsyncSaveHandle",
     "load",
     "read_manifest",
+    "read_tensor",
     "SaveResult",
     "LoadResult",
     "Storage",

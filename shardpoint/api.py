@@ -8,12 +8,13 @@ process group is initialised, so the same path runs everywhere.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, MutableMapping
+from typing import Any, MutableMapping, Sequence
 
 import torch
 from torch import nn
@@ -30,13 +31,14 @@ from .errors import (
     ShapeMismatchError,
     UnsupportedStateError,
 )
-from .adapters.base import dtype_name
+from .adapters.base import LoadTarget, dtype_name, torch_dtype
+from .geometry import Box
 from .errors import StorageError
 from .format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, ChunkMeta, Manifest, TensorMeta
 from .planning.save_plan import ReplicaItem, assign_writers
 from .storage import Storage, storage_for
 
-__all__ = ["save", "load", "read_manifest", "SaveResult", "LoadResult"]
+__all__ = ["save", "load", "read_tensor", "read_manifest", "SaveResult", "LoadResult"]
 
 log = logging.getLogger("shardpoint")
 
@@ -269,6 +271,56 @@ def _commit(storage: Storage, save_id: str, world: int, block: int, gathered: li
             storage.delete(name)
 
 
+def _entry_selected(key: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(key, p) or p.startswith(key + ".") or fnmatch.fnmatchcase(key + ".x", p) for p in patterns)
+
+
+def _name_selected(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _materialize_meta(state: MutableMapping[str, Any]) -> None:
+    for obj in state.values():
+        if isinstance(obj, nn.Module):
+            m = unwrap_module(obj)
+            if any(t.is_meta for t in m.parameters()) or any(t.is_meta for t in m.buffers()):
+                m.to_empty(device=torch.device("cpu"))
+
+
+def read_tensor(path: str | Storage, name: str, index: tuple | None = None, *, verify: bool = True) -> torch.Tensor:
+    """Read one logical tensor (or a box of it) by name, with no process group.
+
+    ``index`` is a tuple of slices (step 1) selecting a box; only the bytes
+    covering that box are read.
+
+    Example::
+
+        w = sp.read_tensor("ckpt/step_100", "model.layers.0.attn.wq.weight")
+        rows = sp.read_tensor("ckpt/step_100", "model.tok.weight", (slice(0, 10),))
+    """
+    storage = storage_for(path)
+    manifest = Manifest.from_json(_manifest_bytes(storage), storage.url)
+    meta = manifest.tensors.get(name)
+    if meta is None:
+        close = [k for k in manifest.tensors if name.split(".")[-1] in k][:5]
+        raise KeyMismatchError(f"{storage.url}: no tensor {name!r} in the checkpoint (similar: {close})", [name], [])
+    box = Box.full(meta.shape)
+    if index is not None:
+        if not isinstance(index, tuple):
+            index = (index,)
+        offs, sizes = list(box.offsets), list(box.sizes)
+        for d, sl in enumerate(index):
+            if not isinstance(sl, slice) or sl.step not in (None, 1):
+                raise ValueError(f"index must be a tuple of step-1 slices, got {index!r}")
+            lo, hi, _ = sl.indices(meta.shape[d])
+            offs[d], sizes[d] = lo, max(0, hi - lo)
+        box = Box(tuple(offs), tuple(sizes))
+    dest = torch.empty(box.sizes, dtype=torch_dtype(meta.dtype))
+    target = LoadTarget(name, dest, tuple(meta.shape), box)
+    execute_reads(storage, manifest, [target], storage.url, verify)
+    return dest
+
+
 def read_manifest(path: str | Storage) -> Manifest:
     """Read and validate the manifest of a committed checkpoint (no process group needed).
 
@@ -301,6 +353,7 @@ def load(
     allow_pickle: bool = False,
     verify: bool = True,
     share_reads: bool = True,
+    keys: str | Sequence[str] | None = None,
     report: LoadResult | None = None,
 ) -> MutableMapping[str, Any]:
     """Load a checkpoint into ``state``, resharding to the current layout.
@@ -313,7 +366,12 @@ def load(
     the rest is logged. Checksums of everything read are verified. With
     ``share_reads`` (the default) bytes that several ranks need are read from
     storage once and sent to the others; turn it off where re-reading a fast
-    local disk is cheaper than the network. Pass a
+    local disk is cheaper than the network. ``keys`` selects what to load with
+    glob patterns over tensor names (``"model.*"`` loads the model and skips
+    everything else; ``"model.layers.0.*"`` one layer); unselected tensors keep
+    their values and are never reported missing. Modules on the ``meta``
+    device are materialised on the CPU first (create the optimizer after
+    loading in that case). Pass a
     :class:`LoadResult` as ``report`` to receive timings, bytes and key lists.
 
     Example::
@@ -343,6 +401,8 @@ def load(
         unexpected: list[str] = []
         consumed: set[str] = set()
         for key, obj in state.items():
+            if selected is not None and not _entry_selected(key, selected):
+                continue
             prefix = key + "."
             has_tensors = any(f == key or f.startswith(prefix) for f in manifest.tensors)
             if key not in manifest.values and not has_tensors:
@@ -361,6 +421,12 @@ def load(
         for key in manifest.values:
             if key not in state:
                 unexpected.append(key)
+        if selected is not None:
+            # Only the selected names are loaded, and only they can be missing or unexpected.
+            missing = [n for n in missing if _name_selected(n, selected)]
+            unexpected = [n for n in unexpected if _name_selected(n, selected)]
+            for p in parts.values():
+                p.targets = [t for t in p.targets if _name_selected(t.fqn, selected)]
         if missing or unexpected:
             msg = (
                 f"{where}: state and checkpoint differ: missing from the checkpoint "
@@ -372,6 +438,9 @@ def load(
             log.warning("%s", msg)
         result.missing, result.unexpected = sorted(missing), sorted(unexpected)
         return parts
+
+    selected = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
+    _materialize_meta(state)
 
     # Phase 1 (local): targets and plans. Checked collectively, so that the shared read
     # below starts on every rank or on none.
