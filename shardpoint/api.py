@@ -36,6 +36,7 @@ from .geometry import Box
 from .errors import StorageError
 from .format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, ChunkMeta, Manifest, TensorMeta
 from .planning.save_plan import ReplicaItem, assign_writers
+from .monitor import Recorder
 from .storage import Storage, storage_for
 
 __all__ = ["save", "load", "read_tensor", "read_manifest", "SaveResult", "LoadResult"]
@@ -51,6 +52,7 @@ class SaveResult:
     save_id: str
     bytes_written: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    recorder: Recorder | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -64,6 +66,15 @@ class LoadResult:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    recorder: Recorder | None = field(default=None, repr=False)
+
+
+def _mark(result, phase: str, start: float, nbytes: int = 0) -> None:
+    """Record a phase that began at ``start`` (monotonic seconds) and ends now."""
+    end = time.monotonic()
+    result.timings[phase] = result.timings.get(phase, 0.0) + (end - start)
+    if result.recorder is not None:
+        result.recorder.add(phase, start, end, nbytes)
 
 
 def _context(state: MutableMapping[str, Any], comm: Comm, allow_pickle: bool) -> AdapterContext:
@@ -100,6 +111,8 @@ def save(
     process_group: Any = None,
     allow_pickle: bool = False,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    trace_dir: str | None = None,
+    on_metrics: Any = None,
 ) -> SaveResult:
     """Save ``state`` to ``path``; a collective when a process group is initialised.
 
@@ -108,7 +121,9 @@ def save(
     replicated tensors are written once, balanced over the ranks holding them.
     The manifest is written last, so an interrupted save never looks like a
     checkpoint, and overwriting ``path`` switches atomically from the old
-    checkpoint to the new one.
+    checkpoint to the new one. Phase timings come back on the result; with
+    ``trace_dir`` each rank also writes a Chrome trace there (see
+    ``shardpoint trace``), and ``on_metrics`` receives a metrics dict.
 
     Example::
 
@@ -121,7 +136,7 @@ def save(
     where = storage.url
     t0 = time.monotonic()
     save_id = comm.broadcast(uuid.uuid4().hex if comm.rank == 0 else None)
-    result = SaveResult(where, save_id)
+    result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
 
     def local() -> dict:
         prep = _prepare(state, comm, allow_pickle, where, result)
@@ -129,17 +144,19 @@ def save(
         records, files = [], {}
         if prep.mine:
             name = _data_file(save_id, comm.rank)
-            records, size = write_chunks(storage, name, prep.mine, comm.rank, block_size)
+            records, size = write_chunks(storage, name, prep.mine, comm.rank, block_size, result.recorder)
             files[name] = size
             result.bytes_written = size
-        result.timings["write"] = time.monotonic() - tb
+        _mark(result, "write", tb)
         return prep.summary(records, files)
 
     out = run_guarded(local)
     if comm.world == 1 and not out.ok:
         raise out.exc
     _finish_save(comm, storage, save_id, block_size, out, result, where)
-    result.timings["total"] = time.monotonic() - t0
+    _mark(result, "total", t0)
+    result.timings = result.recorder.summary()
+    result.recorder.emit(trace_dir, on_metrics)
     log.info("rank %s saved %s bytes to %s in %.3fs", comm.rank, result.bytes_written, where, result.timings["total"])
     return result
 
@@ -197,7 +214,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
         ReplicaItem(t.fqn, t.replica_count, t.cost) for t in tensors if t.replica_count > 1
     )
     mine = [t for t in tensors if t.replica_count <= 1 or writers[t.fqn] == t.replica_index]
-    result.timings["plan"] = time.monotonic() - ta
+    _mark(result, "plan", ta)
     return _Prepared(tensors, mine, values, layout, lazy_ok)
 
 
@@ -215,7 +232,7 @@ def _finish_save(comm: Comm, storage: Storage, save_id: str, block_size: int, ou
             final = [commit.sendable(with_value=False)]
         else:
             final = [o.sendable(with_value=False) for o in gathered]
-        result.timings["commit"] = time.monotonic() - tc
+        _mark(result, "commit", tc)
     final = comm.broadcast(final)
     raise_if_failed(final, f"save to {where}")
 
@@ -355,6 +372,8 @@ def load(
     share_reads: bool = True,
     keys: str | Sequence[str] | None = None,
     report: LoadResult | None = None,
+    trace_dir: str | None = None,
+    on_metrics: Any = None,
 ) -> MutableMapping[str, Any]:
     """Load a checkpoint into ``state``, resharding to the current layout.
 
@@ -390,8 +409,8 @@ def load(
     got = comm.broadcast(got.sendable() if comm.rank == 0 else None)
     raise_if_failed([got], f"load of {where}")
     manifest = Manifest.from_json(got.value, where)
-    result = LoadResult(where)
-    result.timings["manifest"] = time.monotonic() - t0
+    result = LoadResult(where, recorder=Recorder("load", where, comm.rank))
+    _mark(result, "manifest", t0)
 
     def prepare() -> dict:
         ctx = _context(state, comm, allow_pickle)
@@ -449,18 +468,20 @@ def load(
     def read() -> dict:
         tr = time.monotonic()
         targets = [t for p in parts.values() for t in p.targets]
-        stats = execute_reads(storage, manifest, targets, where, verify, comm=comm, share=share_reads)
+        stats = execute_reads(storage, manifest, targets, where, verify, comm=comm, share=share_reads, recorder=result.recorder)
         result.bytes_read, result.bytes_needed = stats.bytes_read, stats.bytes_needed
         result.bytes_received = stats.bytes_received
-        result.timings["read"] = time.monotonic() - tr
+        _mark(result, "read", tr)
         return {key: p.finish() for key, p in parts.items()}
 
     new = comm.check(run_guarded(read), f"load of {where}")
     for key, value in new.items():
         state[key] = value
-    result.timings["total"] = time.monotonic() - t0
+    _mark(result, "total", t0)
+    result.timings = result.recorder.summary()
+    result.recorder.emit(trace_dir, on_metrics)
     if report is not None:
-        for f in ("path", "bytes_read", "bytes_needed", "bytes_received", "missing", "unexpected", "timings"):
+        for f in ("path", "bytes_read", "bytes_needed", "bytes_received", "missing", "unexpected", "timings", "recorder"):
             setattr(report, f, getattr(result, f))
     log.info("rank %s loaded %s from %s in %.3fs", comm.rank, result.bytes_read, where, result.timings["total"])
     return state

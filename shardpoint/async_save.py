@@ -38,7 +38,8 @@ from typing import Any, MutableMapping
 import torch
 import torch.distributed as dist
 
-from .api import SaveResult, _check_block, _check_state, _data_file, _finish_save, _prepare
+from .api import SaveResult, _check_block, _check_state, _data_file, _finish_save, _mark, _prepare
+from .monitor import Recorder
 from .dist import Comm, run_guarded
 from .engine.io import DEFAULT_BLOCK_SIZE
 from .engine.pipeline import StagedWrite
@@ -151,6 +152,8 @@ class AsyncSaver:
         mode: str = "eager",
         allow_pickle: bool = False,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        trace_dir: str | None = None,
+        on_metrics: Any = None,
     ) -> AsyncSaveHandle:
         """Start saving ``state`` to ``path``; see the module docs for ``mode``."""
         if mode not in ("eager", "lazy"):
@@ -163,7 +166,7 @@ class AsyncSaver:
         where = storage.url
         t0 = time.monotonic()
         save_id = comm.broadcast(uuid.uuid4().hex if comm.rank == 0 else None)
-        result = SaveResult(where, save_id)
+        result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
         handle = AsyncSaveHandle(where, result)
         prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result))
         if comm.world == 1 and not prep_out.ok:
@@ -180,7 +183,7 @@ class AsyncSaver:
             items = [t for t in prep.mine if t.fqn not in lazy] + [t for t in prep.mine if t.fqn in lazy]
             split = sum(1 for t in items if t.fqn not in lazy)
             if items:
-                staged = StagedWrite(storage, _data_file(save_id, comm.rank), items, ring, comm.rank, block_size, self.piece_bytes)
+                staged = StagedWrite(storage, _data_file(save_id, comm.rank), items, ring, comm.rank, block_size, self.piece_bytes, recorder=result.recorder)
 
         def finish() -> None:
             tb = time.monotonic()
@@ -192,13 +195,15 @@ class AsyncSaver:
                         staged.write()
                         files[staged.file] = staged.size
                         result.bytes_written = staged.size
-                    result.timings["write"] = time.monotonic() - tb
+                    _mark(result, "write", tb)
                     return prep_out.value.summary(staged.records if staged else [], files)
 
                 out = run_guarded(write)
             try:
                 _finish_save(comm, storage, save_id, block_size, out, result, where)
-                result.timings["total"] = time.monotonic() - t0
+                _mark(result, "total", t0)
+                result.timings = result.recorder.summary()
+                result.recorder.emit(trace_dir, on_metrics)
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 handle._error = e
             finally:
@@ -215,7 +220,7 @@ class AsyncSaver:
             except BaseException as e:  # noqa: BLE001 - the writer reports it via wait()
                 log.debug("snapshot copy failed: %s", e)
                 handle._copied.set()
-        result.timings["snapshot"] = time.monotonic() - ts
+        _mark(result, "snapshot", ts)
         if staged is not None and split < len(staged.items):
             def lazy_copy():
                 try:
@@ -223,7 +228,7 @@ class AsyncSaver:
                 except BaseException as e:  # noqa: BLE001
                     log.debug("lazy snapshot copy failed: %s", e)
                 finally:
-                    result.timings["lazy_copy"] = time.monotonic() - ts
+                    _mark(result, "lazy_copy", ts)
                     handle._copied.set()
 
             copier = threading.Thread(target=lazy_copy, name="shardpoint-save-copier", daemon=True)
@@ -234,7 +239,7 @@ class AsyncSaver:
             copier.start()
         else:
             handle._copied.set()
-        result.timings["blocked"] = time.monotonic() - t0
+        _mark(result, "blocked", t0)
         self._inflight = handle
         if not prep_out.ok:
             # This rank cannot save; its writer thread still joins the commit so no rank hangs.

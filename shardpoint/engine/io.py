@@ -8,6 +8,7 @@ as raw little-endian bytes, written at a 64-byte aligned offset, and hashed in
 from __future__ import annotations
 
 import sys
+import time
 from typing import Sequence
 
 import torch
@@ -44,16 +45,16 @@ def block_checksums(mv: memoryview, block: int) -> list[str]:
 
 
 def write_chunks(
-    storage: Storage, file: str, items: Sequence[SaveTensor], rank: int, block: int
+    storage: Storage, file: str, items: Sequence[SaveTensor], rank: int, block: int, recorder=None
 ) -> tuple[list[tuple[str, ChunkMeta]], int]:
     """Write ``items`` into one data file; return their chunk records and the file size."""
     try:
-        return _write_chunks(storage, file, items, rank, block)
+        return _write_chunks(storage, file, items, rank, block, recorder)
     except OSError as e:
         raise StorageError(f"{storage.url}: writing {file} failed: {e}") from e
 
 
-def _write_chunks(storage, file, items, rank, block):
+def _write_chunks(storage, file, items, rank, block, recorder):
     records: list[tuple[str, ChunkMeta]] = []
     pos = 0
     pad = bytes(ALIGN)
@@ -66,8 +67,13 @@ def _write_chunks(storage, file, items, rank, block):
                 n = ALIGN - pos % ALIGN
                 w.write(pad[:n])
                 pos += n
+            t0 = time.monotonic()
             sums = block_checksums(mv, block)
+            t1 = time.monotonic()
             w.write(mv)
+            if recorder is not None:
+                recorder.add("checksum", t0, t1, len(mv))
+                recorder.add("write", t1, time.monotonic(), len(mv))
             records.append((it.fqn, ChunkMeta(it.box, file, pos, len(mv), tuple(sums), it.flat, rank)))
             pos += len(mv)
     return records, pos

@@ -15,6 +15,7 @@ blocks so everything read can be verified. Spans are then fetched:
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -148,13 +149,26 @@ def _direct_view(r: ChunkRead) -> torch.Tensor | None:
     return dv.reshape(-1).view(torch.uint8)
 
 
-def _fetch(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str, into: torch.Tensor | None = None) -> torch.Tensor:
+def _fetch(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str, into: torch.Tensor | None = None, rec=None) -> torch.Tensor:
     buf = into if into is not None else torch.empty(r.hi - r.lo, dtype=torch.uint8)
     mv = memoryview(buf.numpy())
+    t0 = time.monotonic()
     _readinto(storage, r.chunk, r.lo, mv, r.fqn, where)
+    t1 = time.monotonic()
     if verify:
         _verify(mv, r.chunk, r.lo // block, block, r.fqn, where)
+    if rec is not None:
+        rec.add("read", t0, t1, len(mv))
+        if verify:
+            rec.add("verify", t1, time.monotonic(), len(mv))
     return buf
+
+
+def _copy_timed(r: ChunkRead, buf: torch.Tensor, rec) -> None:
+    t0 = time.monotonic()
+    _copy_jobs(r, buf)
+    if rec is not None:
+        rec.add("copy", t0, time.monotonic(), r.hi - r.lo)
 
 
 def _count(stats: LoadStats, r: ChunkRead) -> None:
@@ -163,7 +177,7 @@ def _count(stats: LoadStats, r: ChunkRead) -> None:
     stats.per_file[r.chunk.file] += r.hi - r.lo
 
 
-def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, stats, window: int, threads: int) -> None:
+def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, stats, window: int, threads: int, rec=None) -> None:
     """Fetch in a thread pool, at most ``window`` bytes ahead of the copies."""
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardpoint-read") as pool:
         pending: list = []
@@ -173,7 +187,7 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
             while i < len(reads) and (not pending or ahead + (reads[i].hi - reads[i].lo) <= window):
                 r = reads[i]
                 direct = _direct_view(r)
-                pending.append((r, direct, pool.submit(_fetch, storage, r, block, verify, where, direct)))
+                pending.append((r, direct, pool.submit(_fetch, storage, r, block, verify, where, direct, rec)))
                 ahead += r.hi - r.lo
                 _count(stats, r)
                 i += 1
@@ -183,13 +197,16 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
             if direct is not None:
                 stats.direct_reads += 1
             else:
-                _copy_jobs(r, buf)
+                _copy_timed(r, buf, rec)
 
 
-def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, where, stats, window: int) -> None:
+def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, where, stats, window: int, rec=None) -> None:
     """Read each span once across the ranks that need it; send it to the others."""
     mine = {r.key: r for r in reads}
+    tc = time.monotonic()
     everyone = comm.all_gather(sorted(mine))
+    if rec is not None:
+        rec.add("communicate", tc, time.monotonic())
     needers: dict[tuple, list[int]] = defaultdict(list)
     for rank, keys in enumerate(everyone):
         for k in keys:
@@ -204,7 +221,7 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
     local = [mine[k] for k in order if k in mine and len(needers[k]) == 1]
     error: BaseException | None = None
     try:
-        _execute_local(storage, local, block, verify, where, stats, window, threads=2)
+        _execute_local(storage, local, block, verify, where, stats, window, threads=2, rec=rec)
     except Exception as e:  # noqa: BLE001 - keep serving peers, raise at the end
         error = e
     sends: list = []
@@ -221,7 +238,7 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
         if comm.rank == src:
             if error is None:
                 try:
-                    _fetch(storage, r, block, verify, where, buf[:size])
+                    _fetch(storage, r, block, verify, where, buf[:size], rec)
                     _count(stats, r)
                     buf[size] = 1
                 except Exception as e:  # noqa: BLE001 - peers must still get an answer
@@ -229,6 +246,7 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
                     buf[size] = 0
             else:
                 buf[size] = 0
+            tc = time.monotonic()
             if len(ns) == comm.world:
                 dist.broadcast(buf, src=comm._global(src), group=comm.group)
             else:
@@ -241,11 +259,16 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
                     h, b = sends.pop(0)
                     h.wait()
                     in_flight -= b.numel() - 1
+            if rec is not None:
+                rec.add("communicate", tc, time.monotonic(), size)
         else:
+            tc = time.monotonic()
             if len(ns) == comm.world:
                 dist.broadcast(buf, src=comm._global(src), group=comm.group)
             else:
                 dist.recv(buf, src=comm._global(src), group=comm.group)
+            if rec is not None:
+                rec.add("communicate", tc, time.monotonic(), size)
             stats.bytes_received += size
             if int(buf[size]) != 1 and error is None:
                 error = CorruptCheckpointError(
@@ -253,7 +276,7 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
                 )
         if error is None:
             try:
-                _copy_jobs(r, buf[:size])
+                _copy_timed(r, buf[:size], rec)
             except Exception as e:  # noqa: BLE001
                 error = e
     for h, _b in sends:
@@ -272,6 +295,7 @@ def execute_reads(
     share: bool = True,
     window: int = 256 << 20,
     threads: int = 2,
+    recorder=None,
 ) -> LoadStats:
     """Fill every target. ``share`` reads spans needed by several ranks only once.
 
@@ -281,7 +305,7 @@ def execute_reads(
     stats = LoadStats()
     reads = plan_chunk_reads(manifest, targets, where, verify, stats)
     if comm is not None and share and comm.active and comm.world > 1:
-        _execute_shared(storage, reads, comm, manifest.block_size, verify, where, stats, window)
+        _execute_shared(storage, reads, comm, manifest.block_size, verify, where, stats, window, recorder)
     else:
-        _execute_local(storage, reads, manifest.block_size, verify, where, stats, window, threads)
+        _execute_local(storage, reads, manifest.block_size, verify, where, stats, window, threads, recorder)
     return stats

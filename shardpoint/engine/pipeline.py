@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import xxhash
@@ -58,6 +59,7 @@ class StagedWrite:
     _q: "queue.Queue" = field(default_factory=queue.Queue)
     _streams: dict = field(default_factory=dict)
     failed: threading.Event = field(default_factory=threading.Event)
+    recorder: Any = None
 
     def copy(self, start: int, stop: int, last: bool) -> None:
         """Stage items ``[start, stop)``; ``last`` closes the queue afterwards."""
@@ -76,7 +78,10 @@ class StagedWrite:
                 for off in range(0, n, self.piece):
                     m = min(self.piece, n - off)
                     slot = self.ring.acquire(m)
+                    t0 = time.monotonic()
                     ev = copy_to_host(slot.view, raw[off : off + m], self._streams)
+                    if self.recorder is not None:
+                        self.recorder.add("copy", t0, time.monotonic(), m)
                     self.copied_bytes += m
                     self._q.put((i, off, slot, ev, off + m == n))
         except BaseException as e:
@@ -115,6 +120,7 @@ class StagedWrite:
                 if slot is not None:
                     ev.wait() if hasattr(ev, "wait") else ev.synchronize()
                     mv = memoryview(slot.view.numpy())
+                    t0 = time.monotonic()
                     # Hash incrementally in block_size blocks, whatever the piece size.
                     k = 0
                     while k < len(mv):
@@ -125,7 +131,11 @@ class StagedWrite:
                         if in_block == self.block:
                             sums.append(hasher.hexdigest())
                             hasher, in_block = xxhash.xxh3_64(), 0
+                    t1 = time.monotonic()
                     writer.write(mv)
+                    if self.recorder is not None:
+                        self.recorder.add("checksum", t0, t1, len(mv))
+                        self.recorder.add("write", t1, time.monotonic(), len(mv))
                     pos += len(mv)
                     self.ring.release(slot)
                 if final:

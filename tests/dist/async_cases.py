@@ -83,7 +83,7 @@ def async_job(rank: int, world: int, root: str) -> dict:
     # 3. A budget far smaller than the state still completes, within the budget.
     small = sp.AsyncSaver(staging_bytes=256 << 10, piece_bytes=64 << 10)
     ref = full_state(model, opt)
-    small.save(os.path.join(root, "small"), {"model": model, "optimizer": opt}).wait()
+    small.save(os.path.join(root, "small"), {"model": model, "optimizer": opt}, trace_dir=os.path.join(root, "trace")).wait()
     _check(os.path.join(root, "small"), ref)
     out["small_high_water"] = small._ring.high_water
     out["small_capacity"] = small._ring.capacity

@@ -16,3 +16,11 @@ def test_async_save(tmp_path):
         assert r["small_high_water"] <= r["small_capacity"] == 256 << 10
         assert r["state_bytes"] > 4 * r["small_capacity"]
         assert "rank(s) [1]" in r["failure"] and "No space left on device" in r["failure"], r["failure"]
+    # Every rank's phases land on one timeline.
+    from shardpoint.monitor import merge_traces
+
+    doc = merge_traces(str(tmp_path / "trace"))
+    ranks = {e["pid"] for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert ranks == {0, 1, 2, 3}
+    phases = {e["name"] for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert {"plan", "copy", "checksum", "write", "total"} <= phases and "commit" in phases

@@ -1,0 +1,46 @@
+"""Phase timings, traces and metrics of saves and loads (single process)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+import shardpoint as sp
+from shardpoint.monitor import merge_traces, slowest, trace_report
+
+
+def test_save_and_load_record_phases(tmp_path):
+    m = torch.nn.Linear(64, 64)
+    metrics = []
+    res = sp.save(str(tmp_path / "ck"), {"model": m}, trace_dir=str(tmp_path / "tr"), on_metrics=metrics.append)
+    for phase in ("plan", "checksum", "write", "commit", "total"):
+        assert res.timings[phase] >= 0, phase
+    assert metrics[0]["op"] == "save" and metrics[0]["bytes"]["write"] == 64 * 64 * 4 + 64 * 4
+    rep = sp.LoadResult()
+    sp.load(str(tmp_path / "ck"), {"model": torch.nn.Linear(64, 64)}, report=rep, trace_dir=str(tmp_path / "tr"))
+    for phase in ("manifest", "read", "verify", "total"):
+        assert phase in rep.timings, (phase, rep.timings)
+    assert rep.recorder.bytes()["read"] == rep.bytes_read
+    files = sorted(os.listdir(tmp_path / "tr"))
+    assert files == ["load-rank00000.trace.json", "save-rank00000.trace.json"]
+    doc = merge_traces(str(tmp_path / "tr"), str(tmp_path / "all.json"))
+    with open(tmp_path / "all.json") as f:
+        assert json.load(f) == doc
+    names = {e["name"] for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert {"write", "read", "commit"} <= names
+    spans, ranks = slowest(doc, top=3)
+    assert len(spans) == 3 and spans[0][2] >= spans[-1][2]
+    assert ranks and ranks[0][0] == 0
+    text = trace_report(str(tmp_path / "tr"))
+    assert "slowest phases" in text and "rank 0" in text
+
+
+def test_async_save_records_copy_and_snapshot(tmp_path):
+    m = torch.nn.Linear(32, 32)
+    saver = sp.AsyncSaver(staging_bytes=1 << 20)
+    got = []
+    res = saver.save(str(tmp_path / "ck"), {"model": m}, on_metrics=got.append).wait()
+    assert {"snapshot", "blocked", "copy", "write", "commit", "total"} <= set(res.recorder.summary())
+    assert got[0]["bytes"]["copy"] == 32 * 32 * 4 + 32 * 4
