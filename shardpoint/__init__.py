@@ -27,6 +27,7 @@ from .errors import (
     UnsupportedStateError,
 )
 from .format.manifest import FORMAT_VERSION
+from .layouts import Fused, Padded
 from .storage import LocalStorage, MemoryStorage, Storage
 
 __version__ = "0.1.0"
@@ -45,6 +46,8 @@ __all__ = [
     "LocalStorage",
     "MemoryStorage",
     "FORMAT_VERSION",
+    "Fused",
+    "Padded",
     "CheckpointError",
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",

@@ -36,6 +36,7 @@ from .geometry import Box
 from .errors import StorageError
 from .format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, ChunkMeta, Manifest, TensorMeta
 from .planning.save_plan import ReplicaItem, assign_writers
+from .layouts import LayoutView, Rule, apply_load, apply_save, optimizer_doc_to_logical, optimizer_doc_to_physical
 from .monitor import Recorder
 from .storage import Storage, storage_for
 
@@ -111,6 +112,7 @@ def save(
     process_group: Any = None,
     allow_pickle: bool = False,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    layouts: Sequence[Rule] = (),
     trace_dir: str | None = None,
     on_metrics: Any = None,
 ) -> SaveResult:
@@ -124,6 +126,8 @@ def save(
     checkpoint to the new one. Phase timings come back on the result; with
     ``trace_dir`` each rank also writes a Chrome trace there (see
     ``shardpoint trace``), and ``on_metrics`` receives a metrics dict.
+    ``layouts`` lists rules (:mod:`shardpoint.layouts`) for fused or padded
+    tensors, which are then stored as their logical tensors.
 
     Example::
 
@@ -139,7 +143,7 @@ def save(
     result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
 
     def local() -> dict:
-        prep = _prepare(state, comm, allow_pickle, where, result)
+        prep = _prepare(state, comm, allow_pickle, where, result, layouts)
         tb = time.monotonic()
         records, files = [], {}
         if prep.mine:
@@ -185,7 +189,7 @@ class _Prepared:
         return {"records": records, "files": files, "values": self.values, "layout": self.layout, "meta": meta}
 
 
-def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult) -> _Prepared:
+def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=()) -> _Prepared:
     ta = time.monotonic()
     ctx = _context(state, comm, allow_pickle)
     adapters = default_adapters()
@@ -200,6 +204,17 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
         if isinstance(obj, torch.optim.Optimizer):
             # Optimizer state changes only inside step(): safe to copy lazily.
             lazy_ok.update(t.fqn for t in part.tensors if ".state." in t.fqn)
+            if rules:
+                values[key] = optimizer_doc_to_logical(key, part.value, rules)
+    if rules:
+        logical: list[SaveTensor] = []
+        lazy_logical: set[str] = set()
+        for t in tensors:
+            pieces = apply_save([t], rules)
+            logical.extend(pieces)
+            if t.fqn in lazy_ok:
+                lazy_logical.update(x.fqn for x in pieces)
+        tensors, lazy_ok = logical, lazy_ok | lazy_logical
     seen = set()
     for t in tensors:
         if dtype_name(t.data.dtype) not in DTYPE_SIZES:
@@ -207,13 +222,18 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
                 f"{where}: tensor {t.fqn!r} has dtype {t.data.dtype}, which format version "
                 f"{FORMAT_VERSION} cannot store (supported: {', '.join(sorted(DTYPE_SIZES))}); cast it first"
             )
-        if t.fqn in seen:
+        key = (t.fqn, t.box, t.flat)
+        if key in seen:
             raise UnsupportedStateError(f"{where}: tensor name {t.fqn!r} appears twice in the state")
-        seen.add(t.fqn)
+        seen.add(key)
+
+    def wkey(t: SaveTensor) -> str:
+        return f"{t.fqn}@{t.box.offsets}"
+
     writers = assign_writers(
-        ReplicaItem(t.fqn, t.replica_count, t.cost) for t in tensors if t.replica_count > 1
+        ReplicaItem(wkey(t), t.replica_count, t.cost) for t in tensors if t.replica_count > 1
     )
-    mine = [t for t in tensors if t.replica_count <= 1 or writers[t.fqn] == t.replica_index]
+    mine = [t for t in tensors if t.replica_count <= 1 or writers[wkey(t)] == t.replica_index]
     _mark(result, "plan", ta)
     return _Prepared(tensors, mine, values, layout, lazy_ok)
 
@@ -296,6 +316,16 @@ def _name_selected(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _physical_shapes(state) -> dict[str, tuple]:
+    shapes = {}
+    for key, obj in state.items():
+        if isinstance(obj, nn.Module):
+            for n, t in unwrap_module(obj).state_dict().items():
+                if isinstance(t, torch.Tensor):
+                    shapes[f"{key}.{n}"] = tuple(t.shape)
+    return shapes
+
+
 def _materialize_meta(state: MutableMapping[str, Any]) -> None:
     for obj in state.values():
         if isinstance(obj, nn.Module):
@@ -371,6 +401,7 @@ def load(
     verify: bool = True,
     share_reads: bool = True,
     keys: str | Sequence[str] | None = None,
+    layouts: Sequence[Rule] = (),
     report: LoadResult | None = None,
     trace_dir: str | None = None,
     on_metrics: Any = None,
@@ -390,7 +421,8 @@ def load(
     everything else; ``"model.layers.0.*"`` one layer); unselected tensors keep
     their values and are never reported missing. Modules on the ``meta``
     device are materialised on the CPU first (create the optimizer after
-    loading in that case). Pass a
+    loading in that case). ``layouts`` describes fused or padded tensors of
+    the *target* (see :mod:`shardpoint.layouts`). Pass a
     :class:`LoadResult` as ``report`` to receive timings, bytes and key lists.
 
     Example::
@@ -415,6 +447,11 @@ def load(
     def prepare() -> dict:
         ctx = _context(state, comm, allow_pickle)
         adapters = default_adapters()
+        tensors = manifest.tensors
+        view = None
+        if layouts:
+            phys = _physical_shapes(state)
+            view = tensors = LayoutView(manifest.tensors, layouts, phys)
         parts = {}
         missing: list[str] = []
         unexpected: list[str] = []
@@ -427,7 +464,13 @@ def load(
             if key not in manifest.values and not has_tensors:
                 missing.append(key)
                 continue
-            part = adapter_for(obj, adapters).load(key, obj, manifest.values.get(key), manifest.tensors, ctx, where)
+            doc = manifest.values.get(key)
+            if layouts and isinstance(obj, torch.optim.Optimizer):
+                doc = optimizer_doc_to_physical(key, doc, layouts, ctx.param_names.values())
+            part = adapter_for(obj, adapters).load(key, obj, doc, tensors, ctx, where)
+            if view is not None:
+                part.targets = apply_load(part.targets, layouts)
+                part.consumed = {n for f in part.consumed for n in view.logical_names(f)}
             parts[key] = part
             missing.extend(part.missing)
             unexpected.extend(part.unexpected)

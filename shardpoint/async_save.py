@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, MutableMapping
+from typing import Any, MutableMapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -154,6 +154,7 @@ class AsyncSaver:
         block_size: int = DEFAULT_BLOCK_SIZE,
         trace_dir: str | None = None,
         on_metrics: Any = None,
+        layouts: Sequence[Any] = (),
     ) -> AsyncSaveHandle:
         """Start saving ``state`` to ``path``; see the module docs for ``mode``."""
         if mode not in ("eager", "lazy"):
@@ -168,7 +169,7 @@ class AsyncSaver:
         save_id = comm.broadcast(uuid.uuid4().hex if comm.rank == 0 else None)
         result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
         handle = AsyncSaveHandle(where, result)
-        prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result))
+        prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result, layouts))
         if comm.world == 1 and not prep_out.ok:
             raise prep_out.exc
         if self._ring is None:

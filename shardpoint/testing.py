@@ -51,28 +51,57 @@ class GPTConfig:
     seq: int = 16
     tied: bool = False
     hidden: int = 0  # MLP width; 0 means 4 * dim
+    kv_heads: int = 0  # grouped-query attention; 0 means heads (plain multi-head)
+    fused: bool = False  # one wqkv projection, group-interleaved (Megatron style)
+    vocab_pad: int = 0  # embedding rows padded to this size (0: none)
 
     @property
     def mlp(self) -> int:
         return self.hidden or 4 * self.dim
 
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def emb_rows(self) -> int:
+        return max(self.vocab, self.vocab_pad)
+
+    def qkv_rule(self):
+        """The layout rule that maps ``wqkv`` onto ``wq``, ``wk`` and ``wv``."""
+        from .layouts import Fused
+
+        hd, g = self.dim // self.heads, self.heads // self.kv
+        return Fused("*.attn.wqkv.weight", dim=0, groups=self.kv, parts=[("wq", g * hd), ("wk", hd), ("wv", hd)])
+
 
 class Attention(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
-        self.head_dim = c.dim // c.heads
-        self.wq = nn.Linear(c.dim, c.dim, bias=False)
-        self.wk = nn.Linear(c.dim, c.dim, bias=False)
-        self.wv = nn.Linear(c.dim, c.dim, bias=False)
+        self.head_dim = hd = c.dim // c.heads
+        self.group = c.heads // c.kv
+        if c.fused:
+            self.wqkv = nn.Linear(c.dim, c.kv * (self.group + 2) * hd, bias=False)
+        else:
+            self.wq = nn.Linear(c.dim, c.heads * hd, bias=False)
+            self.wk = nn.Linear(c.dim, c.kv * hd, bias=False)
+            self.wv = nn.Linear(c.dim, c.kv * hd, bias=False)
         self.wo = nn.Linear(c.dim, c.dim, bias=False)
 
     def forward(self, x):
         b, t, _ = x.shape
-        # Head count comes from the local width, so column-wise TP shards work unchanged.
-        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        hd, g = self.head_dim, self.group
+        # Head counts come from the local width, so column-wise TP shards work unchanged.
+        if hasattr(self, "wqkv"):
+            y = self.wqkv(x).view(b, t, -1, g + 2, hd)
+            q = y[:, :, :, :g].reshape(b, t, -1, hd).transpose(1, 2)
+            k = y[:, :, :, g].transpose(1, 2)
+            v = y[:, :, :, g + 1].transpose(1, 2)
+        else:
+            q = self.wq(x).view(b, t, -1, hd).transpose(1, 2)
+            k = self.wk(x).view(b, t, -1, hd).transpose(1, 2)
+            v = self.wv(x).view(b, t, -1, hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g > 1)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -105,7 +134,7 @@ class TinyGPT(nn.Module):
     def __init__(self, c: GPTConfig = GPTConfig()):
         super().__init__()
         self.config = c
-        self.tok = nn.Embedding(c.vocab, c.dim)
+        self.tok = nn.Embedding(c.emb_rows, c.dim)
         self.pos = nn.Embedding(c.seq, c.dim)
         self.layers = nn.ModuleList([Block(c) for _ in range(c.layers)])
         self.norm = nn.LayerNorm(c.dim)
@@ -195,8 +224,12 @@ def _tp(model: TinyGPT, mesh) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan = {}
+    if model.config.vocab_pad:
+        from torch.distributed.tensor import Replicate
+
+        plan["tok"] = RowwiseParallel(input_layouts=Replicate())  # vocab-parallel embedding
     for i in range(len(model.layers)):
-        for n in ("wq", "wk", "wv"):
+        for n in (("wqkv",) if model.config.fused else ("wq", "wk", "wv")):
             plan[f"layers.{i}.attn.{n}"] = ColwiseParallel()
         plan[f"layers.{i}.attn.wo"] = RowwiseParallel()
         plan[f"layers.{i}.mlp.w1"] = ColwiseParallel()
