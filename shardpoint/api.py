@@ -54,6 +54,7 @@ class SaveResult:
     bytes_written: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     recorder: Recorder | None = field(default=None, repr=False)
+    plan_cached: bool = False
 
 
 @dataclass
@@ -139,7 +140,8 @@ def save(
     storage = storage_for(path)
     where = storage.url
     t0 = time.monotonic()
-    save_id = comm.broadcast(uuid.uuid4().hex if comm.rank == 0 else None)
+    # Each rank names its data file with its own id: no collective is needed to start.
+    save_id = uuid.uuid4().hex
     result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
 
     def local() -> dict:
@@ -189,7 +191,7 @@ class _Prepared:
         return {"records": records, "files": files, "values": self.values, "layout": self.layout, "meta": meta}
 
 
-def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=()) -> _Prepared:
+def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=(), cache: dict | None = None) -> _Prepared:
     ta = time.monotonic()
     ctx = _context(state, comm, allow_pickle)
     adapters = default_adapters()
@@ -230,10 +232,20 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     def wkey(t: SaveTensor) -> str:
         return f"{t.fqn}@{t.box.offsets}"
 
-    writers = assign_writers(
-        ReplicaItem(wkey(t), t.replica_count, t.cost) for t in tensors if t.replica_count > 1
-    )
-    mine = [t for t in tensors if t.replica_count <= 1 or writers[wkey(t)] == t.replica_index]
+    # Plan cache: the same names, shapes, dtypes and geometry give the same writers.
+    sig = tuple((t.fqn, t.shape, t.data.dtype, t.box, t.flat, t.replica_index, t.replica_count) for t in tensors)
+    picked = cache.get(sig) if cache is not None else None
+    if picked is None:
+        writers = assign_writers(
+            ReplicaItem(wkey(t), t.replica_count, t.cost) for t in tensors if t.replica_count > 1
+        )
+        picked = tuple(i for i, t in enumerate(tensors) if t.replica_count <= 1 or writers[wkey(t)] == t.replica_index)
+        if cache is not None:
+            cache.clear()  # keep one layout: a changed layout must never reuse stale choices
+            cache[sig] = picked
+    else:
+        result.plan_cached = True
+    mine = [tensors[i] for i in picked]
     _mark(result, "plan", ta)
     return _Prepared(tensors, mine, values, layout, lazy_ok)
 
@@ -249,12 +261,13 @@ def _finish_save(comm: Comm, storage: Storage, save_id: str, block_size: int, ou
             commit = run_guarded(lambda: _commit(storage, save_id, comm.world, block_size, gathered, where))
             if comm.world == 1 and not commit.ok:
                 raise commit.exc
-            final = [commit.sendable(with_value=False)]
+            final = [commit.sendable()]
         else:
             final = [o.sendable(with_value=False) for o in gathered]
         _mark(result, "commit", tc)
     final = comm.broadcast(final)
     raise_if_failed(final, f"save to {where}")
+    result.save_id = final[0].value  # the manifest's id (rank 0's)
 
 
 def _commit(storage: Storage, save_id: str, world: int, block: int, gathered: list[Outcome], where: str) -> None:
@@ -302,7 +315,12 @@ def _commit(storage: Storage, save_id: str, world: int, block: int, gathered: li
         storage.put_atomic(MANIFEST_NAME, manifest.to_json())
     except OSError as e:
         raise StorageError(f"{where}: committing {MANIFEST_NAME} failed: {e}") from e
-    # Commit done: drop data files of the checkpoint this one replaced, and of crashed saves.
+    _cleanup(storage, files)
+    return save_id
+
+
+def _cleanup(storage: Storage, files) -> None:
+    """After a commit: drop data files of the checkpoint it replaced, and of crashed saves."""
     for name in storage.list("data/"):
         if name not in files:
             storage.delete(name)

@@ -125,6 +125,7 @@ class AsyncSaver:
         self._comm: Comm | None = None
         self._ring: StagingRing | None = None
         self._inflight: AsyncSaveHandle | None = None
+        self._plan_cache: dict = {}
 
     def _coordination(self) -> Comm:
         if self._comm is None:
@@ -166,10 +167,10 @@ class AsyncSaver:
         storage = storage_for(path)
         where = storage.url
         t0 = time.monotonic()
-        save_id = comm.broadcast(uuid.uuid4().hex if comm.rank == 0 else None)
+        save_id = uuid.uuid4().hex  # per rank; the manifest takes rank 0's
         result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
         handle = AsyncSaveHandle(where, result)
-        prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result, layouts))
+        prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result, layouts, self._plan_cache))
         if comm.world == 1 and not prep_out.ok:
             raise prep_out.exc
         if self._ring is None:

@@ -44,3 +44,17 @@ def test_async_save_records_copy_and_snapshot(tmp_path):
     res = saver.save(str(tmp_path / "ck"), {"model": m}, on_metrics=got.append).wait()
     assert {"snapshot", "blocked", "copy", "write", "commit", "total"} <= set(res.recorder.summary())
     assert got[0]["bytes"]["copy"] == 32 * 32 * 4 + 32 * 4
+
+
+def test_async_plan_cache_is_keyed_by_shapes(tmp_path):
+    saver = sp.AsyncSaver(staging_bytes=1 << 20)
+    m = torch.nn.Linear(8, 8)
+    r1 = saver.save(str(tmp_path / "a"), {"model": m}).wait()
+    r2 = saver.save(str(tmp_path / "b"), {"model": m}).wait()
+    assert not r1.plan_cached and r2.plan_cached
+    m3 = torch.nn.Linear(8, 9)  # same names, new shapes: must plan again
+    r3 = saver.save(str(tmp_path / "c"), {"model": m3}).wait()
+    assert not r3.plan_cached
+    out = sp.load(str(tmp_path / "c"), {"model": torch.nn.Linear(8, 9)})
+    assert torch.equal(out["model"].weight, m3.weight)
+    assert r3.save_id == sp.read_manifest(str(tmp_path / "c")).save_id
