@@ -27,7 +27,7 @@ from .errors import (
     UnsupportedStateError,
 )
 from .format.manifest import FORMAT_VERSION
-from .layouts import Fused, Padded
+from .layouts import Fused, Padded, Reduced
 from .storage import LocalStorage, MemoryStorage, Storage
 
 __version__ = "0.1.0"
@@ -48,6 +48,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Fused",
     "Padded",
+    "Reduced",
     "CheckpointError",
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",

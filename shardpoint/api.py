@@ -36,7 +36,7 @@ from .geometry import Box
 from .errors import StorageError
 from .format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, ChunkMeta, Manifest, TensorMeta
 from .planning.save_plan import ReplicaItem, assign_writers
-from .layouts import LayoutView, Rule, apply_load, apply_save, optimizer_doc_to_logical, optimizer_doc_to_physical
+from .layouts import LayoutView, Rule, apply_load, apply_reduce, apply_save, optimizer_doc_to_logical, optimizer_doc_to_physical
 from .monitor import Recorder
 from .storage import Storage, storage_for
 
@@ -209,6 +209,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
             if rules:
                 values[key] = optimizer_doc_to_logical(key, part.value, rules)
     if rules:
+        tensors = apply_reduce(tensors, rules, comm)
         logical: list[SaveTensor] = []
         lazy_logical: set[str] = set()
         for t in tensors:

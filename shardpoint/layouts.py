@@ -55,6 +55,8 @@ from .geometry import Box
 __all__ = [
     "Fused",
     "Padded",
+    "Reduced",
+    "apply_reduce",
     "Rule",
     "Segment",
     "apply_save",
@@ -179,8 +181,58 @@ class Padded(Rule):
         raise UnsupportedStateError(f"layout rule {self.pattern!r}: the padded size comes from the target")
 
 
+@dataclass(frozen=True)
+class Reduced:
+    """A plain tensor that differs per rank and is saved as one reduced value.
+
+    ``op`` is ``"mean"`` or ``"sum"``: at save time the copies of every rank in
+    the group are reduced (a collective) and stored once; every rank loads the
+    reduced value. Use it for running statistics kept per data-parallel rank.
+
+    Example::
+
+        sp.save(path, state, layouts=[sp.Reduced("extra.loss_ema", op="mean")])
+    """
+
+    pattern: str
+    op: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.op not in ("mean", "sum"):
+            raise ValueError(f"Reduced op must be 'mean' or 'sum', got {self.op!r}")
+
+    def matches(self, fqn: str) -> bool:
+        return fnmatch.fnmatchcase(fqn, self.pattern)
+
+
+def apply_reduce(tensors: list[SaveTensor], rules: Sequence, comm) -> list[SaveTensor]:
+    """Reduce tensors matched by :class:`Reduced` rules across the group (same order on every rank)."""
+    reds = [r for r in rules if isinstance(r, Reduced)]
+    if not reds:
+        return tensors
+    import torch.distributed as dist
+
+    out = []
+    for t in tensors:
+        rule = next((r for r in reds if r.matches(t.fqn)), None)
+        if rule is None:
+            out.append(t)
+            continue
+        if t.replica_count != comm.world or t.flat is not None:
+            raise UnsupportedStateError(f"{t.fqn}: Reduced applies to plain tensors held by every rank")
+        data = t.data.detach().clone()
+        if comm.active and comm.world > 1:
+            dist.all_reduce(data, group=comm.group)
+            if rule.op == "mean":
+                data = data / comm.world if data.is_floating_point() else data // comm.world
+        out.append(replace(t, data=data, layout=f"reduced:{rule.op}"))
+    return out
+
+
 def _find(rules: Sequence[Rule], fqn: str):
     for r in rules:
+        if not isinstance(r, Rule):
+            continue
         m = r.param_match(fqn)
         if m is not None:
             return r, m

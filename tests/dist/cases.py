@@ -131,3 +131,15 @@ def read_once_job(rank: int, world: int, root: str, src: str, layout: str) -> di
     out["checkpoint_bytes"] = m.total_bytes
     out["manifest_bytes"] = len(open(os.path.join(root, src, "manifest.json"), "rb").read())
     return out
+
+
+def reduced_job(rank: int, world: int, root: str) -> dict:
+    """Per-rank statistics saved as their mean across ranks (the Reduced rule)."""
+    ema = torch.full((3,), float(rank))
+    count = torch.tensor(rank + 1)
+    path = os.path.join(root, "reduced")
+    sp.save(path, {"extra": {"ema": ema, "count": count}},
+            layouts=[sp.Reduced("extra.ema", op="mean"), sp.Reduced("extra.count", op="sum")])
+    out = sp.load(path, {"extra": {}})
+    assert torch.equal(ema, torch.full((3,), float(rank)))  # the live tensor is untouched
+    return {"ema": out["extra"]["ema"].tolist(), "count": int(out["extra"]["count"])}

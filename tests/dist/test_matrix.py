@@ -71,3 +71,9 @@ def test_read_once(saved, src, layout, world):
     if layout == "ddp":
         assert alone - manifest >= 3.9 * ckpt  # every replica reads it all
     assert sum(r["True"]["received"] for r in results) > 0
+
+
+def test_reduced_values(tmp_path):
+    results = launch(4, "tests.dist.cases:reduced_job", {"root": str(tmp_path)})
+    for r in results:
+        assert r == {"ema": [1.5, 1.5, 1.5], "count": 10}
