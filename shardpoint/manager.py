@@ -457,6 +457,7 @@ class _Pending:
     handle: Any
     start: float
     lock: bytes | None
+    deadline: float | None = None
 
 
 class _DoneHandle:
@@ -806,10 +807,17 @@ class CheckpointManager:
             p.request()
 
     def wait(self) -> None:
-        """Wait for the pending save (raising its error) and the background deletions."""
+        """Wait for the pending save (raising its error) and the background deletions.
+
+        Collective: when it returns, every rank sees the same committed steps.
+        """
         self._usable(closing=True)
         self._complete_pending()
         self._join_retention()
+        comm = self._comm()
+        if comm.world > 1:
+            with self._watch("wait", None):
+                self._collective("wait", None, comm.barrier)
 
     def close(self) -> None:
         """Finish pending work and release signal handlers; idempotent. Collective."""
@@ -933,17 +941,25 @@ class CheckpointManager:
         if p is None:
             return
         comm = self._comm()
-        left = None if self.timeout is None else max(0.0, p.start + self.timeout - time.monotonic())
+        if p.deadline is None and self.timeout is not None:
+            p.deadline = p.start + self.timeout
+        left = None if p.deadline is None else max(0.0, p.deadline - time.monotonic())
         try:
             with self._watch("wait", p.step):
                 p.handle.wait(timeout=left)
         except TimeoutError as e:
             phase = self._save_phase(p.handle)
             secs = time.monotonic() - p.start
+            p.deadline = time.monotonic() + (self.timeout or 0.0)  # a later wait() waits once more
+            what = {
+                "snapshot": "copying the state into staging memory",
+                "write": "this rank is still writing its data to storage",
+                "commit": "this rank's data is written; waiting for other ranks' writes or the manifest",
+            }.get(phase, phase)
             raise CheckpointTimeoutError(
-                f"rank {comm.rank}: save of {step_folder(p.step)} stalled in phase {phase!r}: not committed "
-                f"{secs:.1f}s after it started (timeout {self.timeout}s). A rank's storage writes or a peer "
-                "rank are stuck; wait() again to keep waiting, or restart the job",
+                f"rank {comm.rank}: save of {step_folder(p.step)} stalled in phase {phase!r} ({what}): not "
+                f"committed {secs:.1f}s after it started (timeout {self.timeout}s). wait() again to keep "
+                "waiting, or restart the job",
                 comm.rank, phase, p.step, secs,
             ) from e
         except BaseException:
@@ -969,12 +985,19 @@ class CheckpointManager:
 
     @staticmethod
     def _save_phase(handle: Any) -> str:
+        """Where a background save is: ``snapshot``, ``write`` (this rank's data) or ``commit``."""
+        phase = getattr(handle, "phase", None)  # a handle that reports its own phase wins
+        if isinstance(phase, str):
+            return phase
         copied = getattr(handle, "_copied", None)
         if copied is not None and not copied.is_set():
             return "snapshot"
-        rec = getattr(getattr(handle, "result", None), "recorder", None)
-        phases = {s.phase for s in getattr(rec, "spans", [])}
-        return "commit" if "write" in phases else "write"
+        result = getattr(handle, "result", None)
+        spans = getattr(getattr(result, "recorder", None), "spans", [])
+        # Per-piece write spans carry bytes; the span closing this rank's whole write has none.
+        if getattr(result, "bytes_written", 0) or any(s.phase == "write" and not s.nbytes for s in spans):
+            return "commit"
+        return "write"
 
     # --- locks
     def _lock_body(self, step: int) -> bytes:
