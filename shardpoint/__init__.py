@@ -29,6 +29,7 @@ from .errors import (
 from .format.manifest import FORMAT_VERSION
 from .layouts import Fused, Padded, Reduced
 from .storage import LocalStorage, MemoryStorage, Storage
+from .storage.tiers import TieredStorage
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,7 @@ __all__ = [
     "Storage",
     "LocalStorage",
     "MemoryStorage",
+    "TieredStorage",
     "FORMAT_VERSION",
     "Fused",
     "Padded",

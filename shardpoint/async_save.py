@@ -73,6 +73,7 @@ class AsyncSaveHandle:
         self._threads: list[threading.Thread] = []
         self._hooks: list[Any] = []
         self._reported = False
+        self._storage: Any = None
 
     def done(self) -> bool:
         """True once the save has committed or failed (non-blocking)."""
@@ -83,8 +84,12 @@ class AsyncSaveHandle:
         if not self._copied.wait(timeout):
             raise TimeoutError(f"snapshot of {self.path} not finished within {timeout}s")
 
-    def wait(self, timeout: float | None = None) -> SaveResult:
-        """Block until durable and committed; raise the background failure if any."""
+    def wait(self, timeout: float | None = None, tier: str | int | None = None) -> SaveResult:
+        """Block until durable and committed; raise the background failure if any.
+
+        With a :class:`~shardpoint.storage.tiers.TieredStorage`, ``tier`` also
+        waits until the checkpoint is committed on that (slower) tier.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._threads:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -98,6 +103,12 @@ class AsyncSaveHandle:
         if self._error is not None:
             self._reported = True
             raise self._error
+        if tier is not None:
+            waiter = getattr(self._storage, "wait", None)
+            if waiter is None:
+                raise ValueError(f"{self.path} is not tiered storage; wait(tier=...) needs a TieredStorage")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            waiter(tier, left)
         return self.result
 
     def _remove_hooks(self) -> None:
@@ -170,6 +181,7 @@ class AsyncSaver:
         save_id = uuid.uuid4().hex  # per rank; the manifest takes rank 0's
         result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
         handle = AsyncSaveHandle(where, result)
+        handle._storage = storage
         prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result, layouts, self._plan_cache))
         if comm.world == 1 and not prep_out.ok:
             raise prep_out.exc

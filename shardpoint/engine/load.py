@@ -150,6 +150,19 @@ def _direct_view(r: ChunkRead) -> torch.Tensor | None:
 
 
 def _fetch(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str, into: torch.Tensor | None = None, rec=None) -> torch.Tensor:
+    try:
+        return _fetch_one(storage, r, block, verify, where, into, rec)
+    except CorruptCheckpointError:
+        # Tiered storage: a corrupt or missing copy on a fast tier comes from the next tier.
+        for alt in getattr(storage, "alternatives", lambda: [])():
+            try:
+                return _fetch_one(alt, r, block, verify, where, into, rec)
+            except CorruptCheckpointError:
+                continue
+        raise
+
+
+def _fetch_one(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str, into: torch.Tensor | None, rec) -> torch.Tensor:
     buf = into if into is not None else torch.empty(r.hi - r.lo, dtype=torch.uint8)
     mv = memoryview(buf.numpy())
     t0 = time.monotonic()
