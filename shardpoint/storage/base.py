@@ -19,11 +19,15 @@ from dataclasses import dataclass, field
 
 from ..errors import StorageError
 
-__all__ = ["Storage", "Writer", "IOStats", "ShortReadError"]
+__all__ = ["Storage", "Writer", "IOStats", "ShortReadError", "MissingDependencyError"]
 
 
 class ShortReadError(StorageError):
     """An object ended before the requested byte range (truncated data)."""
+
+
+class MissingDependencyError(StorageError):
+    """A backend needs an optional package that is not installed; the message says what to install."""
 
 
 @dataclass
