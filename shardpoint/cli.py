@@ -1,10 +1,23 @@
-"""The ``shardpoint`` command: inspect and verify checkpoints (more commands to come).
+"""The ``shardpoint`` command: inspect, verify, convert, reshard and compare checkpoints.
 
-Examples::
+Commands (each has ``--help`` with examples)::
 
-    shardpoint inspect ckpt/step_100
-    shardpoint inspect ckpt/step_100 --json
-    shardpoint verify ckpt/step_100
+    shardpoint inspect ckpt/step_100                     # table of tensors, totals, layout
+    shardpoint inspect ckpt/step_100 --tensor model.tok.weight   # its chunks and writers
+    shardpoint inspect ckpt/step_100 --plot shards.png   # shard map picture
+    shardpoint verify ckpt/step_100                      # every checksum, in parallel
+    shardpoint export ckpt/step_100 --to hf hf_out --dtype bf16 --config config.json
+    shardpoint export ckpt/step_100 --to dcp dcp_out
+    shardpoint export ckpt/step_100 --to torch model.pt
+    shardpoint import hf hf_model_dir ckpt/pretrained
+    shardpoint import dcp dcp_ckpt ckpt/from_dcp --trust-pickle
+    shardpoint import torch model.pt ckpt/from_pt --trust-pickle
+    shardpoint reshard ckpt/step_100 --to-layout fsdp:8 ckpt/step_100-fsdp8
+    shardpoint diff ckpt/step_100 resumed/step_100 --atol 1e-6
+    shardpoint trace traces/step_100                     # slowest phases and ranks
+
+Exit status: 0 on success, 1 when ``verify`` finds damage or ``diff`` finds a
+difference, 2 on any error (bad arguments, unreadable checkpoint).
 """
 
 from __future__ import annotations
@@ -19,7 +32,7 @@ from .engine.io import verify_chunk
 from .errors import CheckpointError
 from .storage import storage_for
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
 
 def _human(n: float) -> str:
@@ -30,40 +43,85 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _dump(doc) -> None:
+    json.dump(doc, sys.stdout, indent=1, default=str)
+    print()
+
+
+# ------------------------------------------------------------------ inspect
 def _inspect(args) -> int:
+    from .convert.shardmap import chunk_table, plot_shard_map
+
     m = read_manifest(args.path)
+    if args.plot:
+        n = plot_shard_map(m, args.plot, keys=args.keys, max_tensors=args.max_tensors)
+        if not args.json and not args.tensor:
+            print(f"wrote a shard map of {n} tensor(s) to {args.plot}", file=sys.stderr)
+    if args.tensor:
+        rows = chunk_table(m, args.tensor)
+        t = m.tensors[args.tensor]
+        if args.json:
+            _dump({"tensor": args.tensor, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "chunks": rows})
+            return 0
+        from rich.table import Table
+
+        table = Table(title=f"{args.tensor}  {t.dtype}{list(t.shape)}, {_human(t.nbytes)}, {len(rows)} chunk(s)")
+        for col in ("chunk", "rank", "offsets", "sizes", "flat", "file", "offset", "bytes"):
+            table.add_column(col, justify="right" if col in ("chunk", "rank", "offset", "bytes") else "left")
+        for r in rows:
+            table.add_row(str(r["chunk"]), str(r["rank"]), str(r["offsets"]), str(r["sizes"]),
+                          "-" if r["flat"] is None else str(r["flat"]), r["file"], str(r["offset"]), _human(r["nbytes"]))
+        _console().print(table)
+        return 0
+    import fnmatch
+
+    names = sorted(m.tensors)
+    if args.keys:
+        names = [n for n in names if any(fnmatch.fnmatchcase(n, k) for k in args.keys)]
     if args.json:
-        doc = {
+        _dump({
             "format_version": m.format_version,
             "save_id": m.save_id,
             "world_size": m.world_size,
             "total_bytes": m.total_bytes,
             "layout": m.layout,
             "tensors": {
-                k: {"dtype": t.dtype, "shape": list(t.shape), "chunks": len(t.chunks), "bytes": t.nbytes}
-                for k, t in sorted(m.tensors.items())
+                k: {"dtype": m.tensors[k].dtype, "shape": list(m.tensors[k].shape), "chunks": len(m.tensors[k].chunks),
+                    "bytes": m.tensors[k].nbytes, "ranks": sorted({c.rank for c in m.tensors[k].chunks})}
+                for k in names
             },
-        }
-        json.dump(doc, sys.stdout, indent=1)
-        print()
+        })
         return 0
-    from rich.console import Console
+    if args.plot:
+        return 0
     from rich.table import Table
 
     table = Table(title=f"{args.path}  (format v{m.format_version}, saved by {m.world_size} rank(s))")
     for col in ("tensor", "dtype", "shape", "chunks", "bytes"):
         table.add_column(col, justify="right" if col in ("chunks", "bytes") else "left")
-    for k, t in sorted(m.tensors.items()):
+    for k in names:
+        t = m.tensors[k]
         table.add_row(k, t.dtype, str(list(t.shape)), str(len(t.chunks)), _human(t.nbytes))
-    con = Console()
+    con = _console()
     con.print(table)
-    con.print(f"{len(m.tensors)} tensors, {_human(m.total_bytes)}; values: {', '.join(sorted(m.values)) or '-'}")
+    con.print(f"{len(m.tensors)} tensors, {_human(m.total_bytes)} in {len(m.files)} data file(s); "
+              f"values: {', '.join(sorted(m.values)) or '-'}")
     con.print(f"save-time layout: {json.dumps(m.layout.get('entries', {}))}")
+    if "offline_layout" in m.layout:
+        con.print(f"pre-sharded for: {m.layout['offline_layout']}")
     return 0
 
 
-def _verify(args) -> int:
-    storage = storage_for(args.path)
+# ------------------------------------------------------------------ verify
+def verify_checkpoint(path: str, jobs: int = 4, quiet: bool = True) -> tuple[int, list[str]]:
+    """Check every data file and chunk checksum of ``path``; return (chunks checked, problems)."""
+    storage = storage_for(path)
     m = read_manifest(storage)
     problems: list[str] = []
     for name, size in m.files.items():
@@ -85,36 +143,249 @@ def _verify(args) -> int:
         except (CheckpointError, OSError) as e:
             return str(e)
 
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for err in tqdm(pool.map(check, work), total=len(work), disable=args.quiet, desc="verify", unit="chunk"):
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        for err in tqdm(pool.map(check, work), total=len(work), disable=quiet, desc="verify", unit="chunk", file=sys.stderr, leave=False):
             if err:
                 problems.append(err)
+    return len(work), problems
+
+
+def _verify(args) -> int:
+    n, problems = verify_checkpoint(args.path, args.jobs, args.quiet)
+    if args.json:
+        _dump({"path": args.path, "chunks": n, "ok": not problems, "problems": problems})
+        return 1 if problems else 0
     if problems:
         for p in problems:
             print(f"CORRUPT: {p}")
         print(f"{len(problems)} problem(s) in {args.path}")
         return 1
     if not args.quiet:
-        print(f"OK: {len(work)} chunks in {len(m.tensors)} tensors verified ({_human(m.total_bytes)})")
+        m = read_manifest(args.path)
+        print(f"OK: {n} chunks in {len(m.tensors)} tensors verified ({_human(m.total_bytes)})")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+# ------------------------------------------------------------------ export / import
+_DEFAULT_PREFIX = {"hf": "model.", "torch": "model.", "dcp": ""}
+
+
+def _export(args) -> int:
+    from .convert import common, export_dcp, export_hf, export_torch
+
+    dtype = common.parse_dtype(args.dtype)
+    prefix = _DEFAULT_PREFIX[args.to] if args.prefix is None else args.prefix
+    kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, dtype=dtype, force=args.force, quiet=args.quiet, verify=not args.no_verify)
+    if args.to == "hf":
+        r = export_hf(args.path, args.out, shard_size=args.shard_size, config=args.config, **kw)
+        summary = f"exported {r.tensors} tensors ({_human(r.bytes)}) to {args.out}: {', '.join(r.files)} + model.safetensors.index.json"
+    else:
+        if args.config or args.shard_size != "5GB":
+            raise common.ConversionError("--config and --shard-size apply to --to hf only")
+        fn = export_dcp if args.to == "dcp" else export_torch
+        r = fn(args.path, args.out, **kw)
+        summary = f"exported {r.tensors} tensors ({_human(r.bytes)}) to {args.out} ({args.to})"
+    if not args.quiet:
+        print(summary)
+    return 0
+
+
+def _import(args) -> int:
+    from .convert import common, import_dcp, import_hf, import_torch
+
+    dtype = common.parse_dtype(args.dtype)
+    prefix = _DEFAULT_PREFIX[args.fmt] if args.prefix is None else args.prefix
+    kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, dtype=dtype, block_size=args.block_size, force=args.force, quiet=args.quiet)
+    if args.fmt == "hf":
+        r = import_hf(args.src, args.path, **kw)
+    elif args.fmt == "dcp":
+        r = import_dcp(args.src, args.path, trust_pickle=args.trust_pickle, **kw)
+    else:
+        r = import_torch(args.src, args.path, trust_pickle=args.trust_pickle, **kw)
+    if not args.quiet:
+        print(f"imported {r.tensors} tensors ({_human(r.bytes)}) from {args.src} into {args.path}")
+        if r.skipped:
+            print(f"skipped {len(r.skipped)}: {', '.join(r.skipped[:10])}{' ...' if len(r.skipped) > 10 else ''}")
+    return 0
+
+
+# ------------------------------------------------------------------ reshard / diff / trace
+def _reshard(args) -> int:
+    from .convert import reshard
+
+    r = reshard(args.path, args.out, args.to_layout, tp_rules=args.tp_rule, block_size=args.block_size,
+                force=args.force, quiet=args.quiet, verify=not args.no_verify)
+    if not args.quiet:
+        spread = ", ".join(f"r{k}={_human(v)}" for k, v in list(r.per_rank_bytes.items())[:16])
+        print(f"wrote {r.chunks} chunks ({_human(r.bytes)}) for {r.spec} ({r.world} ranks) to {args.out}: {spread}"
+              f"{' ...' if r.world > 16 else ''}")
+    return 0
+
+
+def _diff(args) -> int:
+    from .convert import diff
+
+    d = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, keys=args.keys, values=not args.no_values, quiet=args.quiet)
+    if args.json:
+        _dump(d.to_json())
+        return 0 if d.same else 1
+    if d.same:
+        if not args.quiet:
+            print(f"same: {d.compared} tensors equal within atol={args.atol} rtol={args.rtol}")
+        return 0
+    con = _console()
+    if d.changed:
+        from rich.table import Table
+
+        table = Table(title=f"{len(d.changed)} of {d.compared} tensors differ (atol={args.atol}, rtol={args.rtol})")
+        for col in ("tensor", "dtype", "shape", "differing", "max abs diff", "max rel diff"):
+            table.add_column(col, justify="left" if col in ("tensor", "dtype", "shape") else "right")
+        for t in d.changed:
+            what = f"{t.n_diff}/{t.numel}" if t.reason == "values" else t.reason
+            table.add_row(t.name, t.dtype, str(t.shape), what, f"{t.max_abs:.3g}", f"{t.max_rel:.3g}")
+        con.print(table)
+    for label, items in (("only in A", d.only_a), ("only in B", d.only_b), ("values differ", d.values_changed),
+                         ("values only in A", d.values_only_a), ("values only in B", d.values_only_b)):
+        if items:
+            con.print(f"{label} ({len(items)}): {', '.join(items[:20])}{' ...' if len(items) > 20 else ''}")
+    return 1
+
+
+def _trace(args) -> int:
+    from .monitor import merge_traces, trace_report
+
+    if args.merge:
+        merge_traces(args.dir, args.merge)
+    print(trace_report(args.dir, args.top))
+    return 0
+
+
+# ------------------------------------------------------------------ parser
+def _cmd(sub, name: str, help: str, examples: str):
+    return sub.add_parser(name, help=help, description=f"{help}\n\nExamples:\n{examples}",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _naming(p, default_note: str) -> None:
+    p.add_argument("--prefix", default=None, help=f"name prefix of the model's state key ({default_note})")
+    p.add_argument("--rename", action="append", default=[], metavar="REGEX=REPL",
+                   help="regex substitution on tensor names, repeatable, applied in order")
+    p.add_argument("--keys", action="append", default=[], metavar="GLOB", help="only tensors whose name matches (repeatable)")
+    p.add_argument("--dtype", default=None, help="cast floating-point tensors: bf16, fp16, fp32 (default: keep)")
+    p.add_argument("--force", action="store_true", help="write into an existing, non-empty output")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``shardpoint`` command."""
     p = argparse.ArgumentParser(prog="shardpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    pi = sub.add_parser("inspect", help="list the tensors of a checkpoint", description="Example: shardpoint inspect ckpt/step_100 --json")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    pi = _cmd(sub, "inspect", "list the tensors of a checkpoint, one tensor's chunks, or draw a shard map", (
+        "  shardpoint inspect ckpt/step_100\n"
+        "  shardpoint inspect ckpt/step_100 --json | jq .total_bytes\n"
+        "  shardpoint inspect ckpt/step_100 --tensor model.layers.0.attn.wq.weight\n"
+        "  shardpoint inspect ckpt/step_100 --plot shards.png --keys 'model.layers.0.*'"))
     pi.add_argument("path")
     pi.add_argument("--json", action="store_true", help="machine-readable output")
+    pi.add_argument("--tensor", metavar="NAME", help="show the chunks of one tensor and the rank that wrote each")
+    pi.add_argument("--plot", metavar="OUT.png", help="draw a shard map (needs matplotlib)")
+    pi.add_argument("--keys", action="append", default=[], metavar="GLOB", help="only tensors matching (repeatable)")
+    pi.add_argument("--max-tensors", type=int, default=48, help="at most this many panels in --plot (largest first)")
     pi.set_defaults(fn=_inspect)
-    pv = sub.add_parser("verify", help="check completeness and every checksum", description="Example: shardpoint verify ckpt/step_100")
+
+    pv = _cmd(sub, "verify", "check completeness and every chunk's checksum, in parallel", (
+        "  shardpoint verify ckpt/step_100 && echo intact\n"
+        "  shardpoint verify ckpt/step_100 --jobs 16 --json"))
     pv.add_argument("path")
     pv.add_argument("--jobs", type=int, default=4, help="parallel readers")
-    pv.add_argument("--quiet", action="store_true")
+    pv.add_argument("--json", action="store_true", help="machine-readable output")
+    pv.add_argument("--quiet", "-q", action="store_true")
     pv.set_defaults(fn=_verify)
-    args = p.parse_args(argv)
+
+    pe = _cmd(sub, "export", "write a checkpoint's tensors as Hugging Face safetensors, a DCP folder or a torch.save file", (
+        "  shardpoint export ckpt/step_100 --to hf hf_out --dtype bf16 --shard-size 5GB --config config.json\n"
+        "  shardpoint export ckpt/step_100 --to hf hf_out --rename '^tok\\.=embed_tokens.'\n"
+        "  shardpoint export ckpt/step_100 --to dcp dcp_out\n"
+        "  shardpoint export ckpt/step_100 --to torch model.pt   # {name: tensor} without the 'model.' prefix\n"
+        "Tensors are streamed one at a time: memory stays near the largest tensor."))
+    pe.add_argument("path")
+    pe.add_argument("--to", required=True, choices=("hf", "dcp", "torch"))
+    pe.add_argument("out", help="output folder (hf, dcp) or file (torch)")
+    pe.add_argument("--shard-size", default="5GB", help="hf: largest safetensors file (5GB, 500MB, 2GiB)")
+    pe.add_argument("--config", metavar="config.json", help="hf: copy this config.json into the output folder")
+    pe.add_argument("--no-verify", action="store_true", help="skip checksum verification of what is read")
+    _naming(pe, "stripped from exported names; default 'model.' for hf and torch, '' for dcp")
+    pe.set_defaults(fn=_export)
+
+    pm = _cmd(sub, "import", "make a shardpoint checkpoint from safetensors, a DCP folder or a torch.save file", (
+        "  shardpoint import hf path/to/hf_model ckpt/pretrained     # folder, index json or one .safetensors\n"
+        "  shardpoint import dcp dcp_ckpt ckpt/from_dcp --trust-pickle\n"
+        "  shardpoint import torch model.pt ckpt/from_pt --trust-pickle\n"
+        "then: sp.load('ckpt/pretrained', {'model': fsdp_model})\n\n"
+        "--trust-pickle: DCP's .metadata file and a torch.save file are Python pickles, and\n"
+        "unpickling runs whatever code the file's author put in it. Only import files you\n"
+        "trust; safetensors (hf) holds no code and needs no flag."))
+    pm.add_argument("fmt", choices=("hf", "dcp", "torch"), metavar="{hf,dcp,torch}")
+    pm.add_argument("src", metavar="IN")
+    pm.add_argument("path", metavar="PATH", help="the new checkpoint")
+    pm.add_argument("--trust-pickle", action="store_true",
+                    help="allow unpickling (dcp, torch): it can run arbitrary code, so only for trusted files")
+    pm.add_argument("--block-size", type=int, default=4 << 20, help="checksum block size in bytes")
+    _naming(pm, "prepended to imported names; default 'model.' for hf and torch, '' for dcp")
+    pm.set_defaults(fn=_import)
+
+    pr = _cmd(sub, "reshard", "write a copy pre-sharded for a target layout (offline, no process group)", (
+        "  shardpoint reshard ckpt/step_100 --to-layout fsdp:8 ckpt/fsdp8\n"
+        "  shardpoint reshard ckpt/step_100 --to-layout tp:2 --tp-rule '*.wo.weight=1' --tp-rule '*.w2.weight=1' ckpt/tp2\n"
+        "  shardpoint reshard ckpt/step_100 --to-layout tp:2,fsdp:4 ckpt/2d\n"
+        "Layout: comma-separated KIND:N parts, splitting left to right with torch.chunk sizes:\n"
+        "  fsdp:N  dim 0 over N ranks      tp:N  dim from --tp-rule (default: dim 0 of 2-D+ tensors)\n"
+        "  dp:N    N replicas (written once)    single  one chunk per tensor"))
+    pr.add_argument("path")
+    pr.add_argument("--to-layout", required=True, metavar="SPEC")
+    pr.add_argument("out")
+    pr.add_argument("--tp-rule", action="append", default=[], metavar="GLOB=DIM",
+                    help="TP split dim for matching tensors (or GLOB=replicate); first match wins")
+    pr.add_argument("--block-size", type=int, default=None, help="checksum block size (default: the source's)")
+    pr.add_argument("--no-verify", action="store_true")
+    pr.add_argument("--force", action="store_true")
+    pr.add_argument("--quiet", "-q", action="store_true")
+    pr.set_defaults(fn=_reshard)
+
+    pd = _cmd(sub, "diff", "which tensors differ between two checkpoints, and by how much (exit 1 if any)", (
+        "  shardpoint diff ckpt/step_100 resumed/step_100\n"
+        "  shardpoint diff a b --atol 1e-6 --rtol 1e-5 --keys 'model.*' --json\n"
+        "A tensor differs where |a - b| > atol + rtol * |b| (NaNs in the same places are equal)."))
+    pd.add_argument("a")
+    pd.add_argument("b")
+    pd.add_argument("--atol", type=float, default=0.0)
+    pd.add_argument("--rtol", type=float, default=0.0)
+    pd.add_argument("--keys", action="append", default=[], metavar="GLOB", help="only tensors matching (repeatable)")
+    pd.add_argument("--no-values", action="store_true", help="compare tensors only, not plain values")
+    pd.add_argument("--json", action="store_true")
+    pd.add_argument("--quiet", "-q", action="store_true")
+    pd.set_defaults(fn=_diff)
+
+    pt = _cmd(sub, "trace", "print the slowest phases and ranks of a trace folder (save/load trace_dir=...)", (
+        "  shardpoint trace traces/step_100\n"
+        "  shardpoint trace traces/step_100 --merge timeline.json   # open in Perfetto"))
+    pt.add_argument("dir")
+    pt.add_argument("--top", type=int, default=10)
+    pt.add_argument("--merge", metavar="OUT.json", help="also write all ranks as one Chrome trace")
+    pt.set_defaults(fn=_trace)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``shardpoint`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except CheckpointError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,482 @@
+"""Shared pieces of the converters: a streaming reader, a single-process writer, name maps.
+
+:class:`CheckpointReader` reads one tensor (or one box of it) at a time from a
+committed checkpoint, with the manifest parsed once; it runs the same read
+engine as :func:`shardpoint.read_tensor`, so every byte read is verified.
+
+:class:`CheckpointWriter` builds a shardpoint checkpoint from a stream of
+tensors without a process group. Each "writer rank" gets one data file,
+``data/<save_id>-r<rank>.bin``, written with the engine's byte rules
+(64-byte aligned chunks, xxh3_64 block checksums); :meth:`CheckpointWriter.commit`
+writes ``manifest.json`` last and atomically, like :func:`shardpoint.save`.
+Any chunking is allowed as long as the chunks of a tensor cover it exactly, so
+the same writer serves imports (one chunk per tensor, or the source's own
+chunks) and offline resharding (one chunk per target rank).
+
+Example::
+
+    with CheckpointWriter("ckpt/imported") as w:
+        w.add("model.weight", torch.randn(4, 4))
+        w.set_value("model", {})
+        w.commit()
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..adapters.base import LoadTarget, dtype_name, torch_dtype
+from ..engine.io import ALIGN, DEFAULT_BLOCK_SIZE, block_checksums, tensor_bytes
+from ..engine.load import execute_reads
+from ..errors import CheckpointError, KeyMismatchError, ShapeMismatchError, UnsupportedStateError
+from ..format.manifest import DTYPE_SIZES, MANIFEST_NAME, ChunkMeta, Manifest, TensorMeta
+from ..geometry import Box
+from ..storage import Storage, storage_for
+
+__all__ = [
+    "ConversionError",
+    "CheckpointReader",
+    "CheckpointWriter",
+    "NameMap",
+    "parse_dtype",
+    "parse_size",
+    "parse_rename",
+    "progress",
+    "prepare_output_dir",
+    "cast",
+    "top_key",
+    "walk",
+    "build",
+    "path_name",
+    "encodable",
+    "encode_entries",
+]
+
+
+class ConversionError(CheckpointError):
+    """A conversion cannot proceed: bad arguments, an unsupported input, an unsafe output."""
+
+
+# ------------------------------------------------------------------ parsing
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
+
+
+def parse_dtype(text: str | None) -> torch.dtype | None:
+    """``"bf16"`` -> ``torch.bfloat16``; ``None``/``"keep"`` -> ``None`` (keep each tensor's dtype)."""
+    if text is None or text in ("", "keep", "auto"):
+        return None
+    try:
+        return _DTYPES[text.lower()]
+    except KeyError:
+        raise ConversionError(f"unknown dtype {text!r}; choose from {', '.join(sorted(_DTYPES))} or keep") from None
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """A byte count: ``"5GB"`` (10**9 units, as Hugging Face uses), ``"5GiB"`` (2**30), ``"1048576"``."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ConversionError(f"cannot read size {text!r}; write e.g. 5GB, 500MB, 2GiB or a byte count")
+    num, unit = float(m.group(1)), m.group(2).upper()
+    unit = unit.removesuffix("B") if unit not in ("", "B") else ""
+    if unit.endswith("I"):
+        scale = 1 << (10 * "KMGT".index(unit[0]) + 10)
+    elif unit:
+        scale = 10 ** (3 * "KMGT".index(unit[0]) + 3)
+    else:
+        scale = 1
+    size = int(num * scale)
+    if size <= 0:
+        raise ConversionError(f"size must be positive, got {text!r}")
+    return size
+
+
+def parse_rename(rules: Iterable[str] | None) -> list[tuple[re.Pattern, str]]:
+    """``["^transformer\\.=model.", "\\.attn\\.=.self_attn."]`` -> compiled ``(pattern, replacement)`` pairs.
+
+    Each rule is ``REGEX=REPLACEMENT`` (split at the last ``=``), applied with
+    :func:`re.sub` in the order given.
+    """
+    out = []
+    for r in rules or ():
+        if "=" not in r:
+            raise ConversionError(f"rename rule {r!r} must look like REGEX=REPLACEMENT")
+        pat, rep = r.rsplit("=", 1)
+        try:
+            out.append((re.compile(pat), rep))
+        except re.error as e:
+            raise ConversionError(f"rename rule {r!r}: bad regular expression: {e}") from None
+    return out
+
+
+@dataclass
+class NameMap:
+    """How names move between a shardpoint checkpoint and another format.
+
+    On export, a checkpoint tensor name is kept only if it starts with
+    ``prefix`` and matches one of ``keys`` (globs over the checkpoint name, all
+    if empty); the prefix is stripped, then the ``rename`` rules apply. On
+    import the rename rules apply to the source name first, then ``prefix`` is
+    prepended. ``model.`` is the usual prefix: ``sp.save(path, {"model": m})``
+    stores ``m``'s parameter ``layers.0.w`` as ``model.layers.0.w``.
+
+    Example::
+
+        NameMap("model.", parse_rename(["^lm_head=output"])).export_name("model.lm_head.weight")
+        # -> "output.weight"
+    """
+
+    prefix: str = ""
+    rename: Sequence[tuple[re.Pattern, str]] = ()
+    keys: Sequence[str] = ()
+
+    def _renamed(self, name: str) -> str:
+        for pat, rep in self.rename:
+            name = pat.sub(rep, name)
+        return name
+
+    def export_name(self, fqn: str) -> str | None:
+        if not fqn.startswith(self.prefix):
+            return None
+        if self.keys and not any(fnmatch.fnmatchcase(fqn, k) for k in self.keys):
+            return None
+        return self._renamed(fqn[len(self.prefix):])
+
+    def import_name(self, name: str) -> str | None:
+        if self.keys and not any(fnmatch.fnmatchcase(name, k) for k in self.keys):
+            return None
+        return self.prefix + self._renamed(name)
+
+
+def progress(total: float | None, desc: str, quiet: bool, unit: str = "B"):
+    """A tqdm bar on stderr (bytes by default), disabled by ``quiet``."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=quiet, unit=unit, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000, file=sys.stderr, leave=False)
+
+
+def prepare_output_dir(path: str, force: bool) -> None:
+    """Refuse to write into an existing non-empty folder unless ``force``."""
+    import os
+
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ConversionError(f"{path} exists and is not a folder")
+        if os.listdir(path) and not force:
+            raise ConversionError(f"{path} exists and is not empty; pass --force to write into it")
+    os.makedirs(path, exist_ok=True)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Cast floating-point tensors to ``dtype``; leave integer and bool tensors alone."""
+    if dtype is None or not t.is_floating_point() or t.dtype == dtype:
+        return t
+    return t.to(dtype)
+
+
+# ------------------------------------------------------------------ reading
+class CheckpointReader:
+    """Read tensors of a committed checkpoint one at a time, with the manifest parsed once.
+
+    Example::
+
+        r = CheckpointReader("ckpt/step_100")
+        for name in r.names():
+            t = r.read(name)          # the whole logical tensor, checksums verified
+        rows = r.read("model.tok.weight", Box((0, 0), (10, 32)))
+    """
+
+    def __init__(self, path: str | Storage, verify: bool = True):
+        from ..api import read_manifest
+
+        self.storage = storage_for(path)
+        self.manifest: Manifest = read_manifest(self.storage)
+        self.where = self.storage.url
+        self.verify = verify
+
+    def names(self, patterns: Sequence[str] = ()) -> list[str]:
+        """Tensor names, sorted, optionally filtered by glob patterns."""
+        names = sorted(self.manifest.tensors)
+        if patterns:
+            names = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+        return names
+
+    def meta(self, name: str) -> TensorMeta:
+        meta = self.manifest.tensors.get(name)
+        if meta is None:
+            raise KeyMismatchError(f"{self.where}: no tensor {name!r} in the checkpoint", [name], [])
+        return meta
+
+    def read(self, name: str, box: Box | None = None) -> torch.Tensor:
+        """The tensor ``name`` (or the part of it inside ``box``), as a fresh CPU tensor."""
+        meta = self.meta(name)
+        box = box or Box.full(meta.shape)
+        dest = torch.empty(box.sizes, dtype=torch_dtype(meta.dtype))
+        if box.numel:
+            execute_reads(self.storage, self.manifest, [LoadTarget(name, dest, tuple(meta.shape), box)], self.where, self.verify, threads=1)
+        return dest
+
+    def row_blocks(self, name: str, max_bytes: int = 64 << 20) -> Iterable[tuple[Box, torch.Tensor]]:
+        """The tensor in pieces of whole dim-0 rows, each at most about ``max_bytes``."""
+        meta = self.meta(name)
+        if not meta.shape or meta.shape[0] <= 1:
+            yield Box.full(meta.shape), self.read(name)
+            return
+        row = max(1, meta.nbytes // meta.shape[0])
+        step = max(1, max_bytes // row)
+        for lo in range(0, meta.shape[0], step):
+            n = min(step, meta.shape[0] - lo)
+            box = Box((lo,) + (0,) * (len(meta.shape) - 1), (n,) + tuple(meta.shape[1:]))
+            yield box, self.read(name, box)
+
+
+# ------------------------------------------------------------------ writing
+@dataclass
+class _File:
+    name: str
+    writer: Any
+    pos: int = 0
+
+
+@dataclass
+class _Tensor:
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: list[ChunkMeta] = field(default_factory=list)
+
+
+class CheckpointWriter:
+    """Write a shardpoint checkpoint from a stream of tensors, in one process.
+
+    ``add(name, tensor)`` stores a whole tensor; ``add(name, piece, shape=...,
+    box=..., rank=r)`` stores one chunk of a larger tensor in writer ``r``'s
+    data file. ``set_value(key, doc)`` sets the (already encoded) value
+    document of a top-level entry; ``set_entry(key, kind)`` records the entry's
+    save-time framework (``"module"``, ``"values"``, ...). ``commit()`` checks
+    that every tensor is covered exactly once, writes the manifest atomically
+    and removes data files it does not list. As a context manager, an
+    exception aborts every open data file and commits nothing.
+    """
+
+    def __init__(self, path: str | Storage, *, block_size: int = DEFAULT_BLOCK_SIZE, world_size: int = 1, layout: dict | None = None):
+        if block_size < 16 or block_size % 16:
+            raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
+        self.storage = storage_for(path)
+        self.where = self.storage.url
+        self.block_size = block_size
+        self.world_size = world_size
+        self.save_id = uuid.uuid4().hex
+        self.values: dict[str, Any] = {}
+        self.entries: dict[str, str] = {}
+        self.placements: dict[str, str] = {}
+        self.extra_layout = dict(layout or {})
+        self.bytes_written = 0
+        self._files: dict[int, _File] = {}
+        self._tensors: dict[str, _Tensor] = {}
+        self._done = False
+
+    def _file(self, rank: int) -> _File:
+        f = self._files.get(rank)
+        if f is None:
+            name = f"data/{self.save_id}-r{rank:05d}.bin"
+            f = self._files[rank] = _File(name, self.storage.open_writer(name))
+        return f
+
+    def add(self, fqn: str, data: torch.Tensor, *, shape: Sequence[int] | None = None, box: Box | None = None, rank: int = 0, placement: str = "local") -> None:
+        """Store ``data`` as the chunk ``box`` (default: all) of the tensor ``fqn`` of global ``shape``."""
+        if self._done:
+            raise ConversionError(f"{self.where}: writer already committed")
+        if not isinstance(fqn, str) or not fqn:
+            raise ConversionError(f"tensor names must be non-empty strings, got {fqn!r}")
+        data = data.detach()
+        dt = dtype_name(data.dtype)
+        if dt not in DTYPE_SIZES:
+            raise UnsupportedStateError(
+                f"{self.where}: tensor {fqn!r} has dtype {data.dtype}, which shardpoint cannot store "
+                f"(supported: {', '.join(sorted(DTYPE_SIZES))}); pass --dtype to cast it"
+            )
+        shape = tuple(int(s) for s in (shape if shape is not None else data.shape))
+        box = box or Box.full(shape)
+        if not box.within(shape) or data.numel() != box.numel:
+            raise ShapeMismatchError(f"{fqn}: chunk {box} of {data.numel()} elements does not fit shape {shape}")
+        t = self._tensors.setdefault(fqn, _Tensor(dt, shape))
+        if (t.dtype, t.shape) != (dt, shape):
+            raise ShapeMismatchError(f"{fqn}: chunks disagree: {t.dtype}{list(t.shape)} vs {dt}{list(shape)}")
+        if rank < 0:
+            raise ConversionError(f"writer rank must be >= 0, got {rank}")
+        f = self._file(rank)
+        mv = tensor_bytes(data)
+        if f.pos % ALIGN:
+            n = ALIGN - f.pos % ALIGN
+            f.writer.write(bytes(n))
+            f.pos += n
+        sums = block_checksums(mv, self.block_size)
+        f.writer.write(mv)
+        t.chunks.append(ChunkMeta(box, f.name, f.pos, len(mv), tuple(sums), None, rank))
+        f.pos += len(mv)
+        self.bytes_written += len(mv)
+        self.placements.setdefault(fqn, placement)
+
+    def set_value(self, key: str, doc: Any, kind: str = "values") -> None:
+        """The encoded value document of the top-level entry ``key`` (see :mod:`shardpoint.format.values`)."""
+        if not key or "." in key:
+            raise ConversionError(f"top-level keys must be non-empty and without '.', got {key!r}")
+        self.values[key] = doc
+        self.entries.setdefault(key, kind)
+
+    def commit(self) -> Manifest:
+        """Make the data durable, check coverage, and write ``manifest.json`` last."""
+        for f in self._files.values():
+            f.writer.close()
+        files = {f.name: f.pos for f in self._files.values()}
+        tensors = {}
+        for fqn, t in self._tensors.items():
+            covered = sum(c.numel for c in t.chunks)
+            if covered != math.prod(t.shape):
+                raise ConversionError(f"{self.where}: chunks of {fqn!r} cover {covered} of {math.prod(t.shape)} elements")
+            cs = sorted(t.chunks, key=lambda c: c.box.offsets)
+            tensors[fqn] = TensorMeta(t.dtype, t.shape, tuple(cs))
+        tops = {fqn.split(".", 1)[0] for fqn in tensors}
+        for top in sorted(tops - set(self.values)):
+            # A tensor-only entry (e.g. a module's weights) loads into a module as it is.
+            self.values[top] = {}
+            self.entries.setdefault(top, "module")
+        world = max([self.world_size] + [r + 1 for r in self._files])
+        manifest = Manifest(
+            save_id=self.save_id,
+            world_size=world,
+            block_size=self.block_size,
+            tensors=tensors,
+            values=self.values,
+            files=files,
+            layout={"world_size": world, "entries": self.entries, "placements": self.placements, **self.extra_layout},
+            created=time.time(),
+        )
+        data = manifest.to_json()
+        Manifest.from_json(data, self.where)  # the reader's validation, before the commit
+        self.storage.put_atomic(MANIFEST_NAME, data)
+        self._done = True
+        for name in self.storage.list("data/"):
+            if name not in files:
+                self.storage.delete(name)
+        return manifest
+
+    def abort(self) -> None:
+        for f in self._files.values():
+            f.writer.abort()
+        self._files.clear()
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, et, ev, tb) -> None:
+        if et is not None and not self._done:
+            self.abort()
+
+
+def top_key(prefix: str) -> str:
+    """The state key a name prefix like ``"model."`` stands for (``""`` for no prefix)."""
+    if not prefix:
+        return ""
+    if not prefix.endswith(".") or "." in prefix[:-1] or len(prefix) < 2:
+        raise ConversionError(f"an import prefix must be one state key followed by '.', like 'model.'; got {prefix!r}")
+    return prefix[:-1]
+
+
+# ------------------------------------------------------------------ trees of values
+# A path is a tuple of (kind, key) steps: ("d", key) into a dict, ("l", index) into a list.
+Path = tuple
+
+
+def path_name(path: Path) -> str:
+    """The dotted name of a path, as :func:`shardpoint.format.values.encode_value` and DCP spell it."""
+    return ".".join(str(k) for _, k in path)
+
+
+def walk(obj: Any, path: Path = ()) -> Iterable[tuple[Path, Any]]:
+    """Every leaf of nested dicts, lists and tuples, with its path."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from walk(v, path + (("d", k),))
+    elif isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        for i, v in enumerate(obj):
+            yield from walk(v, path + (("l", i),))
+    else:
+        yield path, obj
+
+
+def build(pairs: Iterable[tuple[Path, Any]]) -> dict:
+    """The nested dict/list tree whose leaves are ``pairs`` (the inverse of :func:`walk`)."""
+    root: dict = {}
+    for path, leaf in pairs:
+        node: Any = root
+        for i, (kind, key) in enumerate(path):
+            last = i == len(path) - 1
+            if isinstance(node, list):
+                while len(node) <= key:
+                    node.append(None)
+            if last:
+                node[key] = leaf
+            elif (node[key] is None) if isinstance(node, list) else (key not in node):
+                node[key] = {} if path[i + 1][0] == "d" else []
+            node = node[key]
+    return root
+
+
+def encodable(value: Any) -> bool:
+    """Whether a non-tensor leaf can be stored in the manifest without pickle."""
+    from ..format.values import encode_value
+
+    def no_tensor(fqn, t):
+        raise UnsupportedStateError("tensor")
+
+    try:
+        encode_value(value, "x", no_tensor, allow_pickle=False)
+        return True
+    except (UnsupportedStateError, TypeError, ValueError):
+        return False
+
+
+def encode_entries(pairs: Sequence[tuple[Path, Any]], written: set[str], where: str) -> dict[str, Any]:
+    """Encode a tree of leaves (tensors already written under their path names) into value docs per top key.
+
+    Returns ``{top key: document}``. A tensor leaf becomes a reference to the
+    tensor of the same dotted name, which must be in ``written``.
+    """
+    from ..format.values import encode_value
+
+    tree = build(pairs)
+    docs = {}
+    refs: list[str] = []
+    for top, sub in tree.items():
+        if not isinstance(top, str) or not top or "." in top:
+            raise ConversionError(f"{where}: top-level key {top!r} cannot be a state key (needs a non-empty name without '.'); pass --prefix model.")
+        docs[top] = encode_value(sub, top, lambda fqn, t: refs.append(fqn), allow_pickle=False)
+    stray = sorted(set(refs) - written)
+    if stray:  # pragma: no cover - the writer and the encoder spell names the same way
+        raise ConversionError(f"{where}: internal naming error: value refs {stray[:5]} name no written tensor")
+    return docs

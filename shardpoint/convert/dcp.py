@@ -1,0 +1,295 @@
+"""PyTorch Distributed Checkpoint (DCP) folders, both ways.
+
+:func:`export_dcp` writes a DCP folder that ``torch.distributed.checkpoint.load``
+reads, with or without a process group. It runs DCP's own writer
+(``FileSystemWriter``) with a planner whose tensors are placeholders on the
+``meta`` device: DCP asks for each tensor only when it writes it, and the
+planner then reads that one tensor from the shardpoint checkpoint. Tensor names
+are the checkpoint's names (``model.layers.0.w``), which is what DCP's
+``flatten_state_dict`` makes of ``{"model": model.state_dict()}``, so
+``dcp.load({"model": model.state_dict()}, checkpoint_id=OUT)`` works. Plain
+values (``{"extra": {"step": 7}}``, optimizer hyper-parameters) are written
+as DCP objects too.
+
+:func:`import_dcp` reads a DCP folder chunk by chunk through DCP's own reader
+and keeps its sharding: each saved DCP chunk becomes one shardpoint chunk,
+written by the rank whose file held it. DCP's ``.metadata`` file and its
+non-tensor objects are pickles, and unpickling runs code chosen by whoever
+wrote the file: importing therefore needs ``trust_pickle=True``
+(``--trust-pickle``).
+
+Example::
+
+    export_dcp("ckpt/step_100", "dcp_out")
+    import_dcp("dcp_ckpt", "ckpt/from_dcp", trust_pickle=True)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from ..adapters.base import torch_dtype
+from ..engine.io import DEFAULT_BLOCK_SIZE
+from ..format.values import decode_value
+from ..geometry import Box
+from .common import (
+    CheckpointReader,
+    CheckpointWriter,
+    ConversionError,
+    NameMap,
+    cast,
+    encodable,
+    encode_entries,
+    parse_rename,
+    path_name,
+    prepare_output_dir,
+    progress,
+    top_key,
+)
+from .hf import ImportResult
+
+__all__ = ["export_dcp", "import_dcp", "DCPExportResult", "TRUST_PICKLE_HELP"]
+
+TRUST_PICKLE_HELP = (
+    "DCP stores its .metadata file and every non-tensor object as Python pickles, and "
+    "unpickling runs whatever code the file's author put there. Import only DCP folders you "
+    "trust, and say so with --trust-pickle (trust_pickle=True)."
+)
+
+
+class DCPExportResult(ImportResult):
+    """What an export to DCP wrote (``path`` is the DCP folder)."""
+
+
+def _quiet_dcp():
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    return ctx
+
+
+def export_dcp(
+    path: str,
+    out: str,
+    *,
+    prefix: str = "",
+    rename: Sequence[str] = (),
+    keys: Sequence[str] = (),
+    dtype: torch.dtype | None = None,
+    values: bool = True,
+    force: bool = False,
+    quiet: bool = True,
+    verify: bool = True,
+) -> DCPExportResult:
+    """Write the checkpoint ``path`` as a DCP folder ``out`` (consolidated tensors, one file).
+
+    ``prefix``/``rename``/``keys`` select and rename tensors as for
+    :func:`~shardpoint.convert.hf.export_hf` (by default every tensor keeps its
+    name). With ``values`` and no selection, every entry's plain values
+    (optimizer hyper-parameters, step counters) are written as DCP objects
+    too, so that :func:`import_dcp` gives back an equivalent checkpoint.
+    Peak memory stays near one tensor.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    reader = CheckpointReader(path, verify=verify)
+    m = reader.manifest
+    names = NameMap(prefix, parse_rename(rename), tuple(keys))
+    state: dict[str, Any] = {}
+    source: dict[int, str] = {}  # id(placeholder) -> checkpoint tensor name
+    result = DCPExportResult(out)
+    total = 0
+
+    def placeholder(fqn: str) -> torch.Tensor:
+        nonlocal total
+        meta = reader.meta(fqn)
+        dt = torch_dtype(meta.dtype)
+        if dtype is not None and dt.is_floating_point:
+            dt = dtype
+        t = torch.empty(meta.shape, dtype=dt, device="meta")
+        source[id(t)] = fqn
+        total += t.numel() * t.element_size()
+        return t
+
+    in_trees: set[str] = set()
+    if values and not prefix and not rename and not keys:
+        # Every entry's value document (optimizer hyper-parameters, step counters, a module's
+        # extra state) becomes DCP objects; its tensor references become the tensors themselves.
+        for key, doc in m.values.items():
+            tree = decode_value(doc, lambda f: (in_trees.add(f), placeholder(f))[1], False, reader.where)
+            if tree is not None and tree != {}:
+                state[key] = tree
+    seen: dict[str, str] = {}
+    for fqn in reader.names():
+        if fqn in in_trees:
+            continue
+        out_name = names.export_name(fqn)
+        if out_name is None:
+            result.skipped.append(fqn)
+            continue
+        if out_name in seen:
+            raise ConversionError(f"{reader.where}: tensors {seen[out_name]!r} and {fqn!r} both map to {out_name!r}")
+        seen[out_name] = fqn
+        top, _, rest = out_name.partition(".")
+        if rest:
+            node = state.setdefault(top, {})
+            if not isinstance(node, dict) or rest in node:
+                raise ConversionError(f"{reader.where}: tensor {out_name!r} collides with a value of entry {top!r}")
+            node[rest] = placeholder(fqn)
+        else:
+            state[top] = placeholder(fqn)
+    if not source:
+        raise ConversionError(f"{reader.where}: no tensor selected for export")
+
+    bar = progress(total, "export dcp", quiet)
+
+    class _StreamingPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            obj = self.lookup_object(write_item.index)
+            fqn = source.get(id(obj)) if isinstance(obj, torch.Tensor) else None
+            if fqn is None:
+                return super().resolve_data(write_item)
+            t = cast(reader.read(fqn), obj.dtype)
+            bar.update(t.numel() * t.element_size())
+            result.tensors += 1
+            result.bytes += t.numel() * t.element_size()
+            return t
+
+    prepare_output_dir(out, force)
+    ctx = _quiet_dcp()
+    try:
+        with bar:
+            dcp.save(state, storage_writer=FileSystemWriter(out, thread_count=1), planner=_StreamingPlanner(), no_dist=True)
+    finally:
+        ctx.__exit__(None, None, None)
+    return result
+
+
+_RANK_RE = re.compile(r"__(\d+)_")
+
+
+def import_dcp(
+    src: str,
+    path: str,
+    *,
+    trust_pickle: bool = False,
+    prefix: str = "",
+    rename: Sequence[str] = (),
+    keys: Sequence[str] = (),
+    dtype: torch.dtype | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    force: bool = False,
+    quiet: bool = True,
+) -> ImportResult:
+    """Write the DCP folder ``src`` as a shardpoint checkpoint at ``path``, chunk by chunk.
+
+    Needs ``trust_pickle=True`` (see :data:`TRUST_PICKLE_HELP`). Each DCP key
+    keeps its name (after ``rename``, with ``prefix`` in front); a DCP folder
+    saved from ``{"model": sd, "optim": ...}`` therefore loads with
+    ``sp.load(path, {"model": model})``, and one saved from a bare
+    ``model.state_dict()`` needs ``prefix="model."``. Non-tensor objects that
+    the manifest can store (numbers, strings, lists, dicts) become values;
+    others are skipped and listed in the result.
+    """
+    if not trust_pickle:
+        raise ConversionError(f"refusing to import {src} without trust_pickle: {TRUST_PICKLE_HELP}")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not os.path.isdir(src) or not os.path.exists(os.path.join(src, ".metadata")):
+        raise ConversionError(f"{src} is not a DCP folder (no .metadata file)")
+    top_key(prefix)  # validates the prefix
+    names = NameMap(prefix, parse_rename(rename), tuple(keys))
+    reader = FileSystemReader(src)
+    md = reader.read_metadata()
+    planner_paths = getattr(md, "planner_data", None) or {}
+    result = ImportResult(path)
+
+    def new_path(fqn: str, final: str) -> tuple:
+        p = planner_paths.get(fqn)
+        if final == fqn and isinstance(p, tuple) and p and isinstance(p[0], str) and "." not in p[0] \
+                and all(isinstance(k, (str, int)) for k in p) and ".".join(map(str, p)) == fqn:
+            return tuple(("l" if isinstance(k, int) else "d", k) for k in p)
+        top, _, rest = final.partition(".")
+        return (("d", top), ("d", rest)) if rest else (("d", top),)
+
+    state: dict[str, Any] = {}
+    finals: dict[str, str] = {}
+    total = 0
+    for fqn, meta in md.state_dict_metadata.items():
+        final = names.import_name(fqn)
+        if final is None:
+            result.skipped.append(fqn)
+            continue
+        if final in finals.values():
+            raise ConversionError(f"{src}: two DCP keys map to {final!r}")
+        finals[fqn] = final
+        if isinstance(meta, TensorStorageMetadata):
+            state[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
+            total += state[fqn].numel() * state[fqn].element_size()
+        else:
+            state[fqn] = None  # an object; DCP hands it to load_bytes
+    if not state:
+        raise ConversionError(f"{src}: no DCP key selected")
+    leaves: list[tuple[tuple, Any]] = []
+    written: set[str] = set()
+    if "://" not in path:
+        prepare_output_dir(path, force)
+    bar = progress(total, "import dcp", quiet)
+
+    with CheckpointWriter(path, block_size=block_size, layout={"source": "dcp"}) as w:
+
+        class _ChunkPlanner(DefaultLoadPlanner):
+            def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+                # Keep the meta placeholders: the default would allocate every tensor here.
+                self.original_state_dict = self.state_dict = state_dict
+                self.mappings = {}
+                self.metadata = metadata
+                self.is_coordinator = is_coordinator
+
+            def resolve_tensor(self, read_item):
+                meta = md.state_dict_metadata[read_item.dest_index.fqn]
+                return torch.empty(tuple(read_item.lengths), dtype=meta.properties.dtype)
+
+            def commit_tensor(self, read_item, tensor):
+                fqn = read_item.dest_index.fqn
+                meta = md.state_dict_metadata[fqn]
+                info = md.storage_data.get(read_item.storage_index)
+                found = _RANK_RE.match(os.path.basename(info.relative_path)) if info is not None else None
+                t = cast(tensor, dtype)
+                w.add(finals[fqn], t, shape=tuple(meta.size), rank=int(found.group(1)) if found else 0,
+                      box=Box(tuple(int(o) for o in read_item.dest_offsets), tuple(int(n) for n in read_item.lengths)), placement="dcp")
+                if finals[fqn] not in written:
+                    written.add(finals[fqn])
+                    leaves.append((new_path(fqn, finals[fqn]), torch.empty(0, device="meta")))
+                result.bytes += t.numel() * t.element_size()
+                bar.update(tensor.numel() * tensor.element_size())
+
+            def load_bytes(self, read_item, value):
+                fqn = read_item.dest_index.fqn
+                obj = torch.load(value, weights_only=False)  # trusted by the caller
+                if encodable(obj):
+                    leaves.append((new_path(fqn, finals[fqn]), obj))
+                else:
+                    result.skipped.append(f"{fqn} ({type(obj).__qualname__})")
+
+        ctx = _quiet_dcp()
+        try:
+            with bar:
+                dcp.load(state, storage_reader=reader, planner=_ChunkPlanner(flatten_state_dict=False, allow_partial_load=True), no_dist=True)
+        finally:
+            ctx.__exit__(None, None, None)
+        for top, doc in encode_entries(leaves, written, src).items():
+            w.set_value(top, doc, kind="values")
+        w.commit()
+    result.tensors = len(written)
+    return result
