@@ -8,7 +8,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,s3]'
+	$(BIN)/pip install -q -e '.[test,s3,tools]'
 	touch $@
 
 install: $(BIN)/.installed
