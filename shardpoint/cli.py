@@ -175,7 +175,7 @@ def _export(args) -> int:
 
     dtype = common.parse_dtype(args.dtype)
     prefix = _DEFAULT_PREFIX[args.to] if args.prefix is None else args.prefix
-    kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, dtype=dtype, force=args.force, quiet=args.quiet, verify=not args.no_verify)
+    kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype, force=args.force, quiet=args.quiet, verify=not args.no_verify)
     if args.to == "hf":
         r = export_hf(args.path, args.out, shard_size=args.shard_size, config=args.config, **kw)
         summary = f"exported {r.tensors} tensors ({_human(r.bytes)}) to {args.out}: {', '.join(r.files)} + model.safetensors.index.json"
@@ -195,7 +195,7 @@ def _import(args) -> int:
 
     dtype = common.parse_dtype(args.dtype)
     prefix = _DEFAULT_PREFIX[args.fmt] if args.prefix is None else args.prefix
-    kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, dtype=dtype, block_size=args.block_size, force=args.force, quiet=args.quiet)
+    kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype, block_size=args.block_size, force=args.force, quiet=args.quiet)
     if args.fmt == "hf":
         r = import_hf(args.src, args.path, **kw)
     elif args.fmt == "dcp":
@@ -271,6 +271,7 @@ def _naming(p, default_note: str) -> None:
     p.add_argument("--rename", action="append", default=[], metavar="REGEX=REPL",
                    help="regex substitution on tensor names, repeatable, applied in order")
     p.add_argument("--keys", action="append", default=[], metavar="GLOB", help="only tensors whose name matches (repeatable)")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="skip tensors whose name matches (repeatable)")
     p.add_argument("--dtype", default=None, help="cast floating-point tensors: bf16, fp16, fp32 (default: keep)")
     p.add_argument("--force", action="store_true", help="write into an existing, non-empty output")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary")

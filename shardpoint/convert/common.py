@@ -138,8 +138,8 @@ class NameMap:
     """How names move between a shardpoint checkpoint and another format.
 
     On export, a checkpoint tensor name is kept only if it starts with
-    ``prefix`` and matches one of ``keys`` (globs over the checkpoint name, all
-    if empty); the prefix is stripped, then the ``rename`` rules apply. On
+    ``prefix``, matches one of ``keys`` (globs over the checkpoint name, all
+    if empty) and none of ``exclude``; the prefix is stripped, then the ``rename`` rules apply. On
     import the rename rules apply to the source name first, then ``prefix`` is
     prepended. ``model.`` is the usual prefix: ``sp.save(path, {"model": m})``
     stores ``m``'s parameter ``layers.0.w`` as ``model.layers.0.w``.
@@ -153,6 +153,12 @@ class NameMap:
     prefix: str = ""
     rename: Sequence[tuple[re.Pattern, str]] = ()
     keys: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+
+    def _selected(self, name: str) -> bool:
+        if self.keys and not any(fnmatch.fnmatchcase(name, k) for k in self.keys):
+            return False
+        return not any(fnmatch.fnmatchcase(name, k) for k in self.exclude)
 
     def _renamed(self, name: str) -> str:
         for pat, rep in self.rename:
@@ -160,14 +166,12 @@ class NameMap:
         return name
 
     def export_name(self, fqn: str) -> str | None:
-        if not fqn.startswith(self.prefix):
-            return None
-        if self.keys and not any(fnmatch.fnmatchcase(fqn, k) for k in self.keys):
+        if not fqn.startswith(self.prefix) or not self._selected(fqn):
             return None
         return self._renamed(fqn[len(self.prefix):])
 
     def import_name(self, name: str) -> str | None:
-        if self.keys and not any(fnmatch.fnmatchcase(name, k) for k in self.keys):
+        if not self._selected(name):
             return None
         return self.prefix + self._renamed(name)
 

@@ -80,6 +80,7 @@ def export_dcp(
     prefix: str = "",
     rename: Sequence[str] = (),
     keys: Sequence[str] = (),
+    exclude: Sequence[str] = (),
     dtype: torch.dtype | None = None,
     values: bool = True,
     force: bool = False,
@@ -101,7 +102,7 @@ def export_dcp(
 
     reader = CheckpointReader(path, verify=verify)
     m = reader.manifest
-    names = NameMap(prefix, parse_rename(rename), tuple(keys))
+    names = NameMap(prefix, parse_rename(rename), tuple(keys), tuple(exclude))
     state: dict[str, Any] = {}
     source: dict[int, str] = {}  # id(placeholder) -> checkpoint tensor name
     result = DCPExportResult(out)
@@ -119,7 +120,7 @@ def export_dcp(
         return t
 
     in_trees: set[str] = set()
-    if values and not prefix and not rename and not keys:
+    if values and not prefix and not rename and not keys and not exclude:
         # Every entry's value document (optimizer hyper-parameters, step counters, a module's
         # extra state) becomes DCP objects; its tensor references become the tensors themselves.
         for key, doc in m.values.items():
@@ -183,6 +184,7 @@ def import_dcp(
     prefix: str = "",
     rename: Sequence[str] = (),
     keys: Sequence[str] = (),
+    exclude: Sequence[str] = (),
     dtype: torch.dtype | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     force: bool = False,
@@ -208,7 +210,7 @@ def import_dcp(
     if not os.path.isdir(src) or not os.path.exists(os.path.join(src, ".metadata")):
         raise ConversionError(f"{src} is not a DCP folder (no .metadata file)")
     top_key(prefix)  # validates the prefix
-    names = NameMap(prefix, parse_rename(rename), tuple(keys))
+    names = NameMap(prefix, parse_rename(rename), tuple(keys), tuple(exclude))
     reader = FileSystemReader(src)
     md = reader.read_metadata()
     planner_paths = getattr(md, "planner_data", None) or {}

@@ -142,6 +142,7 @@ def export_hf(
     prefix: str = "model.",
     rename: Sequence[str] = (),
     keys: Sequence[str] = (),
+    exclude: Sequence[str] = (),
     config: str | None = None,
     force: bool = False,
     quiet: bool = True,
@@ -159,7 +160,7 @@ def export_hf(
     ``model.safetensors.index.json`` is written in both cases.
     """
     reader = CheckpointReader(path, verify=verify)
-    names = NameMap(prefix, parse_rename(rename), tuple(keys))
+    names = NameMap(prefix, parse_rename(rename), tuple(keys), tuple(exclude))
     cap = parse_size(shard_size)
     plan = _plan(reader, names, dtype, reader.where)
     shards: list[list] = [[]]
@@ -244,6 +245,7 @@ def import_hf(
     prefix: str = "model.",
     rename: Sequence[str] = (),
     keys: Sequence[str] = (),
+    exclude: Sequence[str] = (),
     dtype: torch.dtype | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     force: bool = False,
@@ -259,7 +261,7 @@ def import_hf(
     from safetensors import safe_open
 
     files = _source_files(src)
-    names = NameMap(prefix, parse_rename(rename), tuple(keys))
+    names = NameMap(prefix, parse_rename(rename), tuple(keys), tuple(exclude))
     if prefix and not prefix.endswith("."):
         raise ConversionError(f"prefix {prefix!r} must end with '.', like 'model.'")
     if "://" not in path:

@@ -63,6 +63,7 @@ def export_torch(
     prefix: str = "model.",
     rename: Sequence[str] = (),
     keys: Sequence[str] = (),
+    exclude: Sequence[str] = (),
     dtype: torch.dtype | None = None,
     force: bool = False,
     quiet: bool = True,
@@ -77,7 +78,7 @@ def export_torch(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     reader = CheckpointReader(path, verify=verify)
-    names = NameMap(prefix, parse_rename(rename), tuple(keys))
+    names = NameMap(prefix, parse_rename(rename), tuple(keys), tuple(exclude))
     plan: list[tuple[str, str, torch.dtype, tuple]] = []
     seen: dict[str, str] = {}
     for fqn in reader.names():
@@ -139,6 +140,7 @@ def import_torch(
     prefix: str = "model.",
     rename: Sequence[str] = (),
     keys: Sequence[str] = (),
+    exclude: Sequence[str] = (),
     dtype: torch.dtype | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     force: bool = False,
@@ -165,8 +167,8 @@ def import_torch(
         obj = obj.state_dict()
     if not top and not isinstance(obj, dict):
         raise ConversionError(f"{src} holds a {type(obj).__name__}, not a dict; pass --prefix model. (or another key)")
-    names = NameMap(prefix, parse_rename(rename), tuple(keys))
-    flat = bool(rename or keys)
+    names = NameMap(prefix, parse_rename(rename), tuple(keys), tuple(exclude))
+    flat = bool(rename)
     result = ImportResult(path)
     leaves: list[tuple[tuple, Any]] = []
     tensors: list[tuple[str, torch.Tensor]] = []
