@@ -50,6 +50,15 @@ class IOStats:
             self.bytes_written += n
             self.writes += 1
 
+    def __getstate__(self) -> dict:  # picklable: the lock is per process
+        d = dict(self.__dict__)
+        d.pop("_lock", None)
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        self._lock = threading.Lock()
+
 
 class Writer(abc.ABC):
     """A sequential writer of one data file. ``close()`` makes it durable."""

@@ -213,6 +213,15 @@ class FsspecStorage(Storage):
         finally:
             os.close(fd)
 
+    def __getstate__(self) -> dict:  # picklable when the filesystem is (fsspec filesystems are)
+        d = dict(self.__dict__)
+        d["_pool_box"] = None
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        self._pool_box = [None, threading.Lock(), -1]
+
     @property
     def _pool(self) -> ThreadPoolExecutor:
         box = self._pool_box

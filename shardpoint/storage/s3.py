@@ -235,6 +235,12 @@ class _Shared:
         self._client = None
         self._pool: ThreadPoolExecutor | None = None
 
+    def __getstate__(self) -> dict:  # picklable: the client and threads are rebuilt on use
+        return {"options": self.options}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["options"])
+
     def _fresh(self) -> None:
         if self._pid != os.getpid():
             self._client, self._pool, self._pid = None, None, os.getpid()

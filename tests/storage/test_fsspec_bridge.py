@@ -51,6 +51,12 @@ class TestFsspecLocal(StorageConformance):
         assert sorted(os.listdir(storage.root)) == ["data", "manifest.json"]
         assert len(synced) == 4  # data file + its folder, manifest temp + the folder
 
+    def test_pickles(self, storage):
+        import pickle
+
+        storage.put_atomic("m", b"1")
+        assert pickle.loads(pickle.dumps(storage)).get("m") == b"1"
+
     def test_parallel_ranged_reads(self, storage):
         payload = os.urandom(10_000)
         write_file(storage, "r.bin", payload)

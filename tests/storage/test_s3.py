@@ -115,6 +115,14 @@ class TestS3Storage(StorageConformance):
         with pytest.raises(StorageError, match="refusing unsafe name"):
             storage.put_atomic("../x", b"1")
 
+    def test_pickles_without_client(self, storage):
+        import pickle
+
+        storage.put_atomic("m", b"1")
+        again = pickle.loads(pickle.dumps(storage.child("x")))
+        assert again.url == f"{storage.url}/x" and again.options == storage.options
+        assert pickle.loads(pickle.dumps(storage)).get("m") == b"1"
+
     def test_missing_bucket(self, s3_endpoint):
         st = S3Storage(f"s3://nobucket-{uuid.uuid4().hex[:8]}/x", s3_options(s3_endpoint))
         assert not st.location_exists() and st.list() == []
