@@ -278,15 +278,15 @@ def _default_layout() -> tuple[int, int, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
         return rank, world, None
-    backend = str(dist.get_backend())
-    device = "cpu" if ("gloo" in backend or not torch.cuda.is_available()) else "cuda"
-    key = (id(dist.distributed_c10d._get_default_group()), world, device)
+    # A CPU mesh: the rows stay in host memory, and no DTensor operation ever runs on them, so
+    # the mesh only names who owns which row. Over the whole world it reuses the default group.
+    key = (id(dist.distributed_c10d._get_default_group()), world)
     mesh = _MESHES.get(key)
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
         _MESHES.clear()  # a new process group: old meshes are stale
-        mesh = _MESHES[key] = init_device_mesh(device, (world,))
+        mesh = _MESHES[key] = init_device_mesh("cpu", (world,))
     return rank, world, mesh
 
 
