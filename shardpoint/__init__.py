@@ -27,7 +27,9 @@ from .errors import (
     UnsupportedStateError,
 )
 from .format.manifest import FORMAT_VERSION
+from .data import ResumableLoader, ResumableSampler
 from .layouts import Fused, Padded, Reduced
+from .rng import RNGState
 from .storage import LocalStorage, MemoryStorage, Storage
 from .storage.tiers import TieredStorage
 
@@ -51,6 +53,9 @@ __all__ = [
     "Fused",
     "Padded",
     "Reduced",
+    "ResumableSampler",
+    "ResumableLoader",
+    "RNGState",
     "CheckpointError",
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",

@@ -10,6 +10,7 @@ tag        meaning
 ``float``  non-finite float: ``{"v": "nan" | "inf" | "-inf"}``
 ``tuple``  ``{"v": [items]}``
 ``dict``   a dict with non-string keys: ``{"items": [[k, v], ...]}``
+``counter`` a ``collections.Counter``: ``{"items": [[k, v], ...]}``
 ``bytes``  ``{"b64": base64}``
 ``tensor`` a tensor stored as a logical tensor: ``{"key": fqn}``
 ``dtype``  a ``torch.dtype``: ``{"v": "float32"}``
@@ -23,6 +24,7 @@ tag, so user data can never be mistaken for a tag.
 from __future__ import annotations
 
 import base64
+import collections
 import binascii
 import math
 import pickle
@@ -73,6 +75,12 @@ def encode_value(
         return {_TAG: "tuple", "v": [encode_value(v, f"{path}.{i}", on_tensor, allow_pickle, d) for i, v in enumerate(value)]}
     if isinstance(value, list):
         return [encode_value(v, f"{path}.{i}", on_tensor, allow_pickle, d) for i, v in enumerate(value)]
+    if isinstance(value, collections.Counter):
+        items = [
+            [encode_value(k, f"{path}.<key>", on_tensor, allow_pickle, d), encode_value(v, f"{path}.{k}", on_tensor, allow_pickle, d)]
+            for k, v in value.items()
+        ]
+        return {_TAG: "counter", "items": items}
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and _TAG not in value:
             return {k: encode_value(v, f"{path}.{k}", on_tensor, allow_pickle, d) for k, v in value.items()}
@@ -126,8 +134,8 @@ def decode_value(
         return float(v)
     if tag == "tuple":
         return tuple(decode_value(v, get_tensor, allow_pickle, where, d) for v in _field(doc, "v", list, tag, where))
-    if tag == "dict":
-        out = {}
+    if tag in ("dict", "counter"):
+        out = {} if tag == "dict" else collections.Counter()
         for pair in _field(doc, "items", list, tag, where):
             if not isinstance(pair, list) or len(pair) != 2:
                 raise FormatError(f"{where}: malformed dict item")

@@ -101,7 +101,6 @@ def test_scheduler_round_trip(tmp_path, name):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
 
 
-@pytest.mark.xfail(strict=True, reason="the value codec stores a Counter as a plain dict (format/values.py)")
 def test_counter_type_is_kept(tmp_path):
     # MultiStepLR keeps its milestones in a Counter; after a load they are a plain dict. get_lr
     # still works (it only tests membership and indexes), but the deprecated step(epoch) path
