@@ -73,7 +73,7 @@ def _inspect(args) -> int:
 
         table = Table(title=f"{args.tensor}  {t.dtype}{list(t.shape)}, {_human(t.nbytes)}, {len(rows)} chunk(s)")
         for col in ("chunk", "rank", "offsets", "sizes", "flat", "file", "offset", "bytes"):
-            table.add_column(col, justify="right" if col in ("chunk", "rank", "offset", "bytes") else "left")
+            table.add_column(col, justify="right" if col in ("chunk", "rank", "offset", "bytes") else "left", overflow="fold")
         for r in rows:
             table.add_row(str(r["chunk"]), str(r["rank"]), str(r["offsets"]), str(r["sizes"]),
                           "-" if r["flat"] is None else str(r["flat"]), r["file"], str(r["offset"]), _human(r["nbytes"]))
@@ -104,7 +104,7 @@ def _inspect(args) -> int:
 
     table = Table(title=f"{args.path}  (format v{m.format_version}, saved by {m.world_size} rank(s))")
     for col in ("tensor", "dtype", "shape", "chunks", "bytes"):
-        table.add_column(col, justify="right" if col in ("chunks", "bytes") else "left")
+        table.add_column(col, justify="right" if col in ("chunks", "bytes") else "left", overflow="fold")
     for k in names:
         t = m.tensors[k]
         table.add_row(k, t.dtype, str(list(t.shape)), str(len(t.chunks)), _human(t.nbytes))
@@ -239,9 +239,9 @@ def _diff(args) -> int:
 
         table = Table(title=f"{len(d.changed)} of {d.compared} tensors differ (atol={args.atol}, rtol={args.rtol})")
         for col in ("tensor", "dtype", "shape", "differing", "max abs diff", "max rel diff"):
-            table.add_column(col, justify="left" if col in ("tensor", "dtype", "shape") else "right")
+            table.add_column(col, justify="left" if col in ("tensor", "dtype", "shape") else "right", overflow="fold")
         for t in d.changed:
-            what = f"{t.n_diff}/{t.numel}" if t.reason == "values" else t.reason
+            what = f"{t.n_diff}/{t.numel}" if t.reason == "values" else f"{t.reason}; {t.n_diff}/{t.numel}"
             table.add_row(t.name, t.dtype, str(t.shape), what, f"{t.max_abs:.3g}", f"{t.max_rel:.3g}")
         con.print(table)
     for label, items in (("only in A", d.only_a), ("only in B", d.only_b), ("values differ", d.values_changed),

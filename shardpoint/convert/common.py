@@ -364,11 +364,20 @@ class CheckpointWriter:
                 raise ConversionError(f"{self.where}: chunks of {fqn!r} cover {covered} of {math.prod(t.shape)} elements")
             cs = sorted(t.chunks, key=lambda c: c.box.offsets)
             tensors[fqn] = TensorMeta(t.dtype, t.shape, tuple(cs))
-        tops = {fqn.split(".", 1)[0] for fqn in tensors}
-        for top in sorted(tops - set(self.values)):
-            # A tensor-only entry (e.g. a module's weights) loads into a module as it is.
-            self.values[top] = {}
-            self.entries.setdefault(top, "module")
+        defaults: dict[str, Any] = {}
+        for fqn in sorted(tensors):
+            top, _, rest = fqn.partition(".")
+            if top in self.values:
+                continue
+            # Entries without a document get references to their tensors: they load into a
+            # module ({"model": model}) as well as into a plain dict or tensor.
+            if not rest:
+                defaults[top] = {"__sp__": "tensor", "key": fqn}
+                self.entries.setdefault(top, "values")
+            elif isinstance(defaults.setdefault(top, {}), dict) and "__sp__" not in defaults[top]:
+                defaults[top][rest] = {"__sp__": "tensor", "key": fqn}
+                self.entries.setdefault(top, "module")
+        self.values.update(defaults)
         world = max([self.world_size] + [r + 1 for r in self._files])
         manifest = Manifest(
             save_id=self.save_id,

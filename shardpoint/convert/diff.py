@@ -8,7 +8,8 @@ hyper-parameters) are compared as stored.
 
 A tensor differs when some element has ``|a - b| > atol + rtol * |b|`` (the
 rule of ``torch.allclose``; NaNs in the same places are equal), or when its
-dtype or shape differs. The defaults, ``atol = rtol = 0``, ask for equality.
+dtype or shape differs (with different dtypes the values are still compared,
+in the promoted dtype, and reported). The defaults, ``atol = rtol = 0``, ask for equality.
 
 Example::
 
@@ -141,19 +142,22 @@ def diff(
         for name in both:
             ma, mb = ra.meta(name), rb.meta(name)
             res.compared += 1
-            if ma.dtype != mb.dtype:
-                res.changed.append(TensorDiff(name, f"{ma.dtype} vs {mb.dtype}", list(ma.shape), math.inf, math.inf, ma.numel, ma.numel, "dtype"))
-                continue
             if tuple(ma.shape) != tuple(mb.shape):
                 res.changed.append(TensorDiff(name, ma.dtype, list(ma.shape), math.inf, math.inf, ma.numel, ma.numel, f"shape {list(ma.shape)} vs {list(mb.shape)}"))
                 continue
-            td = TensorDiff(name, ma.dtype, list(ma.shape), numel=ma.numel)
+            # A dtype change always counts as a difference; the values are still compared.
+            same_dtype = ma.dtype == mb.dtype
+            td = TensorDiff(name, ma.dtype if same_dtype else f"{ma.dtype} vs {mb.dtype}", list(ma.shape),
+                            numel=ma.numel, reason="values" if same_dtype else "dtype")
             for box, pa in ra.row_blocks(name, block_bytes):
                 pb = rb.read(name, box)
+                if not same_dtype:
+                    common = torch.promote_types(pa.dtype, pb.dtype)
+                    pa, pb = pa.to(common), pb.to(common)
                 mx, rel, nd = _compare(pa, pb, atol, rtol)
                 td.max_abs, td.max_rel, td.n_diff = max(td.max_abs, mx), max(td.max_rel, rel), td.n_diff + nd
                 bar.update(pa.numel() * pa.element_size())
-            if td.n_diff:
+            if td.n_diff or not same_dtype:
                 res.changed.append(td)
     if values and not keys:
         va, vb = ra.manifest.values, rb.manifest.values
