@@ -178,7 +178,8 @@ def _export(args) -> int:
     kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype, force=args.force, quiet=args.quiet, verify=not args.no_verify)
     if args.to == "hf":
         r = export_hf(args.path, args.out, shard_size=args.shard_size, config=args.config, **kw)
-        summary = f"exported {r.tensors} tensors ({_human(r.bytes)}) to {args.out}: {', '.join(r.files)} + model.safetensors.index.json"
+        files = ", ".join(r.files) if len(r.files) <= 3 else f"{r.files[0]} ... {r.files[-1]}"
+        summary = f"exported {r.tensors} tensors ({_human(r.bytes)}) to {args.out}: {files} + model.safetensors.index.json"
     else:
         if args.config or args.shard_size != "5GB":
             raise common.ConversionError("--config and --shard-size apply to --to hf only")
