@@ -19,7 +19,7 @@ Run it (CPU, gloo)::
         --root ckpt/elastic --steps 60 --layout tp
 
 Bit-exact resume: every batch is a pure function of the step
-(:func:`shardpoint.testing.batch`), so the data position is the step itself,
+(:func:`batch`), so the data position is the step itself,
 and the model has no dropout, so no RNG stream needs restoring. Under the
 same layout, an interrupted and resumed run ends with the same weights, bit
 for bit, as an uninterrupted one (``tests/dist/test_elastic.py``). A model
@@ -42,9 +42,33 @@ import torch
 import torch.distributed as dist
 
 from shardpoint.manager import CheckpointManager, OnDemand, init_distributed
-from shardpoint.testing import GPTConfig, build, train_step
+from shardpoint.testing import GPTConfig, build, loss_of
 
 CFG = GPTConfig(vocab=96, dim=64, heads=4, layers=2, seq=16)
+BATCH = 8
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of ``step``: a pure function of the step, identical on every rank.
+
+    Sequences count up with a per-sequence stride (mod the vocabulary), so the
+    loss visibly falls. Because the batch depends on the step only, the data
+    position to resume from is the step itself.
+    """
+    g = torch.Generator().manual_seed(10_000 + step)
+    start = torch.randint(0, CFG.vocab, (BATCH, 1), generator=g)
+    stride = torch.randint(1, 4, (BATCH, 1), generator=g)
+    seq = (start + stride * torch.arange(CFG.seq + 1)) % CFG.vocab
+    return seq[:, :-1], seq[:, 1:]
+
+
+def train_step(model, opt, step: int) -> float:
+    x, y = batch(step)
+    loss = loss_of(model, x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
 
 
 def parse() -> argparse.Namespace:
@@ -90,8 +114,8 @@ def main() -> None:
     log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None
     while step < args.steps:
         step += 1
-        loss = train_step(model, opt, step, CFG)
-        state["extra"] = {"step": step, "samples": step * 4}
+        loss = train_step(model, opt, step)
+        state["extra"] = {"step": step, "samples": step * BATCH}
         if log is not None:
             log.write(json.dumps({"step": step, "loss": loss, "world": world, "layout": args.layout,
                                   "attempt": attempt, "time": time.time()}) + "\n")
