@@ -20,7 +20,7 @@ from ..format.manifest import ChunkMeta, Manifest
 from ..planning.load_plan import ReadOp
 from ..storage.base import ShortReadError, Storage
 
-__all__ = ["ALIGN", "DEFAULT_BLOCK_SIZE", "tensor_bytes", "write_chunks", "verify_chunk"]
+__all__ = ["ALIGN", "DEFAULT_BLOCK_SIZE", "tensor_bytes", "block_checksums", "write_chunks", "verify_chunk"]
 
 ALIGN = 64
 DEFAULT_BLOCK_SIZE = 4 << 20
