@@ -29,6 +29,7 @@ from .errors import (
 from .format.manifest import FORMAT_VERSION
 from .data import ResumableLoader, ResumableSampler
 from .layouts import Fused, Padded, Reduced
+from .manager import CheckpointConflictError, CheckpointManager, CheckpointTimeoutError, EveryNSteps, EveryTSeconds, OnDemand
 from .rng import RNGState
 from .storage import LocalStorage, MemoryStorage, Storage
 from .storage.tiers import TieredStorage
@@ -53,6 +54,12 @@ __all__ = [
     "Fused",
     "Padded",
     "Reduced",
+    "CheckpointManager",
+    "EveryNSteps",
+    "EveryTSeconds",
+    "OnDemand",
+    "CheckpointConflictError",
+    "CheckpointTimeoutError",
     "ResumableSampler",
     "ResumableLoader",
     "RNGState",
