@@ -544,6 +544,12 @@ def _is_timeout(e: BaseException) -> bool:
     return "timed out" in s or "timeout" in s
 
 
+def _is_comm_failure(e: BaseException) -> bool:
+    """Whether a RuntimeError comes from the process group (a dead or stuck peer)."""
+    s = str(e).lower()
+    return _is_timeout(e) or any(w in s for w in ("gloo", "connection", "c10d", "nccl", "peer", "socket", "broken pipe"))
+
+
 # ------------------------------------------------------------- manager
 class CheckpointManager:
     """Periodic, retained, resumable checkpoints of a training run under one root.
@@ -644,6 +650,7 @@ class CheckpointManager:
         self.stop_requested = False
         self._closed = False
         self._broken: str | None = None
+        self._failed: BaseException | None = None  # a background save's error, not yet raised
         for p in self.policies:
             if isinstance(p, OnDemand) and p.signals:
                 p.install()
@@ -947,6 +954,8 @@ class CheckpointManager:
                 self._timed_out(phase, step, time.monotonic() - t0, e)
             raise
         except RuntimeError as e:
+            if not _is_comm_failure(e):
+                raise
             rank = self._comm().rank
             if _is_timeout(e):
                 self._timed_out(phase, step, time.monotonic() - t0, e)
@@ -969,11 +978,29 @@ class CheckpointManager:
 
     # --- pending saves
     def _poll(self) -> None:
+        """Finish a background save that is done, without blocking and without raising.
+
+        Ranks see a save finish at different steps, so a failure found here is
+        kept and raised at the next ``save``/``wait``/``close``, which every
+        rank reaches together: no rank starts a new save while another raises.
+        """
         p = self._pending
         if p is not None and p.handle.done():
-            self._complete_pending()
+            try:
+                self._finish_pending()
+            except Exception as e:  # noqa: BLE001 - raised later, on every rank at once
+                self._failed = e
+
+    def _raise_failed(self) -> None:
+        e, self._failed = self._failed, None
+        if e is not None:
+            raise e
 
     def _complete_pending(self) -> None:
+        self._finish_pending()
+        self._raise_failed()
+
+    def _finish_pending(self) -> None:
         p = self._pending
         if p is None:
             return

@@ -478,3 +478,25 @@ def test_fault_env_hook(monkeypatch):
     assert time.monotonic() - t < 0.1  # first match: not yet
     hook("lock", 2, 0)
     assert time.monotonic() - t >= 0.2
+
+
+def test_background_failure_surfaces_at_the_next_save_not_in_between(tmp_path):
+    """Ranks notice a finished save at different steps, so its error waits for the next save."""
+    root = FaultyLocal(str(tmp_path / "run"))
+    model, opt = make()
+    state = {"model": model, "optimizer": opt}
+    mgr = CheckpointManager(root, interval=3, async_mode="eager")
+    root.faults["enospc"] = True
+    mgr.maybe_save(3, state)
+    deadline = time.monotonic() + 10
+    while not mgr._pending.handle.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert mgr.maybe_save(4, state) is None  # noticed, kept, not raised here
+    assert mgr._pending is None and mgr._failed is not None
+    root.faults["enospc"] = False
+    with pytest.raises(sp.CheckpointError, match="No space left"):
+        mgr.maybe_save(6, state)
+    assert mgr.maybe_save(6, state) is not None  # raised once; the next save works
+    mgr.close()
+    assert mgr.steps() == [6]
