@@ -43,6 +43,11 @@ class FaultyLocal(LocalStorage):
         c.stats = self.stats
         return c
 
+    def readinto(self, name, offset, buf):
+        if self.faults.get("read_sleep"):
+            time.sleep(self.faults["read_sleep"])
+        return super().readinto(name, offset, buf)
+
     def open_writer(self, name):
         w = super().open_writer(name)
         inner, faults = w.write, self.faults
@@ -438,6 +443,17 @@ def test_watchdog_reports_a_stalled_synchronous_save(tmp_path):
     assert (r.rank, r.phase, r.step) == (0, "save", 3) and r.seconds >= 0.3
     assert "rank 0" in r.message() and "'save'" in r.message() and "step_00000003" in r.message()
     assert "shardpoint" in r.stacks or "write" in r.stacks
+
+
+def test_watchdog_reports_a_stalled_restore(tmp_path):
+    root = FaultyLocal(str(tmp_path / "run"))
+    CheckpointManager(root, async_mode=None).save(2, {"x": torch.ones(4)})
+    root.faults["read_sleep"] = 0.5
+    reports = []
+    mgr = CheckpointManager(root, timeout=0.2, hang_grace=0.1, on_hang=reports.append)
+    state = {"x": torch.zeros(4)}
+    assert mgr.restore(state) == 2 and torch.equal(state["x"], torch.ones(4))
+    assert [(r.rank, r.phase, r.step) for r in reports][:1] == [(0, "restore:load", 2)]
 
 
 def test_stalled_background_save_raises_timeout_with_phase(tmp_path):
