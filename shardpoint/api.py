@@ -19,7 +19,7 @@ from typing import Any, MutableMapping, Sequence
 import torch
 from torch import nn
 
-from .adapters import AdapterContext, SaveTensor, adapter_for, default_adapters, unwrap_module
+from .adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters, unwrap_module
 from .dist import Comm, Outcome, raise_if_failed, run_guarded
 from .engine.io import DEFAULT_BLOCK_SIZE, write_chunks
 from .engine.load import execute_reads
@@ -79,13 +79,8 @@ def _mark(result, phase: str, start: float, nbytes: int = 0) -> None:
         result.recorder.add(phase, start, end, nbytes)
 
 
-def _context(state: MutableMapping[str, Any], comm: Comm, allow_pickle: bool) -> AdapterContext:
-    names: dict[int, str] = {}
-    for key, obj in state.items():
-        if isinstance(obj, nn.Module):
-            for n, p in unwrap_module(obj).named_parameters():
-                names.setdefault(id(p), f"{key}.{n}")
-    return AdapterContext(comm.rank, comm.world, names, allow_pickle)
+def _context(state: MutableMapping[str, Any], comm: Comm, allow_pickle: bool, replicated_over: Any = None) -> AdapterContext:
+    return build_context(state, comm.rank, comm.world, allow_pickle, replicated_over)
 
 
 def _check_state(state: Any) -> None:
@@ -116,6 +111,7 @@ def save(
     layouts: Sequence[Rule] = (),
     trace_dir: str | None = None,
     on_metrics: Any = None,
+    replicated_over: Any = None,
 ) -> SaveResult:
     """Save ``state`` to ``path``; a collective when a process group is initialised.
 
@@ -129,10 +125,17 @@ def save(
     ``shardpoint trace``), and ``on_metrics`` receives a metrics dict.
     ``layouts`` lists rules (:mod:`shardpoint.layouts`) for fused or padded
     tensors, which are then stored as their logical tensors.
+    Plain (non-DTensor) tensors are taken to be identical on every rank;
+    where they are not, say which ranks hold the same copy as this one with
+    ``replicated_over``: a process group, a device mesh or a list of global
+    ranks, or a dict from state keys to those. Under pipeline parallelism
+    each rank passes its stage's data-parallel group (``[rank]`` with no
+    data parallelism), since other stages hold other layers.
 
     Example::
 
         sp.save("ckpt/step_100", {"model": model, "optimizer": opt, "extra": {"step": 100}})
+        sp.save("ckpt/pp", {"model": stage, "optimizer": opt}, replicated_over=dp_group)
     """
     _check_state(state)
     _check_block(block_size)
@@ -145,7 +148,7 @@ def save(
     result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
 
     def local() -> dict:
-        prep = _prepare(state, comm, allow_pickle, where, result, layouts)
+        prep = _prepare(state, comm, allow_pickle, where, result, layouts, replicated_over=replicated_over)
         tb = time.monotonic()
         records, files = [], {}
         if prep.mine:
@@ -191,9 +194,9 @@ class _Prepared:
         return {"records": records, "files": files, "values": self.values, "layout": self.layout, "meta": meta}
 
 
-def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=(), cache: dict | None = None) -> _Prepared:
+def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=(), cache: dict | None = None, replicated_over: Any = None) -> _Prepared:
     ta = time.monotonic()
-    ctx = _context(state, comm, allow_pickle)
+    ctx = _context(state, comm, allow_pickle, replicated_over)
     adapters = default_adapters()
     tensors: list[SaveTensor] = []
     values, layout = {}, {}
@@ -299,7 +302,8 @@ def _commit(storage: Storage, save_id: str, world: int, block: int, gathered: li
         if covered != math.prod(shape):
             raise CorruptCheckpointError(
                 f"{where}: saved chunks of {fqn!r} cover {covered} of {math.prod(shape)} elements; "
-                "two ranks disagree on its sharding"
+                "two ranks disagree on its sharding, or only some ranks hold it (pipeline stages: "
+                "pass replicated_over to save)"
             )
         tensors[fqn] = TensorMeta(dt, tuple(shape), tuple(cs))
     manifest = Manifest(
@@ -410,6 +414,17 @@ def _manifest_bytes(storage: Storage) -> bytes:
         ) from None
 
 
+def _key_mismatch(where: str, missing: list[str], unexpected: list[str], strict: bool) -> None:
+    msg = (
+        f"{where}: state and checkpoint differ: missing from the checkpoint "
+        f"{sorted(missing)[:20]}{' ...' if len(missing) > 20 else ''}; unexpected in the checkpoint "
+        f"{sorted(unexpected)[:20]}{' ...' if len(unexpected) > 20 else ''}"
+    )
+    if strict:
+        raise KeyMismatchError(msg + " (pass strict=False to load the intersection)", missing, unexpected)
+    log.warning("%s", msg)
+
+
 def load(
     path: str | Storage,
     state: MutableMapping[str, Any],
@@ -508,16 +523,9 @@ def load(
             unexpected = [n for n in unexpected if _name_selected(n, selected)]
             for p in parts.values():
                 p.targets = [t for t in p.targets if _name_selected(t.fqn, selected)]
-        if missing or unexpected:
-            msg = (
-                f"{where}: state and checkpoint differ: missing from the checkpoint "
-                f"{sorted(missing)[:20]}{' ...' if len(missing) > 20 else ''}; unexpected in the checkpoint "
-                f"{sorted(unexpected)[:20]}{' ...' if len(unexpected) > 20 else ''}"
-            )
-            if strict:
-                raise KeyMismatchError(msg + " (pass strict=False to load the intersection)", missing, unexpected)
-            log.warning("%s", msg)
         result.missing, result.unexpected = sorted(missing), sorted(unexpected)
+        if missing and strict:
+            _key_mismatch(where, missing, unexpected, strict)
         return parts
 
     selected = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
@@ -526,6 +534,10 @@ def load(
     # Phase 1 (local): targets and plans. Checked collectively, so that the shared read
     # below starts on every rank or on none.
     parts = comm.check(run_guarded(prepare), f"load of {where}")
+    # Unexpected means no rank loads it (each pipeline stage loads only its own layers).
+    result.unexpected = sorted(set.intersection(*(set(u) for u in comm.all_gather(result.unexpected))))
+    if result.missing or result.unexpected:
+        _key_mismatch(where, result.missing, result.unexpected, strict)
 
     def read() -> dict:
         tr = time.monotonic()

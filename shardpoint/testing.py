@@ -32,7 +32,10 @@ from torch import nn
 __all__ = [
     "GPTConfig",
     "TinyGPT",
+    "GPTStage",
     "LAYOUTS",
+    "PP_LAYOUTS",
+    "replica_ranks",
     "build",
     "batch",
     "train_step",
@@ -166,6 +169,8 @@ def loss_of(model, x, y) -> torch.Tensor:
 
 def train_step(model, opt, step: int, c: GPTConfig) -> float:
     """One AdamW step on the deterministic batch; returns the loss before the step."""
+    if isinstance(_stage_of(model), GPTStage):
+        return _pp_train_step(model, opt, step, c)
     x, y = batch(step, c)
     loss = loss_of(model, x, y)
     loss.backward()
@@ -174,14 +179,136 @@ def train_step(model, opt, step: int, c: GPTConfig) -> float:
     return float(loss.detach())
 
 
-LAYOUTS = ("single", "ddp", "fsdp2", "hsdp", "tp", "2d")
+LAYOUTS = ("single", "ddp", "fsdp2", "hsdp", "tp", "2d", "fsdp1", "fsdp1_orig", "pp", "pp_ddp", "pp_fsdp2")
+PP_LAYOUTS = ("pp", "pp_ddp", "pp_fsdp2")
+
+
+# ---------------------------------------------------------------- pipeline stages
+def stage_layers(layers: int, stage: int, stages: int) -> range:
+    """The global layer indices of ``stage`` (contiguous, earlier stages get the extra ones)."""
+    base, extra = divmod(layers, stages)
+    lo = stage * base + min(stage, extra)
+    return range(lo, lo + base + (1 if stage < extra else 0))
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage of a TinyGPT, split by hand as torchtitan does.
+
+    The stage keeps only its own blocks, in a ``ModuleDict`` keyed by the
+    global layer index, so its names (``layers.3.attn.wq.weight``) are those
+    of the whole model. The first stage owns the embeddings, the last the
+    final norm and head. ``pp_ranks`` are the global ranks of this rank's
+    pipeline (one per stage) and ``dp_ranks`` those of its stage's
+    data-parallel group, which hold copies of the same layers.
+    """
+
+    def __init__(self, full: TinyGPT, stage: int, stages: int):
+        super().__init__()
+        c = full.config
+        if c.tied and stages > 1:
+            raise ValueError("tied embeddings across pipeline stages are not supported by GPTStage")
+        self.config = c
+        self.stage, self.stages = stage, stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        if self.first:
+            self.tok, self.pos = full.tok, full.pos
+        self.layers = nn.ModuleDict({str(i): full.layers[i] for i in stage_layers(c.layers, stage, stages)})
+        if self.last:
+            self.norm, self.head = full.norm, full.head
+        self.pp_ranks: list[int] = [0]
+        self.dp_ranks: list[int] = [0]
+        self.pp_group = None
+
+    def forward(self, x):
+        if self.first:
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for blk in self.layers.values():
+            x = blk(x)
+        return self.head(self.norm(x)) if self.last else x
+
+
+def _stage_of(model):
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def replica_ranks(model) -> list[int] | None:
+    """For ``sp.save(..., replicated_over=...)``: the ranks holding copies of a pipeline stage."""
+    st = _stage_of(model)
+    return list(st.dp_ranks) if isinstance(st, GPTStage) else None
+
+
+def _pp_train_step(model, opt, step: int, c: GPTConfig) -> float:
+    """Forward and backward through the stages with point-to-point sends (one micro-batch)."""
+    import torch.distributed as dist
+
+    st = _stage_of(model)
+    x, y = batch(step, c)
+    me = st.pp_ranks[st.stage]
+    prev = st.pp_ranks[st.stage - 1] if not st.first else None
+    nxt = st.pp_ranks[st.stage + 1] if not st.last else None
+    if st.first:
+        inp = x
+    else:
+        inp = torch.empty(x.shape[0], x.shape[1], c.dim)
+        dist.recv(inp, prev)
+        inp.requires_grad_(True)
+    out = model(inp)
+    if st.last:
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()
+        value = loss.detach().clone()
+    else:
+        dist.send(out.detach().contiguous(), nxt)
+        grad = torch.empty_like(out)
+        dist.recv(grad, nxt)
+        out.backward(grad)
+        value = torch.zeros(())
+    if not st.first:
+        dist.send(inp.grad.contiguous(), prev)
+    dist.broadcast(value, src=st.pp_ranks[-1], group=st.pp_group)
+    assert me == dist.get_rank()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(value)
+
+
+def _build_pp(layout: str, model: TinyGPT) -> nn.Module:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    stages = world if layout == "pp" else 2
+    if world % stages:
+        raise ValueError(f"{layout} needs a world size divisible by {stages}")
+    mesh = init_device_mesh("cpu", (stages, world // stages), mesh_dim_names=("pp", "dp"))
+    grid = mesh.mesh.tolist()
+    rank = dist.get_rank()
+    stage = next(i for i, row in enumerate(grid) if rank in row)
+    col = grid[stage].index(rank)
+    st = GPTStage(model, stage, stages)
+    st.pp_ranks = [row[col] for row in grid]
+    st.dp_ranks = list(grid[stage])
+    st.pp_group = mesh["pp"].get_group()
+    if layout == "pp_ddp":
+        return nn.parallel.DistributedDataParallel(st, process_group=mesh["dp"].get_group())
+    if layout == "pp_fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for blk in st.layers.values():
+            fully_shard(blk, mesh=mesh["dp"])
+        fully_shard(st, mesh=mesh["dp"])
+    return st
 
 
 def build(layout: str, c: GPTConfig = GPTConfig(), seed: int = 0, lr: float = 1e-2):
     """A TinyGPT and AdamW under ``layout`` on the default process group.
 
     ``single`` needs no process group. ``hsdp`` and ``2d`` use a 2 x (world/2)
-    mesh; ``tp`` uses all ranks as one tensor-parallel group.
+    mesh; ``tp`` uses all ranks as one tensor-parallel group. ``fsdp1`` and
+    ``fsdp1_orig`` wrap each block and the root in FSDP1 with
+    ``use_orig_params`` False and True. ``pp`` makes every rank a pipeline
+    stage (:class:`GPTStage`); ``pp_ddp`` and ``pp_fsdp2`` make two stages,
+    each data-parallel (DDP or FSDP2) over half of the ranks.
     """
     torch.manual_seed(seed)
     model = TinyGPT(c)
@@ -189,6 +316,16 @@ def build(layout: str, c: GPTConfig = GPTConfig(), seed: int = 0, lr: float = 1e
         pass
     elif layout == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
+    elif layout in ("fsdp1", "fsdp1_orig"):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FSDP(
+            model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=layout == "fsdp1_orig",
+            device_id=torch.device("cpu"),
+        )
+    elif layout in PP_LAYOUTS:
+        model = _build_pp(layout, model)
     else:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -243,8 +380,50 @@ def _full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
 
 
+def _fsdp1_full_state(model, opt) -> dict[str, torch.Tensor]:
+    # FSDP1's own gather, independent of shardpoint: the reference for FSDP1 layouts.
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.state_dict_type(
+        model, StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(offload_to_cpu=False, rank0_only=False),
+        FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False),
+    ):
+        msd = model.state_dict()
+        osd = FSDP.optim_state_dict(model, opt)
+    out = {f"model.{k}": v.detach().clone() for k, v in msd.items()}
+    for name, st in osd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"opt.{name}.{k}"] = v.detach().clone()
+    return out
+
+
 def full_state(model, opt) -> dict[str, torch.Tensor]:
-    """Every model and optimizer tensor, unsharded, keyed by parameter name (collective)."""
+    """Every model and optimizer tensor, unsharded, keyed by parameter name (collective).
+
+    FSDP1 layouts use FSDP1's full state dict; pipeline stages gather every
+    stage's tensors, so each rank gets the whole model's.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDP):
+        return _fsdp1_full_state(model, opt)
+    if isinstance(_stage_of(model), GPTStage):
+        import torch.distributed as dist
+
+        local = _full_state_of(_stage_of(model), opt)
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+        out = {}
+        for p in parts:
+            out.update(p)
+        return out
+    return _full_state_of(model, opt)
+
+
+def _full_state_of(model, opt) -> dict[str, torch.Tensor]:
     m = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     out = {f"model.{k}": _full(v) for k, v in m.state_dict().items()}
     names = {id(p): n for n, p in m.named_parameters()}
@@ -299,6 +478,12 @@ def _launcher_main(argv: list[str]) -> None:
     with open(args_file) as f:
         args = json.load(f)
     import torch.multiprocessing as mp
+
+    # Import once here, not in every forked rank: the first optimizer imports torch._dynamo,
+    # which takes seconds per process when all ranks do it at once on a small machine.
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
 
     port = _free_port()
     mp.start_processes(_rank_entry, args=(world, port, target, args, outdir), nprocs=world, start_method="fork", join=True)

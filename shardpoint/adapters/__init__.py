@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor
+from .base import AdapterContext, LoadPart, LoadTarget, ParamView, Replicas, SavePart, SaveTensor
+from .context import build_context, resolve_replicas
+from .fsdp1 import FSDP1Adapter
 from .module import ModuleAdapter, unwrap_module
 from .optimizer import OptimizerAdapter
 from .tree import StatefulAdapter, TreeAdapter
@@ -20,6 +22,10 @@ __all__ = [
     "LoadTarget",
     "SavePart",
     "SaveTensor",
+    "ParamView",
+    "Replicas",
+    "build_context",
+    "resolve_replicas",
     "default_adapters",
     "adapter_for",
     "unwrap_module",
@@ -28,7 +34,7 @@ __all__ = [
 
 def default_adapters() -> list:
     """A fresh list of the built-in adapters, most specific first."""
-    return [OptimizerAdapter(), ModuleAdapter(), StatefulAdapter(), TreeAdapter()]
+    return [OptimizerAdapter(), FSDP1Adapter(), ModuleAdapter(), StatefulAdapter(), TreeAdapter()]
 
 
 def adapter_for(obj: Any, adapters: list) -> Any:

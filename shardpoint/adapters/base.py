@@ -23,6 +23,8 @@ __all__ = [
     "SavePart",
     "LoadPart",
     "AdapterContext",
+    "ParamView",
+    "Replicas",
     "Adapter",
     "dtype_name",
     "torch_dtype",
@@ -108,18 +110,84 @@ class LoadPart:
     consumed: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class ParamView:
+    """Where one original parameter lies inside a local tensor that holds several.
+
+    An FSDP1 ``FlatParameter`` shard (or a ``use_orig_params`` 1-D view of it)
+    holds a flat range ``flat`` of the parameter ``fqn`` (global ``shape``,
+    row-major order), stored at elements ``[local[0], local[0] + local[1])``
+    of the local tensor. ``flat`` is ``None`` when this rank holds none of it.
+    ``replica`` is (index, count) among ranks holding the same piece;
+    ``holders`` is (index, count) among ranks holding any piece of the
+    parameter, which is where its scalar optimizer state (``step``) lives.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    flat: tuple[int, int] | None
+    local: tuple[int, int] = (0, 0)
+    replica: tuple[int, int] = (0, 1)
+    holders: tuple[int, int] = (0, 1)
+
+    @property
+    def box(self) -> Box:
+        return Box.full(self.shape)
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """The ranks that hold identical copies of an entry's plain tensors.
+
+    ``ranks`` are global ranks (``None``: every rank of the group); this rank
+    is copy ``index`` of ``count``.
+    """
+
+    index: int
+    count: int
+    ranks: frozenset[int] | None = None
+
+
 @dataclass
 class AdapterContext:
-    """Facts every adapter may need: ranks, and parameter names across the state."""
+    """Facts every adapter may need: ranks, and parameter names across the state.
+
+    ``views`` maps ``id(param)`` of a parameter that packs several original
+    parameters (an FSDP1 flat parameter, or one of its ``use_orig_params``
+    views) to where each original parameter lies in it; the optimizer adapter
+    splits such a parameter's state into per-original-parameter pieces.
+    ``replicas`` maps a state key to the ranks holding copies of its plain
+    tensors (``sp.save(..., replicated_over=...)``); keys not listed are
+    replicated over the whole group.
+    """
 
     rank: int
     world: int
     param_names: Mapping[int, str]
     allow_pickle: bool = False
+    views: Mapping[int, tuple[ParamView, ...]] = field(default_factory=dict)
+    replicas: Mapping[str, Replicas] = field(default_factory=dict)
 
-    def plain_replica(self) -> tuple[int, int]:
-        """A plain (non-DTensor) tensor is assumed identical on every rank of the group."""
-        return self.rank, self.world
+    def _replicas(self, fqn: str | None) -> Replicas | None:
+        if fqn is None or not self.replicas:
+            return None
+        return self.replicas.get(fqn.split(".", 1)[0])
+
+    def plain_replica(self, fqn: str | None = None) -> tuple[int, int]:
+        """(index, count) of this rank's copy of the plain (non-DTensor) tensor ``fqn``.
+
+        By default a plain tensor is identical on every rank of the group; a
+        ``replicated_over`` declaration for its entry narrows that group.
+        """
+        r = self._replicas(fqn)
+        if r is None:
+            return self.rank, self.world
+        return r.index, r.count
+
+    def replica_ranks(self, fqn: str | None = None) -> frozenset[int] | None:
+        """Global ranks that may hold copies of ``fqn`` (``None``: no restriction)."""
+        r = self._replicas(fqn)
+        return None if r is None else r.ranks
 
 
 class Adapter(Protocol):

@@ -5,6 +5,15 @@ and follows its parameter's geometry (a DTensor for FSDP2/TP, a replicated
 tensor for DDP). Loading works on a freshly built optimizer that has never
 stepped: state tensors are allocated from the manifest, sharded like their
 parameter, and installed without running a step.
+
+A parameter that packs several original parameters (an FSDP1 flat
+parameter, or a ``use_orig_params`` 1-D view of one) has *views* in the
+context (:class:`~shardpoint.adapters.base.ParamView`). Its state is split:
+state shaped like the local tensor is cut into one flat-range piece per
+original parameter, ``<key>.state.<orig fqn>.<name>``; other state (the
+scalar ``step``) is stored once per original parameter, replicated over the
+ranks holding pieces of it. Loading reassembles the local state in place,
+with zeros in padding, so FSDP1 state moves to and from any layout.
 """
 
 from __future__ import annotations
@@ -13,10 +22,14 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import ShapeMismatchError
+from ..errors import ShapeMismatchError, UnsupportedStateError
 from ..format.values import decode_value, encode_value
-from .base import AdapterContext, LoadPart, SavePart, dtype_name, torch_dtype
-from .tensors import empty_like_target, load_target, save_tensor
+from ..geometry import Box
+from .base import AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor, dtype_name, torch_dtype
+from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
+
+# State that is one value per parameter even when the parameter itself is 0-d.
+_SCALAR_STATE = frozenset({"step"})
 
 __all__ = ["OptimizerAdapter", "param_name"]
 
@@ -45,9 +58,19 @@ class OptimizerAdapter:
             hyper = {k: v for k, v in g.items() if k != "params"}
             groups.append(encode_value(hyper, f"{key}.groups.{gi}", on_tensor, ctx.allow_pickle))
             for i, p in enumerate(g["params"]):
+                s = opt.state.get(p)
+                views = ctx.views.get(id(p))
+                if views is not None:
+                    for v in views:
+                        group_of[v.fqn] = gi
+                        if s and v.flat is not None:
+                            path = f"{key}.state.{v.fqn}"
+                            state[v.fqn] = encode_value(
+                                dict(s), path, lambda f, t, p=p, v=v: _append(part.tensors, _view_piece(f, t, p, v)), ctx.allow_pickle
+                            )
+                    continue
                 name = param_name(key, p, gi, i, ctx)
                 group_of[name] = gi
-                s = opt.state.get(p)
                 if s:
                     state[name] = encode_value(dict(s), f"{key}.state.{name}", on_tensor, ctx.allow_pickle)
         part.value = {"groups": groups, "group_of": group_of, "state": state}
@@ -65,6 +88,18 @@ class OptimizerAdapter:
         for gi, g in enumerate(opt.param_groups):
             sgi = None
             for i, p in enumerate(g["params"]):
+                views = ctx.views.get(id(p))
+                if views is not None:
+                    for v in views:
+                        seen.add(v.fqn)
+                        if sgi is None and v.fqn in group_of:
+                            sgi = group_of[v.fqn]
+                    got = _load_views(key, p, views, saved_state, group_of, tensors, part, ctx, where)
+                    if got is None:
+                        cleared.append(p)
+                    else:
+                        new_state[id(p)] = (p, got)
+                    continue
                 name = param_name(key, p, gi, i, ctx)
                 seen.add(name)
                 if sgi is None and name in group_of:
@@ -130,3 +165,88 @@ class OptimizerAdapter:
 
         part.finish = finish
         return part
+
+
+def _append(out: list, item) -> None:
+    if item is not None:
+        out.append(item)
+
+
+def _per_element(meta_shape: tuple[int, ...], suffix: str, v: ParamView) -> bool:
+    """Whether saved state ``suffix`` of ``v`` is shaped like the parameter (split into pieces)."""
+    if tuple(meta_shape) != tuple(v.shape):
+        return False
+    return len(v.shape) > 0 or suffix not in _SCALAR_STATE
+
+
+def _view_piece(fqn: str, t: torch.Tensor, p: torch.Tensor, v: ParamView) -> SaveTensor | None:
+    """This rank's piece of state tensor ``t`` of packed parameter ``p`` for original parameter ``v``."""
+    t = t.detach()
+    if is_dtensor(t):
+        raise UnsupportedStateError(f"{fqn}: DTensor state on a flat parameter is not supported")
+    if tuple(t.shape) == tuple(p.shape) and p.numel() > 0:
+        lo, n = v.local
+        data = t.reshape(-1)[lo : lo + n]
+        return SaveTensor(
+            fqn, data, v.shape, v.box, v.flat, v.replica[0], v.replica[1], float(n * data.element_size()), "fsdp1"
+        )
+    # Scalar (or otherwise shaped) state: one value per original parameter, the same on every
+    # rank holding a piece of it. Those ranks hold different sets of parameters, so the
+    # balanced writer choice (which assumes replicas list the same tensors) does not apply:
+    # the first holder writes it.
+    if v.holders[0] != 0:
+        return None
+    shape = tuple(int(x) for x in t.shape)
+    return SaveTensor(fqn, t, shape, Box.full(shape), None, 0, 1, float(t.numel() * t.element_size()), "replicated")
+
+
+def _load_views(key, p, views, saved_state, group_of, tensors, part: LoadPart, ctx: AdapterContext, where):
+    """Reassemble the state of packed parameter ``p`` from its original parameters' saved state.
+
+    Returns the new state dict, or ``None`` when ``p`` should hold no state
+    (nothing saved, or this rank holds none of it under ``use_orig_params``).
+    """
+    present = [v for v in views if v.fqn in saved_state]
+    for v in views:
+        if v.fqn not in saved_state and v.fqn not in group_of:
+            part.missing.append(f"{key}.state.{v.fqn}")
+    install = bool(present) and p.numel() > 0
+    pieces: dict[str, torch.Tensor] = {}
+    scalars: dict[str, torch.Tensor] = {}
+    combined: dict = {}
+    for v in present:
+        prefix = f"{key}.state.{v.fqn}."
+
+        def get_tensor(fqn, v=v, prefix=prefix):
+            meta = tensors.get(fqn)
+            if meta is None:
+                part.missing.append(fqn)
+                return None
+            part.consumed.add(fqn)
+            if not install:
+                return None
+            suffix = fqn[len(prefix):] if fqn.startswith(prefix) else fqn
+            dt = torch_dtype(meta.dtype)
+            if _per_element(tuple(meta.shape), suffix, v):
+                dest = pieces.get(suffix)
+                if dest is None:
+                    dest = pieces[suffix] = torch.zeros_like(p.detach(), dtype=dt)
+                if dest.dtype != dt:
+                    raise ShapeMismatchError(f"{where}: tensor {fqn!r}: dtype {meta.dtype} differs from other pieces")
+                if v.flat is not None:
+                    lo, n = v.local
+                    if n != v.flat[1] - v.flat[0]:
+                        raise ShapeMismatchError(f"{where}: tensor {fqn!r}: view of {n} elements for flat range {v.flat}")
+                    part.targets.append(LoadTarget(fqn, dest.reshape(-1)[lo : lo + n], v.shape, v.box, v.flat))
+                return dest
+            dest = scalars.get(suffix)
+            if dest is None:  # one copy serves every original parameter of ``p``
+                dest = scalars[suffix] = torch.zeros(tuple(meta.shape), dtype=dt)
+                part.targets.append(LoadTarget(fqn, dest, tuple(meta.shape), Box.full(meta.shape)))
+            return dest
+
+        decoded = decode_value(saved_state[v.fqn], get_tensor, ctx.allow_pickle, where)
+        if install and isinstance(decoded, dict):
+            for k, val in decoded.items():
+                combined.setdefault(k, val)
+    return combined if install else None

@@ -28,11 +28,13 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def _replication_outside(mesh) -> tuple[int, int, int]:
+def _replication_outside(mesh, allowed: frozenset[int] | None = None) -> tuple[int, int, int]:
     """(index, count, root size) of copies made by root-mesh dims this mesh does not span.
 
     A DTensor on a sub-mesh (say the ``dp`` slice of a ``(dp, tp)`` mesh) is
     held identically by every sibling slice: those ranks are replicas too.
+    Only siblings inside ``allowed`` count: a pipeline-parallel dim of the
+    root mesh holds other stages, whose tensors differ.
     """
     import torch.distributed as dist
 
@@ -52,13 +54,16 @@ def _replication_outside(mesh) -> tuple[int, int, int]:
             continue
         probe = list(coord)
         probe[d] = (coord[d] + 1) % size
-        if int(grid[tuple(probe)]) not in mine:  # dim d is not spanned: a sibling holds a copy
+        sibling = int(grid[tuple(probe)])
+        if allowed is not None and sibling not in allowed:
+            continue
+        if sibling not in mine:  # dim d is not spanned: a sibling holds a copy
             index = index * size + coord[d]
             count *= size
     return index, count, root.size()
 
 
-def _dtensor_geometry(dt) -> tuple[Box, int, int, int] | None:
+def _dtensor_geometry(dt, allowed: frozenset[int] | None = None) -> tuple[Box, int, int, int] | None:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh = dt.device_mesh
@@ -71,7 +76,7 @@ def _dtensor_geometry(dt) -> tuple[Box, int, int, int] | None:
                 f"DTensor with a Partial placement {dt.placements} cannot be saved; reduce it first"
             )
     shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
-    index, count, root_size = _replication_outside(mesh)
+    index, count, root_size = _replication_outside(mesh, allowed)
     for d, p in enumerate(dt.placements):
         if p.is_replicate():
             index = index * mesh.size(d) + coord[d]
@@ -83,7 +88,7 @@ def save_tensor(fqn: str, t: torch.Tensor, ctx: AdapterContext) -> SaveTensor | 
     """A :class:`SaveTensor` for a plain tensor or DTensor, or ``None`` if this rank holds none."""
     t = t.detach()
     if is_dtensor(t):
-        geo = _dtensor_geometry(t)
+        geo = _dtensor_geometry(t, ctx.replica_ranks(fqn))
         if geo is None:
             return None
         box, index, count, mesh_size = geo
@@ -100,7 +105,7 @@ def save_tensor(fqn: str, t: torch.Tensor, ctx: AdapterContext) -> SaveTensor | 
     if t.is_sparse or t.layout != torch.strided:
         raise UnsupportedStateError(f"{fqn}: only dense strided tensors can be saved, got {t.layout}")
     shape = tuple(int(s) for s in t.shape)
-    index, count = ctx.plain_replica()
+    index, count = ctx.plain_replica(fqn)
     return SaveTensor(
         fqn, t, shape, Box.full(shape), None, index, count,
         float(math.prod(shape) * t.element_size()), "replicated" if count > 1 else "local",

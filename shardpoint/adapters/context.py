@@ -1,0 +1,94 @@
+"""Build the :class:`AdapterContext` for one save or load from the user's state.
+
+Parameter names come from the modules in the state (unwrapped: DDP, compile,
+FSDP1 and activation-checkpoint prefixes removed), so optimizer state is keyed
+by the same names as the model. FSDP1 units add per-parameter views (see
+:class:`~shardpoint.adapters.base.ParamView`). ``replicated_over`` says which
+ranks hold identical copies of plain tensors, for layouts where that is not
+the whole group (pipeline stages).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from torch import nn
+
+from .base import AdapterContext, ParamView, Replicas
+from .fsdp1 import fsdp1_names_and_views, is_fsdp1
+from .module import unwrap_module
+
+__all__ = ["build_context", "resolve_replicas"]
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _one(spec: Any, what: str) -> Replicas | None:
+    if spec is None:
+        return None
+    if isinstance(spec, Replicas):
+        return spec
+    me = _global_rank()
+    if isinstance(spec, (list, tuple, range, set, frozenset)):
+        ranks = sorted(int(r) for r in spec)
+    else:  # a ProcessGroup (or a DeviceMesh)
+        import torch.distributed as dist
+
+        group = spec.get_group() if hasattr(spec, "get_group") and not isinstance(spec, dist.ProcessGroup) else spec
+        ranks = sorted(dist.get_process_group_ranks(group))
+    if len(set(ranks)) != len(ranks) or not ranks:
+        raise ValueError(f"replicated_over{what}: expected distinct global ranks, got {ranks}")
+    if me not in ranks:
+        raise ValueError(
+            f"replicated_over{what}: rank {me} is not among the ranks {ranks}; each rank passes the "
+            "group of ranks that hold the same copy as itself"
+        )
+    return Replicas(ranks.index(me), len(ranks), frozenset(ranks))
+
+
+def resolve_replicas(replicated_over: Any, keys: Sequence[str]) -> dict[str, Replicas]:
+    """Per state key, the replica group of its plain tensors (keys left out: the whole group).
+
+    ``replicated_over`` is ``None``, a process group, a 1-D device mesh, a
+    sequence of global ranks, or a mapping from state keys to any of these.
+    """
+    if replicated_over is None:
+        return {}
+    if isinstance(replicated_over, Mapping):
+        unknown = sorted(set(replicated_over) - set(keys))
+        if unknown:
+            raise ValueError(f"replicated_over names state keys {unknown} that are not in the state")
+        out = {}
+        for k, v in replicated_over.items():
+            r = _one(v, f"[{k!r}]")
+            if r is not None:
+                out[k] = r
+        return out
+    r = _one(replicated_over, "")
+    return {k: r for k in keys}
+
+
+def build_context(
+    state: Mapping[str, Any], rank: int, world: int, allow_pickle: bool = False, replicated_over: Any = None
+) -> AdapterContext:
+    """The context every adapter of one save or load sees."""
+    names: dict[int, str] = {}
+    views: dict[int, tuple[ParamView, ...]] = {}
+    for key, obj in state.items():
+        if not isinstance(obj, nn.Module):
+            continue
+        m = unwrap_module(obj)
+        if is_fsdp1(m):
+            n, v = fsdp1_names_and_views(key, m, f"state[{key!r}]")
+            for i, name in n.items():
+                names.setdefault(i, name)
+            for i, vs in v.items():
+                views.setdefault(i, vs)
+            continue
+        for n, p in m.named_parameters():
+            names.setdefault(id(p), f"{key}.{n}")
+    return AdapterContext(rank, world, names, allow_pickle, views, resolve_replicas(replicated_over, list(state)))

@@ -1,0 +1,111 @@
+"""Rank functions for FSDP1 flat parameters and pipeline stages (run by shardpoint.testing.launch).
+
+Checkpoints are saved under one layout and loaded under another; after a load,
+model and optimizer must equal the source's full reference bit for bit, and
+the next training steps must give the source's losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import shardpoint as sp
+from shardpoint.testing import PP_LAYOUTS, GPTConfig, build, full_state, replica_ranks, train_step
+
+# Odd sizes, so that FSDP1 slices cut parameters in the middle of rows.
+CFG = GPTConfig(vocab=61, dim=24, heads=4, layers=4, seq=8)
+TRAIN_STEPS = 2
+NEXT_STEPS = 2
+
+
+def _replicated_over(layout: str, model, world: int):
+    """Pipeline stages declare who holds their copies; the mapping form for pp_ddp, a list otherwise."""
+    ranks = replica_ranks(model)
+    if ranks is None:
+        return None
+    if layout == "pp_ddp":
+        return {"model": ranks, "optimizer": ranks}
+    return ranks
+
+
+def save_job(rank: int, world: int, root: str, layouts: list[str]) -> dict:
+    """Train each layout a few steps, save it, and record the full reference and the next losses."""
+    out = {}
+    for layout in layouts:
+        name = f"{layout}{world}"
+        model, opt = build(layout, CFG, seed=0)
+        for s in range(TRAIN_STEPS):
+            train_step(model, opt, s, CFG)
+        state = {"model": model, "optimizer": opt, "extra": {"step": TRAIN_STEPS, "layout": layout}}
+        res = sp.save(os.path.join(root, name), state, replicated_over=_replicated_over(layout, model, world))
+        ref = full_state(model, opt)
+        losses = [train_step(model, opt, TRAIN_STEPS + i, CFG) for i in range(NEXT_STEPS)]
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(root, f"{name}.ref.safetensors"))
+            with open(os.path.join(root, f"{name}.losses.json"), "w") as f:
+                json.dump(losses, f)
+        m = sp.read_manifest(os.path.join(root, name))
+        flat = sum(1 for t in m.tensors.values() for c in t.chunks if c.flat is not None)
+        out[name] = {"bytes": res.bytes_written, "flat_chunks": flat, "total": m.total_bytes}
+    return out
+
+
+def load_job(rank: int, world: int, root: str, cases: list[list[str]]) -> dict:
+    """Load each saved checkpoint into another layout; compare bit-exactly, then train on."""
+    out = {}
+    for src, layout in cases:
+        model, opt = build(layout, CFG, seed=1234)  # different init: the load must overwrite all
+        state = {"model": model, "optimizer": opt, "extra": {}}
+        report = sp.LoadResult()
+        sp.load(os.path.join(root, src), state, report=report)
+        assert state["extra"]["step"] == TRAIN_STEPS, state["extra"]
+        got = full_state(model, opt)
+        ref = load_file(os.path.join(root, f"{src}.ref.safetensors"))
+        assert sorted(got) == sorted(ref), sorted(set(got) ^ set(ref))
+        bad = [k for k in ref if got[k].dtype != ref[k].dtype or not torch.equal(got[k], ref[k])]
+        assert not bad, f"{src} -> {layout}{world}: not bit-exact: {bad[:5]}"
+        with open(os.path.join(root, f"{src}.losses.json")) as f:
+            want = json.load(f)
+        losses = [train_step(model, opt, TRAIN_STEPS + i, CFG) for i in range(NEXT_STEPS)]
+        for a, b in zip(losses, want):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"{src} -> {layout}{world}: losses {losses} vs {want}"
+        out[f"{src}->{layout}{world}"] = {
+            "losses": losses,
+            "bytes_read": report.bytes_read,
+            "bytes_needed": report.bytes_needed,
+        }
+    return out
+
+
+def pp_guard_job(rank: int, world: int, root: str) -> dict:
+    """Without ``replicated_over``, a pipeline save must fail loudly rather than drop layers."""
+    model, opt = build("pp", CFG, seed=0)
+    train_step(model, opt, 0, CFG)
+    try:
+        sp.save(os.path.join(root, "pp_no_replicas"), {"model": model, "optimizer": opt})
+        return {"error": None}
+    except sp.CheckpointError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def fsdp1_stateless_job(rank: int, world: int, root: str) -> dict:
+    """A never-stepped FSDP1 optimizer saves no state; loading it into a trained one clears the state."""
+    out = {}
+    for layout in ("fsdp1", "fsdp1_orig"):
+        model, opt = build(layout, CFG, seed=0)
+        path = os.path.join(root, f"fresh_{layout}")
+        sp.save(path, {"model": model, "optimizer": opt})
+        m = sp.read_manifest(path)
+        out[layout] = sorted(k for k in m.tensors if k.startswith("optimizer."))
+        model2, opt2 = build(layout, CFG, seed=5)
+        train_step(model2, opt2, 0, CFG)
+        sp.load(path, {"model": model2, "optimizer": opt2})
+        out[layout + "_state_after"] = sum(len(s) for s in opt2.state.values())
+    return out
+
+
+__all__ = ["save_job", "load_job", "pp_guard_job", "fsdp1_stateless_job", "PP_LAYOUTS"]
