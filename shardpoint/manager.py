@@ -34,8 +34,9 @@ Guarantees:
   every ``keep_every``-th step and any checkpoint being restored are kept.
   Folders left by crashed saves are removed once a newer step has committed.
 - **Racing saves are rejected.** Before writing, rank 0 takes ``step_x/.lock``
-  with an exclusive create (``O_EXCL`` on a filesystem, an atomic
-  insert in memory, ``put_if_absent`` where a backend offers it). A second
+  with an exclusive create (``O_EXCL`` on a filesystem, an atomic insert in
+  memory, a conditional PUT with ``If-None-Match: *`` on S3, or
+  ``put_if_absent`` where a backend offers it). A second
   save to the same step finds the lock and raises
   :class:`CheckpointConflictError` instead of interleaving its files. A lock
   left by a crashed save is broken when its owner process is gone (same host)
@@ -89,7 +90,7 @@ from .errors import (
     StorageError,
 )
 from .format.manifest import MANIFEST_NAME
-from .storage import LocalStorage, MemoryStorage, Storage, storage_for
+from .storage import LocalStorage, MemoryStorage, S3Storage, Storage, storage_for
 
 __all__ = [
     "CheckpointManager",
@@ -1134,6 +1135,21 @@ class CheckpointManager:
         put_if_absent = getattr(st, "put_if_absent", None)
         if callable(put_if_absent):
             return bool(put_if_absent(LOCK_NAME, body))
+        if isinstance(st, S3Storage):
+            # A conditional PUT (If-None-Match: *): S3 creates the object only if it is absent.
+            key = f"{st.prefix}/{LOCK_NAME}" if st.prefix else LOCK_NAME
+            try:
+                st.client.put_object(Bucket=st.bucket, Key=key, Body=body, IfNoneMatch="*")
+                return True
+            except Exception as e:  # noqa: BLE001 - botocore's ClientError, without importing botocore
+                err = getattr(e, "response", None) or {}
+                code = err.get("Error", {}).get("Code")
+                status = err.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                    return False
+                if code != "NotImplemented" and status != 501:
+                    raise
+                log.warning("%s: no conditional PUT here; the step lock is best effort", st.url)
         # Best effort only (no conditional put): check, put, read back.
         if st.exists(LOCK_NAME):
             return False

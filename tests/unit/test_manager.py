@@ -516,3 +516,27 @@ def test_background_failure_surfaces_at_the_next_save_not_in_between(tmp_path):
     assert mgr.maybe_save(6, state) is not None  # raised once; the next save works
     mgr.close()
     assert mgr.steps() == [6]
+
+
+def test_manager_on_s3():
+    """Retention, restore and the step lock (a conditional PUT) on S3, served by moto on loopback."""
+    pytest.importorskip("moto")
+    from shardpoint.storage import S3Storage
+    from tests.storage.s3_helpers import make_bucket, moto_server, s3_options
+
+    with moto_server() as endpoint:
+        root = S3Storage(f"s3://{make_bucket(endpoint)}/run", s3_options(endpoint))
+        model, opt = make()
+        refs: dict = {}
+        mgr = CheckpointManager(root, interval=2, keep_last=2, async_mode="eager")
+        run(mgr, model, opt, 8, refs=refs)
+        mgr.close()
+        assert mgr.steps() == [6, 8] and mgr.latest_step() == 8
+        assert not [n for n in root.list("") if n.startswith(("step_00000002", "step_00000004"))]
+        m2, o2 = make(seed=4)
+        assert CheckpointManager(root).restore({"model": m2, "optimizer": o2}) == 8
+        assert same(snapshot(m2, o2), refs[8])
+        a, b = CheckpointManager(root, async_mode=None), CheckpointManager(root, async_mode=None)
+        a._acquire(a.path(10), 10)
+        with pytest.raises(CheckpointConflictError):
+            b.save(10, {"model": model, "optimizer": opt})
