@@ -15,8 +15,10 @@ Example::
 from .api import LoadResult, SaveResult, load, read_manifest, read_tensor, save
 from .async_save import AsyncSaveHandle, AsyncSaver, async_save
 from .errors import (
+    CheckpointConflictError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointTimeoutError,
     CorruptCheckpointError,
     DistributedError,
     FormatError,
@@ -29,7 +31,7 @@ from .errors import (
 from .format.manifest import FORMAT_VERSION
 from .data import ResumableLoader, ResumableSampler
 from .layouts import Fused, Padded, Reduced
-from .manager import CheckpointConflictError, CheckpointManager, CheckpointTimeoutError, EveryNSteps, EveryTSeconds, OnDemand
+from .manager import CheckpointManager, EveryNSteps, EveryTSeconds, OnDemand
 from .rng import RNGState
 from .storage import LocalStorage, MemoryStorage, Storage
 from .storage.tiers import TieredStorage

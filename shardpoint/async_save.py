@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 import time
@@ -67,6 +68,7 @@ class AsyncSaveHandle:
         self.path = path
         self.result = result
         self._copied = threading.Event()
+        self._written = threading.Event()
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._copy_error: BaseException | None = None
@@ -78,6 +80,15 @@ class AsyncSaveHandle:
     def done(self) -> bool:
         """True once the save has committed or failed (non-blocking)."""
         return self._finished.is_set()
+
+    @property
+    def phase(self) -> str:
+        """Where this rank's save is: ``snapshot``, ``write``, ``commit`` or ``done``."""
+        if self._finished.is_set():
+            return "done"
+        if not self._copied.is_set():
+            return "snapshot"
+        return "commit" if self._written.is_set() else "write"
 
     def fence(self, timeout: float | None = None) -> None:
         """Block until the snapshot copy is complete; the state may then change."""
@@ -121,7 +132,9 @@ class AsyncSaver:
     """Owns what asynchronous saves reuse: the staging ring and a coordination group.
 
     Only one save is in flight per saver: :meth:`save` first waits for the
-    previous one (and raises its error, if it failed).
+    previous one (and raises its error, if it failed). ``timeout`` bounds the
+    background coordination collectives (a dead or stuck peer then raises
+    instead of blocking for the process group's default timeout).
     """
 
     def __init__(
@@ -129,7 +142,9 @@ class AsyncSaver:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         piece_bytes: int = 64 << 20,
         process_group: Any = None,
+        timeout: float | None = None,
     ):
+        self.timeout = timeout
         self.staging_bytes = int(staging_bytes)
         self.piece_bytes = max(1, min(int(piece_bytes), self.staging_bytes // 2 or 1))
         self._pg_arg = process_group
@@ -144,7 +159,8 @@ class AsyncSaver:
             if base.active and base.world > 1:
                 ranks = None if base.group is None else dist.get_process_group_ranks(base.group)
                 # A private gloo group: background collectives cannot interleave with training ones.
-                self._comm = Comm(dist.new_group(ranks=ranks, backend="gloo"), True)
+                kw = {} if self.timeout is None else {"timeout": datetime.timedelta(seconds=self.timeout)}
+                self._comm = Comm(dist.new_group(ranks=ranks, backend="gloo", **kw), True)
             else:
                 self._comm = base
         return self._comm
@@ -213,6 +229,7 @@ class AsyncSaver:
                     return prep_out.value.summary(staged.records if staged else [], files)
 
                 out = run_guarded(write)
+            handle._written.set()
             try:
                 _finish_save(comm, storage, save_id, block_size, out, result, where)
                 _mark(result, "total", t0)

@@ -20,6 +20,8 @@ __all__ = [
     "UnsupportedStateError",
     "StorageError",
     "DistributedError",
+    "CheckpointTimeoutError",
+    "CheckpointConflictError",
 ]
 
 
@@ -76,3 +78,19 @@ class DistributedError(CheckpointError):
         super().__init__(message)
         self.causes = dict(causes)
         self.first = first
+
+
+class CheckpointTimeoutError(CheckpointError):
+    """A save, restore or manager collective did not finish within the configured timeout.
+
+    ``rank``, ``phase`` (e.g. ``"write"``, ``"commit"``, ``"decide"``,
+    ``"restore"``), ``step`` and ``seconds`` say where it stalled.
+    """
+
+    def __init__(self, message: str, rank: int = -1, phase: str = "", step: int | None = None, seconds: float = 0.0):
+        super().__init__(message)
+        self.rank, self.phase, self.step, self.seconds = rank, phase, step, seconds
+
+
+class CheckpointConflictError(CheckpointError):
+    """Another save holds the step folder's lock: two saves raced to the same step."""

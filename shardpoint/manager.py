@@ -81,8 +81,10 @@ from .api import save as _sp_save
 from .async_save import AsyncSaver
 from .dist import Comm
 from .errors import (
+    CheckpointConflictError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointTimeoutError,
     CorruptCheckpointError,
     DistributedError,
     FormatError,
@@ -137,22 +139,6 @@ def step_folder(step: int) -> str:
 
 
 # ------------------------------------------------------------------ errors
-class CheckpointTimeoutError(CheckpointError):
-    """A save, restore or manager collective did not finish within the configured timeout.
-
-    ``rank``, ``phase`` (e.g. ``"write"``, ``"commit"``, ``"decide"``,
-    ``"restore"``), ``step`` and ``seconds`` say where it stalled.
-    """
-
-    def __init__(self, message: str, rank: int = -1, phase: str = "", step: int | None = None, seconds: float = 0.0):
-        super().__init__(message)
-        self.rank, self.phase, self.step, self.seconds = rank, phase, step, seconds
-
-
-class CheckpointConflictError(CheckpointError):
-    """Another save holds the step folder's lock: two saves raced to the same step."""
-
-
 # ---------------------------------------------------------------- policies
 class SavePolicy:
     """When to save. Subclass and implement :meth:`wants`.
