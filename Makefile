@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test demo bench unit clean
+.PHONY: install test demo bench bench-quick unit clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,9 +21,19 @@ unit: install
 
 demo: install
 	$(BIN)/python examples/demo.py
+	$(BIN)/python examples/elastic_demo.py --out demo_out/elastic
 
 bench: install
 	$(BIN)/python bench/bench_sync.py
+	$(BIN)/python bench/bench_async.py
+	$(BIN)/python bench/bench_load.py
+	$(BIN)/python bench/scale_sim.py
+
+bench-quick: install
+	$(BIN)/python bench/bench_sync.py --quick
+	$(BIN)/python bench/bench_async.py --quick
+	$(BIN)/python bench/bench_load.py --quick
+	$(BIN)/python bench/scale_sim.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info
