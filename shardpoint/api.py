@@ -37,7 +37,7 @@ from .errors import StorageError
 from .format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, ChunkMeta, Manifest, TensorMeta
 from .planning.save_plan import ReplicaItem, assign_writers
 from .layouts import LayoutView, Rule, apply_load, apply_reduce, apply_save, optimizer_doc_to_logical, optimizer_doc_to_physical
-from .monitor import Recorder
+from .monitor import Recorder, format_summary
 from .storage import Storage, storage_for
 
 __all__ = ["save", "load", "read_tensor", "read_manifest", "SaveResult", "LoadResult"]
@@ -166,7 +166,7 @@ def save(
     _mark(result, "total", t0)
     result.timings = result.recorder.summary()
     result.recorder.emit(trace_dir, on_metrics)
-    log.info("rank %s saved %s bytes to %s in %.3fs", comm.rank, result.bytes_written, where, result.timings["total"])
+    log.info("rank %s saved %s bytes to %s: %s", comm.rank, result.bytes_written, where, format_summary(result.timings))
     return result
 
 
@@ -237,12 +237,15 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
         return f"{t.fqn}@{t.box.offsets}"
 
     # Plan cache: the same names, shapes, dtypes and geometry give the same writers.
-    sig = tuple((t.fqn, t.shape, t.data.dtype, t.box, t.flat, t.replica_index, t.replica_count) for t in tensors)
+    sig = tuple((t.fqn, t.shape, t.data.dtype, t.box, t.flat, t.replica_index, t.replica_count, t.replica_group) for t in tensors)
     picked = cache.get(sig) if cache is not None else None
     if picked is None:
-        writers = assign_writers(
-            ReplicaItem(wkey(t), t.replica_count, t.cost) for t in tensors if t.replica_count > 1
-        )
+        # Balance within each replica group: its ranks all list the same replicated tensors.
+        groups: dict[str, list[ReplicaItem]] = {}
+        for t in tensors:
+            if t.replica_count > 1:
+                groups.setdefault(t.replica_group, []).append(ReplicaItem(wkey(t), t.replica_count, t.cost))
+        writers = {k: w for items in groups.values() for k, w in assign_writers(items).items()}
         picked = tuple(i for i, t in enumerate(tensors) if t.replica_count <= 1 or writers[wkey(t)] == t.replica_index)
         if cache is not None:
             cache.clear()  # keep one layout: a changed layout must never reuse stale choices
@@ -557,5 +560,5 @@ def load(
     if report is not None:
         for f in ("path", "bytes_read", "bytes_needed", "bytes_received", "missing", "unexpected", "timings", "recorder"):
             setattr(report, f, getattr(result, f))
-    log.info("rank %s loaded %s from %s in %.3fs", comm.rank, result.bytes_read, where, result.timings["total"])
+    log.info("rank %s read %s bytes from %s: %s", comm.rank, result.bytes_read, where, format_summary(result.timings))
     return state

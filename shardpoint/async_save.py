@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .api import SaveResult, _check_block, _check_state, _data_file, _finish_save, _mark, _prepare
-from .monitor import Recorder
+from .monitor import Recorder, format_summary
 from .dist import Comm, run_guarded
 from .engine.io import DEFAULT_BLOCK_SIZE
 from .engine.pipeline import StagedWrite
@@ -235,6 +235,7 @@ class AsyncSaver:
                 _mark(result, "total", t0)
                 result.timings = result.recorder.summary()
                 result.recorder.emit(trace_dir, on_metrics)
+                log.info("rank %s saved %s bytes to %s in the background: %s", comm.rank, result.bytes_written, where, format_summary(result.timings))
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 handle._error = e
             finally:

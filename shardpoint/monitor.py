@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-__all__ = ["Span", "Recorder", "merge_traces", "slowest", "trace_report", "PHASES"]
+__all__ = ["Span", "Recorder", "merge_traces", "slowest", "trace_report", "format_summary", "PHASES"]
 
 PHASES = (
     "plan", "snapshot", "serialize", "checksum", "write", "commit",
@@ -126,6 +126,13 @@ class Recorder:
             self.write_trace(trace_dir)
         if on_metrics is not None:
             on_metrics(self.metrics())
+
+
+def format_summary(timings: dict[str, float]) -> str:
+    """``"plan 1.2ms, write 340.0ms, ..."`` in phase order, for log lines."""
+    order = {p: i for i, p in enumerate(PHASES)}
+    items = sorted(timings.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0]))
+    return ", ".join(f"{k} {v * 1e3:.1f}ms" for k, v in items)
 
 
 def merge_traces(directory: str, out: str | None = None) -> dict:

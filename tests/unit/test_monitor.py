@@ -58,3 +58,14 @@ def test_async_plan_cache_is_keyed_by_shapes(tmp_path):
     out = sp.load(str(tmp_path / "c"), {"model": torch.nn.Linear(8, 9)})
     assert torch.equal(out["model"].weight, m3.weight)
     assert r3.save_id == sp.read_manifest(str(tmp_path / "c")).save_id
+
+
+def test_phase_summary_is_logged(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="shardpoint"):
+        sp.save(str(tmp_path / "ck"), {"model": torch.nn.Linear(4, 4)})
+        sp.load(str(tmp_path / "ck"), {"model": torch.nn.Linear(4, 4)})
+    text = caplog.text
+    assert "rank 0 saved" in text and "plan " in text and "commit " in text and "total " in text
+    assert "rank 0 read" in text and "manifest " in text
