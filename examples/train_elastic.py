@@ -18,16 +18,35 @@ Run it (CPU, gloo)::
     torchrun --standalone --nproc_per_node=2 examples/train_elastic.py \\
         --root ckpt/elastic --steps 60 --layout tp
 
-Bit-exact resume: every batch is a pure function of the step
-(:func:`batch`), so the data position is the step itself,
-and the model has no dropout, so no RNG stream needs restoring. Under the
-same layout, an interrupted and resumed run ends with the same weights, bit
-for bit, as an uninterrupted one (``tests/dist/test_elastic.py``). A model
-with dropout would also save ``torch.get_rng_state()`` per rank.
+What it trains like a real job:
 
-``--loss-log FILE`` appends one JSON line per step on rank 0 (step, loss,
-world size, layout, restart attempt), which ``examples/elastic_demo.py``
-turns into a table and a plot.
+* **Data**: a map-style dataset (:class:`SyntheticTokens`, every sample a
+  pure function of its index) read through a ``DataLoader`` whose sampler is
+  ``sp.ResumableSampler``, wrapped in ``sp.ResumableLoader``. The *global*
+  batch is fixed (``--global-batch``, default 8); each data-parallel rank
+  takes ``global_batch / dp_world`` samples per step, so a step consumes the
+  same number of samples whatever the number of ranks, and the loader's
+  global position resumes on any number of ranks with no sample lost or
+  repeated within the epoch.
+* **Randomness**: residual dropout (``--dropout``, default 0.1) after the
+  attention and the MLP of every block, drawn from each rank's torch
+  generator, seeded per data-parallel rank (ranks of one tensor-parallel
+  group share their stream, so their masks agree).
+* **Checkpointed state**: model, optimizer, loader position and
+  ``sp.RNGState()`` (every rank's torch/python/numpy generators).
+
+Bit-exact resume: under the same layout, an interrupted and resumed run ends
+with the same weights, bit for bit, and the same losses as an uninterrupted
+one (``tests/dist/test_elastic.py``). After a relaunch on another number of
+ranks the data order continues exactly; the dropout streams of ranks beyond
+the old world are derived (``RNGState(on_resize="derive")``), so losses go on
+close to, not equal to, an unchanged run.
+
+``--loss-log FILE`` appends one JSON line per step on rank 0 (step, loss
+averaged over the global batch, world size, layout, restart attempt), which
+``examples/elastic_demo.py`` turns into a table and a plot. ``--samples-log
+DIR`` makes the first rank of every data-parallel group append the sample ids
+it trained on at each step to ``DIR/rank<r>.jsonl``.
 """
 
 from __future__ import annotations
@@ -40,35 +59,79 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
 
+import shardpoint as sp
 from shardpoint.manager import CheckpointManager, OnDemand, init_distributed
 from shardpoint.testing import GPTConfig, build, loss_of
 
 CFG = GPTConfig(vocab=96, dim=64, heads=4, layers=2, seq=16)
-BATCH = 8
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch of ``step``: a pure function of the step, identical on every rank.
+class SyntheticTokens(Dataset):
+    """``n`` token sequences of length ``seq + 1``; sample ``i`` is a pure function of ``i``.
 
-    Sequences count up with a per-sequence stride (mod the vocabulary), so the
-    loss visibly falls. Because the batch depends on the step only, the data
-    position to resume from is the step itself.
+    Sequences count up with a per-sample stride (mod the vocabulary), so the
+    loss visibly falls. Items are ``(i, tokens)``: the id travels with the
+    sample so that a run can record what it consumed.
     """
-    g = torch.Generator().manual_seed(10_000 + step)
-    start = torch.randint(0, CFG.vocab, (BATCH, 1), generator=g)
-    stride = torch.randint(1, 4, (BATCH, 1), generator=g)
-    seq = (start + stride * torch.arange(CFG.seq + 1)) % CFG.vocab
-    return seq[:, :-1], seq[:, 1:]
+
+    def __init__(self, n: int, c: GPTConfig = CFG, seed: int = 10_000):
+        self.n, self.c, self.seed = n, c, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed + int(i))
+        start = int(torch.randint(0, self.c.vocab, (1,), generator=g))
+        stride = int(torch.randint(1, 4, (1,), generator=g))
+        return int(i), (start + stride * torch.arange(self.c.seq + 1)) % self.c.vocab
 
 
-def train_step(model, opt, step: int) -> float:
-    x, y = batch(step)
-    loss = loss_of(model, x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(loss.detach())
+def dp_coords(layout: str, rank: int, world: int) -> tuple[int, int]:
+    """This rank's data-parallel rank and the data-parallel size of ``layout`` (see ``build``)."""
+    if layout == "tp":
+        return 0, 1
+    if layout == "2d":  # a 2 x (world/2) mesh, ("dp", "tp")
+        return rank // (world // 2), 2
+    if layout == "single":
+        return 0, 1
+    return rank, world
+
+
+def add_dropout(model: torch.nn.Module, p: float) -> None:
+    """Residual dropout: after the attention and the MLP of every block (GPT-2 style)."""
+    if p <= 0:
+        return
+    for mod in model.modules():
+        if type(mod).__name__ == "Block":
+            for sub in (mod.attn, mod.mlp):
+                sub.register_forward_hook(lambda m, inp, out: F.dropout(out, p, m.training))
+
+
+def sync_tp_rng(layout: str) -> None:
+    """Ranks of one tensor-parallel group must draw the same dropout masks.
+
+    After a restore on another layout each rank has its own stream; give
+    every rank of the group the stream of the group's first rank.
+    """
+    if layout == "tp" and dist.get_world_size() > 1:
+        st = torch.get_rng_state()
+        dist.broadcast(st, src=0)
+        torch.set_rng_state(st)
+    elif layout == "2d":
+        world = dist.get_world_size()
+        states = [torch.empty_like(torch.get_rng_state()) for _ in range(world)]
+        dist.all_gather(states, torch.get_rng_state())
+        torch.set_rng_state(states[(dist.get_rank() // (world // 2)) * (world // 2)])
+
+
+def batches(loader: sp.ResumableLoader):
+    """Batches forever, epoch after epoch, from the loader's current position."""
+    while True:
+        yield from loader
 
 
 def parse() -> argparse.Namespace:
@@ -81,7 +144,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--async-mode", default="lazy", choices=["eager", "lazy", "none"])
     ap.add_argument("--timeout", type=float, default=300.0, help="hang timeout of checkpoint phases (s)")
     ap.add_argument("--loss-log", default="", help="append per-step JSON lines here (rank 0)")
+    ap.add_argument("--samples-log", default="", help="folder: per-rank JSON lines of consumed sample ids")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="pause per step, to watch a demo")
+    ap.add_argument("--samples", type=int, default=256, help="dataset size (samples per epoch)")
+    ap.add_argument("--global-batch", type=int, default=8, help="samples per step over all data-parallel ranks")
+    ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     return ap.parse_args()
 
 
@@ -92,12 +160,23 @@ def main() -> None:
     init_distributed("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     kill_at = int(os.environ.get("KILL_AT_STEP", "-1"))
     kill_rank = int(os.environ.get("KILL_RANK", "-1"))
+    dp_rank, dp_world = dp_coords(args.layout, rank, world)
+    if args.global_batch % dp_world:
+        raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of {dp_world} data-parallel ranks")
 
-    model, opt = build(args.layout, CFG, seed=0)
-    # "extra" carries the data position; here it equals the step, and is checked on resume.
-    state = {"model": model, "optimizer": opt, "extra": {"step": 0, "samples": 0}}
+    model, opt = build(args.layout, CFG, seed=0)  # same initial weights everywhere (seeds torch)
+    add_dropout(model, args.dropout)
+    torch.manual_seed(1_000 + dp_rank)  # dropout stream per data-parallel rank, for a fresh start
+
+    dataset = SyntheticTokens(args.samples)
+    sampler = sp.ResumableSampler(dataset, rank=dp_rank, world_size=dp_world, seed=0)
+    loader = sp.ResumableLoader(DataLoader(dataset, batch_size=args.global_batch // dp_world, sampler=sampler,
+                                           num_workers=args.workers))
+    state = {"model": model, "optimizer": opt, "data": loader, "rng": sp.RNGState(),
+             "extra": {"step": 0}}
     mgr = CheckpointManager(
         args.root,
         interval=args.interval,
@@ -108,17 +187,38 @@ def main() -> None:
     )
     step = mgr.restore(state) or 0
     assert state["extra"]["step"] == step, (state["extra"], step)
+    sync_tp_rng(args.layout)
     if rank == 0:
+        d = loader.state_dict()
         print(f"[attempt {attempt}] world {world} layout {args.layout}: "
-              f"{'resumed after step ' + str(step) if step else 'starting fresh'}", flush=True)
+              f"{'resumed after step ' + str(step) if step else 'starting fresh'} "
+              f"(data epoch {d['epoch']} position {d['position']})", flush=True)
     log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None
+    samples_log = None
+    if args.samples_log and rank == min(r for r in range(world) if dp_coords(args.layout, r, world)[0] == dp_rank):
+        os.makedirs(args.samples_log, exist_ok=True)
+        samples_log = open(os.path.join(args.samples_log, f"rank{rank}.jsonl"), "a")
+    model.train()
+    it = batches(loader)  # iterates from the restored position on first use
     while step < args.steps:
         step += 1
-        loss = train_step(model, opt, step)
-        state["extra"] = {"step": step, "samples": step * BATCH}
+        epoch = loader.epoch
+        ids, seq = next(it)
+        loss = loss_of(model, seq[:, :-1], seq[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mean = loss.detach().clone() / world  # the loss of the global batch, for the log
+        dist.all_reduce(mean)
+        state["extra"] = {"step": step}
+        if samples_log is not None:
+            samples_log.write(json.dumps({"step": step, "epoch": epoch, "ids": ids.tolist(), "rank": rank,
+                                          "dp_rank": dp_rank, "world": world, "layout": args.layout,
+                                          "attempt": attempt, "run": run_id}) + "\n")
+            samples_log.flush()
         if log is not None:
-            log.write(json.dumps({"step": step, "loss": loss, "world": world, "layout": args.layout,
-                                  "attempt": attempt, "time": time.time()}) + "\n")
+            log.write(json.dumps({"step": step, "loss": float(mean), "world": world, "layout": args.layout,
+                                  "attempt": attempt, "run": run_id, "time": time.time()}) + "\n")
             log.flush()
         mgr.maybe_save(step, state)
         if attempt == 0 and step == kill_at and rank == kill_rank:
