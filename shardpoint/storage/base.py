@@ -27,7 +27,15 @@ class ShortReadError(StorageError):
 
 
 class MissingDependencyError(StorageError):
-    """A backend needs an optional package that is not installed; the message says what to install."""
+    """A backend needs an optional package that is not installed; the message says what to install.
+
+    Example::
+
+        try:
+            storage_for("s3://bucket/ckpt")
+        except MissingDependencyError as e:
+            print(e)  # ... install it with: pip install 'shardpoint[s3]'
+    """
 
 
 @dataclass

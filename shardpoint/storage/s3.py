@@ -84,6 +84,13 @@ class S3StorageError(StorageError):
     ``code`` is the S3 error code (``"AccessDenied"``, ``"SlowDown"``, ...) or
     the exception class name for transport errors; ``status`` the HTTP status
     when there was a response.
+
+    Example::
+
+        try:
+            sp.save(S3Storage("s3://bucket/ckpt"), state)
+        except StorageError as e:  # S3StorageError, or a DistributedError naming it
+            log.error("checkpoint not written: %s", e)
     """
 
     def __init__(self, message: str, code: str | None = None, status: int | None = None):
