@@ -179,7 +179,7 @@ def train_step(model, opt, step: int, c: GPTConfig) -> float:
     return float(loss.detach())
 
 
-LAYOUTS = ("single", "ddp", "fsdp2", "hsdp", "tp", "2d", "fsdp1", "fsdp1_orig", "pp", "pp_ddp", "pp_fsdp2")
+LAYOUTS = ("single", "ddp", "fsdp2", "hsdp", "tp", "2d", "fsdp1", "fsdp1_orig", "fsdp1_hybrid", "pp", "pp_ddp", "pp_fsdp2")
 PP_LAYOUTS = ("pp", "pp_ddp", "pp_fsdp2")
 
 
@@ -306,7 +306,9 @@ def build(layout: str, c: GPTConfig = GPTConfig(), seed: int = 0, lr: float = 1e
     ``single`` needs no process group. ``hsdp`` and ``2d`` use a 2 x (world/2)
     mesh; ``tp`` uses all ranks as one tensor-parallel group. ``fsdp1`` and
     ``fsdp1_orig`` wrap each block and the root in FSDP1 with
-    ``use_orig_params`` False and True. ``pp`` makes every rank a pipeline
+    ``use_orig_params`` False and True; ``fsdp1_hybrid`` is FSDP1
+    ``HYBRID_SHARD`` on a 2 x (world/2) mesh, with activation-checkpoint
+    wrappers around the blocks. ``pp`` makes every rank a pipeline
     stage (:class:`GPTStage`); ``pp_ddp`` and ``pp_fsdp2`` make two stages,
     each data-parallel (DDP or FSDP2) over half of the ranks.
     """
@@ -323,6 +325,20 @@ def build(layout: str, c: GPTConfig = GPTConfig(), seed: int = 0, lr: float = 1e
         model = FSDP(
             model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=layout == "fsdp1_orig",
             device_id=torch.device("cpu"),
+        )
+    elif layout == "fsdp1_hybrid":
+        import torch.distributed as dist
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+        model = FSDP(
+            model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+            device_mesh=mesh, use_orig_params=True, device_id=torch.device("cpu"),
         )
     elif layout in PP_LAYOUTS:
         model = _build_pp(layout, model)

@@ -52,6 +52,10 @@ class SaveTensor:
     box's row-major order. ``replica_index``/``replica_count`` say which copy
     this is among ranks holding identical data; exactly one copy is written.
     ``cost`` is a rank-independent size estimate used to balance writers.
+    ``replica_group`` names the group whose ranks all list the same replicated
+    tensors (``""``: the whole process group); writers are balanced within
+    each group separately, since ranks of different pipeline stages hold
+    different tensors.
     """
 
     fqn: str
@@ -63,6 +67,7 @@ class SaveTensor:
     replica_count: int = 1
     cost: float = 0.0
     layout: str = ""
+    replica_group: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -188,6 +193,11 @@ class AdapterContext:
         """Global ranks that may hold copies of ``fqn`` (``None``: no restriction)."""
         r = self._replicas(fqn)
         return None if r is None else r.ranks
+
+    def replica_group(self, fqn: str | None = None) -> str:
+        """A name for the replica group of ``fqn``, the same on every rank of that group."""
+        ranks = self.replica_ranks(fqn)
+        return "" if ranks is None else ",".join(str(r) for r in sorted(ranks))
 
 
 class Adapter(Protocol):

@@ -101,6 +101,7 @@ def save_tensor(fqn: str, t: torch.Tensor, ctx: AdapterContext) -> SaveTensor | 
         return SaveTensor(
             fqn, local, shape, box, None, index, count,
             global_cost(shape, local.element_size(), count, mesh_size), f"dtensor{tuple(t.placements)}",
+            ctx.replica_group(fqn),
         )
     if t.is_sparse or t.layout != torch.strided:
         raise UnsupportedStateError(f"{fqn}: only dense strided tensors can be saved, got {t.layout}")
@@ -109,6 +110,7 @@ def save_tensor(fqn: str, t: torch.Tensor, ctx: AdapterContext) -> SaveTensor | 
     return SaveTensor(
         fqn, t, shape, Box.full(shape), None, index, count,
         float(math.prod(shape) * t.element_size()), "replicated" if count > 1 else "local",
+        ctx.replica_group(fqn),
     )
 
 

@@ -23,13 +23,22 @@ NEXT_STEPS = 2
 
 
 def _replicated_over(layout: str, model, world: int):
-    """Pipeline stages declare who holds their copies; the mapping form for pp_ddp, a list otherwise."""
+    """Pipeline stages declare who holds their copies: a plain list for ``pp``, else per entry.
+
+    In the per-entry form ``extra`` stays replicated over the whole world, so
+    its tensor is written once although the stages hold different layers.
+    """
     ranks = replica_ranks(model)
-    if ranks is None:
-        return None
-    if layout == "pp_ddp":
-        return {"model": ranks, "optimizer": ranks}
-    return ranks
+    if ranks is None or layout == "pp":
+        return ranks
+    return {"model": ranks, "optimizer": ranks}
+
+
+def _extra(layout: str) -> dict:
+    extra = {"step": TRAIN_STEPS, "layout": layout}
+    if layout != "pp":  # with one list for all entries, a world-wide tensor would be written per stage
+        extra["shared"] = torch.arange(7.0)
+    return extra
 
 
 def save_job(rank: int, world: int, root: str, layouts: list[str]) -> dict:
@@ -40,7 +49,7 @@ def save_job(rank: int, world: int, root: str, layouts: list[str]) -> dict:
         model, opt = build(layout, CFG, seed=0)
         for s in range(TRAIN_STEPS):
             train_step(model, opt, s, CFG)
-        state = {"model": model, "optimizer": opt, "extra": {"step": TRAIN_STEPS, "layout": layout}}
+        state = {"model": model, "optimizer": opt, "extra": _extra(layout)}
         res = sp.save(os.path.join(root, name), state, replicated_over=_replicated_over(layout, model, world))
         ref = full_state(model, opt)
         losses = [train_step(model, opt, TRAIN_STEPS + i, CFG) for i in range(NEXT_STEPS)]
@@ -62,7 +71,12 @@ def load_job(rank: int, world: int, root: str, cases: list[list[str]]) -> dict:
         state = {"model": model, "optimizer": opt, "extra": {}}
         report = sp.LoadResult()
         sp.load(os.path.join(root, src), state, report=report)
-        assert state["extra"]["step"] == TRAIN_STEPS, state["extra"]
+        extra = state["extra"]
+        assert extra["step"] == TRAIN_STEPS, extra
+        want_extra = _extra(extra["layout"])
+        assert sorted(extra) == sorted(want_extra), extra
+        if "shared" in extra:
+            assert torch.equal(extra["shared"], want_extra["shared"])
         got = full_state(model, opt)
         ref = load_file(os.path.join(root, f"{src}.ref.safetensors"))
         assert sorted(got) == sorted(ref), sorted(set(got) ^ set(ref))

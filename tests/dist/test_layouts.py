@@ -17,7 +17,7 @@ pytestmark = pytest.mark.dist
 def saved(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("layouts"))
     info = {}
-    info.update(launch(4, "tests.dist.layout_cases:save_job", {"root": root, "layouts": ["fsdp1", "pp_ddp", "pp_fsdp2"]})[0])
+    info.update(launch(4, "tests.dist.layout_cases:save_job", {"root": root, "layouts": ["fsdp1", "pp_ddp", "pp_fsdp2", "fsdp1_hybrid"]})[0])
     info.update(launch(2, "tests.dist.layout_cases:save_job", {"root": root, "layouts": ["fsdp2", "pp"]})[0])
     info.update(launch(3, "tests.dist.layout_cases:save_job", {"root": root, "layouts": ["fsdp1_orig"]})[0])
     return root, info
@@ -26,8 +26,9 @@ def saved(tmp_path_factory):
 def test_saves_are_flat_slices_without_gather(saved):
     _, info = saved
     total = info["fsdp22"]["total"]
-    for name in ("fsdp14", "pp_ddp4", "pp_fsdp24", "pp2", "fsdp1_orig3"):
-        assert info[name]["total"] == total, (name, info[name], total)
+    for name in ("fsdp14", "pp_ddp4", "pp_fsdp24", "pp2", "fsdp1_orig3", "fsdp1_hybrid4"):
+        want = total - (7 * 4 if name == "pp2" else 0)  # pp2 saves no extra tensor
+        assert info[name]["total"] == want, (name, info[name], want)
     # FSDP1 stores flat ranges of the original parameters, and nothing twice.
     assert info["fsdp14"]["flat_chunks"] > 0 and info["fsdp1_orig3"]["flat_chunks"] > 0
     assert info["fsdp22"]["flat_chunks"] == info["pp2"]["flat_chunks"] == 0
@@ -36,10 +37,10 @@ def test_saves_are_flat_slices_without_gather(saved):
 @pytest.mark.parametrize(
     "world,cases",
     [
-        (1, [["fsdp14", "single"], ["pp2", "single"], ["pp_ddp4", "single"], ["fsdp1_orig3", "single"]]),
+        (1, [["fsdp14", "single"], ["pp2", "single"], ["pp_ddp4", "single"], ["fsdp1_orig3", "single"], ["fsdp1_hybrid4", "single"]]),
         (2, [["fsdp14", "fsdp2"], ["fsdp22", "pp"], ["pp_fsdp24", "fsdp1_orig"], ["fsdp1_orig3", "fsdp1"]]),
         (3, [["fsdp22", "fsdp1_orig"], ["fsdp14", "fsdp1_orig"], ["pp2", "fsdp1"]]),
-        (4, [["fsdp22", "pp_ddp"], ["fsdp1_orig3", "pp_fsdp2"], ["pp2", "fsdp1"]]),
+        (4, [["fsdp22", "pp_ddp"], ["fsdp1_orig3", "pp_fsdp2"], ["pp2", "fsdp1"], ["fsdp1_hybrid4", "fsdp1_hybrid"], ["pp_ddp4", "fsdp1_hybrid"]]),
     ],
     ids=["to1", "to2", "to3", "to4"],
 )
