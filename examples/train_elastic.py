@@ -54,9 +54,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -169,12 +171,19 @@ def main() -> None:
 
     model, opt = build(args.layout, CFG, seed=0)  # same initial weights everywhere (seeds torch)
     add_dropout(model, args.dropout)
-    torch.manual_seed(1_000 + dp_rank)  # dropout stream per data-parallel rank, for a fresh start
+    # Every generator seeded per data-parallel rank, for a fresh start; a resume restores them.
+    torch.manual_seed(1_000 + dp_rank)
+    random.seed(1_000 + dp_rank)
+    np.random.seed(1_000 + dp_rank)
 
     dataset = SyntheticTokens(args.samples)
     sampler = sp.ResumableSampler(dataset, rank=dp_rank, world_size=dp_world, seed=0)
+    # The DataLoader gets its own generator: every iter() of a DataLoader draws a 64-bit base seed
+    # (for its workers) from ``generator``, by default the global torch generator. A resumed run
+    # starts a fresh iterator mid-epoch, so that draw would shift the global stream against an
+    # uninterrupted run. The dataset draws no random numbers in workers, so this seed is not saved.
     loader = sp.ResumableLoader(DataLoader(dataset, batch_size=args.global_batch // dp_world, sampler=sampler,
-                                           num_workers=args.workers))
+                                           num_workers=args.workers, generator=torch.Generator().manual_seed(dp_rank)))
     state = {"model": model, "optimizer": opt, "data": loader, "rng": sp.RNGState(),
              "extra": {"step": 0}}
     mgr = CheckpointManager(
