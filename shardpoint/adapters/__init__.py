@@ -11,7 +11,9 @@ from typing import Any
 
 from .base import AdapterContext, LoadPart, LoadTarget, ParamView, Replicas, SavePart, SaveTensor
 from .context import build_context, resolve_replicas
+from .deepspeed import DeepSpeedAdapter
 from .fsdp1 import FSDP1Adapter
+from .megatron import MegatronAdapter
 from .module import ModuleAdapter, unwrap_module
 from .optimizer import OptimizerAdapter
 from .tree import StatefulAdapter, TreeAdapter
@@ -34,7 +36,7 @@ __all__ = [
 
 def default_adapters() -> list:
     """A fresh list of the built-in adapters, most specific first."""
-    return [OptimizerAdapter(), FSDP1Adapter(), ModuleAdapter(), StatefulAdapter(), TreeAdapter()]
+    return [DeepSpeedAdapter(), OptimizerAdapter(), FSDP1Adapter(), MegatronAdapter(), ModuleAdapter(), StatefulAdapter(), TreeAdapter()]
 
 
 def adapter_for(obj: Any, adapters: list) -> Any:

@@ -15,7 +15,9 @@ from typing import Any, Mapping, Sequence
 from torch import nn
 
 from .base import AdapterContext, ParamView, Replicas
+from .deepspeed import deepspeed_names_and_views
 from .fsdp1 import fsdp1_names_and_views, is_fsdp1
+from .megatron import is_megatron, megatron_shards
 from .module import unwrap_module
 
 __all__ = ["build_context", "resolve_replicas"]
@@ -78,10 +80,17 @@ def build_context(
     """The context every adapter of one save or load sees."""
     names: dict[int, str] = {}
     views: dict[int, tuple[ParamView, ...]] = {}
+    shards: dict = {}
     for key, obj in state.items():
         if not isinstance(obj, nn.Module):
             continue
         m = unwrap_module(obj)
+        if is_megatron(m):
+            n, sh = megatron_shards(key, m)
+            for i, name in n.items():
+                names.setdefault(i, name)
+            shards.update(sh)
+            continue
         if is_fsdp1(m):
             n, v = fsdp1_names_and_views(key, m, f"state[{key!r}]")
             for i, name in n.items():
@@ -91,4 +100,9 @@ def build_context(
             continue
         for n, p in m.named_parameters():
             names.setdefault(id(p), f"{key}.{n}")
-    return AdapterContext(rank, world, names, allow_pickle, views, resolve_replicas(replicated_over, list(state)))
+    n, v = deepspeed_names_and_views(state)  # engines: the module's names; ZeRO partitions: views
+    names.update(n)
+    views.update(v)
+    ctx = AdapterContext(rank, world, names, allow_pickle, views, resolve_replicas(replicated_over, list(state)))
+    ctx.shards = shards  # id(param) -> MegatronShard: optimizer state follows it
+    return ctx
