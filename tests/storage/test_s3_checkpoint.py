@@ -107,14 +107,24 @@ def test_uncommitted_save_is_invisible(s3_endpoint, bucket):
 def test_save_survives_throttling_and_5xx(proxy, bucket):
     st = S3Storage(f"s3://{bucket}/{uuid.uuid4().hex}/ckpt", s3_options(proxy.endpoint))
     model, opt, big = _trained()
-    proxy.faults = lambda req: (("status", 503, "SlowDown") if req.index % 4 == 1 else ("status", 500, "InternalError")) \
-        if req.index % 4 in (1, 3) and req.index < 16 else None
+    # One 503 and one 500 among the part uploads, one 500 on the manifest PUT.
+    plan = {1: ("status", 503, "SlowDown"), 3: ("status", 500, "InternalError")}
+
+    def faults(req):
+        if req.op == "UploadPart" and req.index in plan:
+            return plan[req.index]
+        if req.op == "PutObject" and "manifest.json" in req.target and not proxy.injected("status")[2:]:
+            return ("status", 500, "InternalError")
+        return None
+
+    proxy.faults = faults
     sp.save(st, _state(model, opt, big, 2))
-    assert {r.op for r, _ in proxy.injected("status")} >= {"UploadPart"}
+    injected = [r.op for r, _ in proxy.injected("status")]
+    assert injected.count("PutObject") == 1 and "UploadPart" in injected, injected
     gets = []
 
     def get_faults(req):
-        if req.op == "GetObject" and len(gets) < 4 and req.index % 2 == 0:
+        if req.op == "GetObject" and len(gets) < 2 and req.index % 2 == 0:
             gets.append(req)
             return ("status", 503, "SlowDown")
         return None
