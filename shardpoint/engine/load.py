@@ -213,7 +213,7 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
                 _copy_timed(r, buf, rec)
 
 
-def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, where, stats, window: int, rec=None) -> None:
+def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, where, stats, window: int, rec=None, threads: int = 2) -> None:
     """Read each span once across the ranks that need it; send it to the others."""
     mine = {r.key: r for r in reads}
     tc = time.monotonic()
@@ -234,7 +234,7 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
     local = [mine[k] for k in order if k in mine and len(needers[k]) == 1]
     error: BaseException | None = None
     try:
-        _execute_local(storage, local, block, verify, where, stats, window, threads=2, rec=rec)
+        _execute_local(storage, local, block, verify, where, stats, window, threads=threads, rec=rec)
     except Exception as e:  # noqa: BLE001 - keep serving peers, raise at the end
         error = e
     sends: list = []
@@ -316,9 +316,11 @@ def execute_reads(
     ``comm`` must call it, even with no targets.
     """
     stats = LoadStats()
+    # Backends with high per-request latency (object stores) ask for more reads in flight.
+    threads = max(threads, int(getattr(storage, "read_threads", threads)))
     reads = plan_chunk_reads(manifest, targets, where, verify, stats)
     if comm is not None and share and comm.active and comm.world > 1:
-        _execute_shared(storage, reads, comm, manifest.block_size, verify, where, stats, window, recorder)
+        _execute_shared(storage, reads, comm, manifest.block_size, verify, where, stats, window, recorder, threads)
     else:
         _execute_local(storage, reads, manifest.block_size, verify, where, stats, window, threads, recorder)
     return stats

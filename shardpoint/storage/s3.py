@@ -551,6 +551,11 @@ class S3Storage(Storage):
         return self._shared.options
 
     @property
+    def read_threads(self) -> int:
+        """How many chunk reads the load engine keeps in flight (object stores like many)."""
+        return max(2, self.options.max_concurrency)
+
+    @property
     def client(self):
         """The boto3 S3 client (shared with children; rebuilt after ``fork``)."""
         return self._shared.client
