@@ -183,8 +183,12 @@ class AsyncSaver:
         trace_dir: str | None = None,
         on_metrics: Any = None,
         layouts: Sequence[Any] = (),
+        replicated_over: Any = None,
     ) -> AsyncSaveHandle:
-        """Start saving ``state`` to ``path``; see the module docs for ``mode``."""
+        """Start saving ``state`` to ``path``; see the module docs for ``mode``.
+
+        ``layouts`` and ``replicated_over`` mean what they mean for :func:`shardpoint.save`.
+        """
         if mode not in ("eager", "lazy"):
             raise ValueError(f"mode must be 'eager' or 'lazy', got {mode!r}")
         _check_state(state)
@@ -198,7 +202,7 @@ class AsyncSaver:
         result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
         handle = AsyncSaveHandle(where, result)
         handle._storage = storage
-        prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result, layouts, self._plan_cache))
+        prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result, layouts, self._plan_cache, replicated_over=replicated_over))
         if comm.world == 1 and not prep_out.ok:
             raise prep_out.exc
         if self._ring is None:
