@@ -72,7 +72,7 @@ class OptimizerAdapter:
                 name = param_name(key, p, gi, i, ctx)
                 group_of[name] = gi
                 if s:
-                    state[name] = encode_value(dict(s), f"{key}.state.{name}", on_tensor, ctx.allow_pickle)
+                    state[name] = encode_value(dict(s), f"{key}.state.{name}", _on_state(p, ctx, on_tensor, part), ctx.allow_pickle)
         part.value = {"groups": groups, "group_of": group_of, "state": state}
         return part
 
@@ -119,6 +119,11 @@ class OptimizerAdapter:
                         return None
                     part.consumed.add(fqn)
                     dt = torch_dtype(meta.dtype)
+                    shard = (getattr(ctx, "shards", None) or {}).get(id(p))
+                    if shard is not None and tuple(meta.shape) == shard.shape:  # sharded like p (Megatron TP)
+                        dest = torch.zeros_like(p.detach(), dtype=dt)
+                        part.targets.extend(shard.targets(fqn, dest))
+                        return dest
                     dest = empty_like_target(p, tuple(meta.shape), dt)
                     if dest.dtype != dt:
                         raise ShapeMismatchError(f"{where}: tensor {fqn!r}: cannot allocate {meta.dtype}, got {dtype_name(dest.dtype)}")
@@ -165,6 +170,21 @@ class OptimizerAdapter:
 
         part.finish = finish
         return part
+
+
+def _on_state(p, ctx: AdapterContext, on_tensor, part: SavePart):
+    """The tensor callback for ``p``'s state: state shaped like a framework-sharded ``p`` follows its shard."""
+    shard = (getattr(ctx, "shards", None) or {}).get(id(p))  # set by build_context (Megatron TP)
+    if shard is None:
+        return on_tensor
+
+    def cb(fqn, t):
+        if tuple(t.shape) == tuple(p.shape) and (t.dim() > 0 or fqn.rpartition(".")[2] not in _SCALAR_STATE):
+            part.tensors.extend(shard.save(fqn, t))
+        else:  # scalar state (``step``): held by every rank of the parameter's stage
+            part.tensors.extend(shard.save_whole(fqn, t))
+
+    return cb
 
 
 def _append(out: list, item) -> None:

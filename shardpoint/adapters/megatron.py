@@ -1,0 +1,271 @@
+"""Megatron-Core tensor-parallel modules: each local shard saved as boxes of the global tensor.
+
+Megatron's ``ColumnParallelLinear``, ``RowParallelLinear`` and
+``VocabParallelEmbedding`` keep plain local tensors tagged with
+``tensor_model_parallel=True``, ``partition_dim`` and ``partition_stride``.
+With stride ``s`` the global tensor is cut along ``partition_dim`` into
+``s * tp`` equal chunks and TP rank ``r`` holds chunks ``r, r + tp, ...``
+(stride 1: one contiguous box; a SwiGLU ``linear_fc1`` has stride 2, its
+global tensor being ``[gate; up]``). Tensor-parallel rank and size come from
+``megatron.core.parallel_state``. Each local shard is recorded as its box(es)
+of the global tensor, replicated over the data-parallel group (with context
+parallelism); tensors without the tag are replicated over the tensor- and
+data-parallel group of the stage. Nothing is gathered.
+
+Pipeline stages number their layers locally (``decoder.layers.0`` on every
+stage); names are rewritten with each ``TransformerLayer``'s global
+``layer_number`` so that PP=2 loads into no PP and back.
+
+Optimizer state shaped like a parameter follows the parameter's boxes (see
+:class:`MegatronShard`). Use with layout rules to store logical tensors::
+
+    rules = [
+        sp.Fused("*.linear_qkv.weight", dim=0, groups=num_query_groups,
+                 parts=[("linear_q", heads_per_group * hd), ("linear_k", hd), ("linear_v", hd)]),
+        sp.Fused("*.linear_fc1.weight", dim=0, parts=[("linear_gate", ffn), ("linear_up", ffn)]),
+    ]
+    sp.save("ckpt", {"model": gpt, "optimizer": adamw}, layouts=rules)
+
+Expert-parallel parameters (``allreduce=False``) and tied embeddings across
+pipeline stages are refused with :class:`~shardpoint.errors.UnsupportedStateError`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import ShapeMismatchError, UnsupportedStateError
+from ..geometry import Box
+from .base import AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor, dtype_name, torch_dtype
+from .module import unwrap_module
+
+__all__ = ["MegatronAdapter", "MegatronShard", "is_megatron", "megatron_names", "megatron_shards"]
+
+
+def _ps():
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def is_megatron(m: Any) -> bool:
+    """Whether ``m`` is a module holding Megatron tensor-parallel parameters or layers.
+
+    Example::
+
+        is_megatron(gpt_model)  # True for a megatron.core GPTModel
+    """
+    if not isinstance(m, nn.Module):
+        return False
+    m = unwrap_module(m)
+    if any(getattr(p, "tensor_model_parallel", False) for p in m.parameters()):
+        return True
+    return any(type(x).__module__.startswith("megatron.core") for x in m.modules())
+
+
+@dataclass(frozen=True)
+class MegatronShard:
+    """Where a local Megatron tensor lies in its global tensor.
+
+    ``pieces`` are ``(local offset, global box)`` along ``dim``: the local
+    rows ``[local, local + box.sizes[dim])`` are the global ``box``.
+    ``replica`` is (index, count) among ranks holding the same pieces and
+    ``group`` names those ranks (for balancing writers).
+
+    Example: TP rank 1 of 2 holding rows 4..8 of an ``[8, 3]`` weight::
+
+        MegatronShard((8, 3), 0, ((0, Box((4, 0), (4, 3))),), (0, 1), "1")
+    """
+
+    shape: tuple[int, ...]
+    dim: int
+    pieces: tuple[tuple[int, Box], ...]
+    replica: tuple[int, int]
+    group: str
+    holders: tuple[int, int] = (0, 1)
+    holders_group: str = ""
+
+    def save(self, fqn: str, t: torch.Tensor) -> list[SaveTensor]:
+        """:class:`SaveTensor` items for ``t`` (the local tensor or state shaped like it)."""
+        t = t.detach()
+        out = []
+        for lo, box in self.pieces:
+            data = t.narrow(self.dim, lo, box.sizes[self.dim]) if len(self.pieces) > 1 else t
+            out.append(SaveTensor(
+                fqn, data, self.shape, box, None, self.replica[0], self.replica[1],
+                float(box.numel * t.element_size()), "megatron_tp", replica_group=self.group,
+            ))
+        return out
+
+    def save_whole(self, fqn: str, t: torch.Tensor) -> list[SaveTensor]:
+        """A tensor held whole, identical on every rank holding a piece of the parameter (``step``)."""
+        t = t.detach()
+        shape = tuple(int(x) for x in t.shape)
+        return [SaveTensor(
+            fqn, t, shape, Box.full(shape), None, self.holders[0], self.holders[1],
+            float(t.numel() * t.element_size()), "replicated", replica_group=self.holders_group,
+        )]
+
+    def targets(self, fqn: str, dest: torch.Tensor) -> list[LoadTarget]:
+        """:class:`LoadTarget` items that fill ``dest`` (shaped like the local tensor) in place."""
+        return [
+            LoadTarget(fqn, dest.narrow(self.dim, lo, box.sizes[self.dim]), self.shape, box)
+            for lo, box in self.pieces
+        ]
+
+
+def _group_name(group) -> str:
+    import torch.distributed as dist
+
+    return ",".join(str(r) for r in sorted(dist.get_process_group_ranks(group)))
+
+
+def _shard_of(name: str, p: torch.Tensor) -> MegatronShard:
+    import torch.distributed as dist
+
+    ps = _ps()
+    shape = tuple(int(s) for s in p.shape)
+    if not getattr(p, "allreduce", True):
+        raise UnsupportedStateError(f"{name}: Megatron expert-parallel parameters are not supported yet")
+    if not ps.model_parallel_is_initialized():
+        if getattr(p, "tensor_model_parallel", False):
+            raise UnsupportedStateError(f"{name}: Megatron parallel_state is not initialized")
+        return MegatronShard(shape, 0, ((0, Box.full(shape)),), (0, 1), "")
+    # Ranks of this pipeline stage: all hold a piece of every parameter of the stage.
+    hg = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    holders, hname = (dist.get_rank(hg), dist.get_world_size(hg)), _group_name(hg)
+    if not getattr(p, "tensor_model_parallel", False):
+        return MegatronShard(shape, 0, ((0, Box.full(shape)),), holders, hname, holders, hname)
+    dim = int(getattr(p, "partition_dim", 0))
+    stride = int(getattr(p, "partition_stride", 1))
+    tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if stride < 1 or shape[dim] % stride:
+        raise UnsupportedStateError(f"{name}: local size {shape[dim]} on dim {dim} is not a multiple of partition_stride {stride}")
+    n = shape[dim] // stride  # rows per chunk
+    gshape = list(shape)
+    gshape[dim] = shape[dim] * tp
+    pieces = []
+    for j in range(stride):
+        offs = [0] * len(shape)
+        offs[dim] = (j * tp + r) * n
+        sizes = list(shape)
+        sizes[dim] = n
+        pieces.append((j * n, Box(tuple(offs), tuple(sizes))))
+    dpg = ps.get_data_parallel_group(with_context_parallel=True)
+    replica = (dist.get_rank(dpg), dist.get_world_size(dpg))
+    return MegatronShard(tuple(gshape), dim, tuple(pieces), replica, _group_name(dpg), holders, hname)
+
+
+_LAYER = re.compile(r"^(.*?layers\.)(\d+)(\..*|)$")
+
+
+def megatron_names(m: nn.Module) -> dict[str, str]:
+    """Local state-dict names -> global names (layer indices from ``layer_number``).
+
+    Example: on pipeline stage 1 of 2 of a 4-layer GPT,
+    ``decoder.layers.0.mlp.linear_fc1.weight`` -> ``decoder.layers.2.mlp.linear_fc1.weight``.
+    """
+    m = unwrap_module(m)
+    prefixes: dict[str, str] = {}
+    for name, mod in m.named_modules():
+        ln = getattr(mod, "layer_number", None)
+        mm = _LAYER.match(name)
+        if isinstance(ln, int) and mm and not mm.group(3) and type(mod).__name__.endswith("TransformerLayer"):
+            prefixes[name + "."] = f"{mm.group(1)}{ln - 1}."
+    out = {}
+    for k in m.state_dict():
+        new = k
+        for old, glob in prefixes.items():
+            if k.startswith(old):
+                new = glob + k[len(old):]
+                break
+        out[k] = new
+    return out
+
+
+def _check_tied(m: nn.Module) -> None:
+    if getattr(m, "share_embeddings_and_output_weights", False):
+        ps = _ps()
+        if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
+            raise UnsupportedStateError(
+                "Megatron tied embeddings across pipeline stages (share_embeddings_and_output_weights) "
+                "are not supported yet; untie them"
+            )
+
+
+def megatron_shards(key: str, m: nn.Module) -> tuple[dict[int, str], dict[int, MegatronShard]]:
+    """Per ``id(param)``: the global name (``<key>.<name>``) and its :class:`MegatronShard`."""
+    m = unwrap_module(m)
+    _check_tied(m)
+    glob = megatron_names(m)
+    names, shards = {}, {}
+    for n, p in m.named_parameters():
+        g = f"{key}.{glob.get(n, n)}"
+        names[id(p)] = g
+        shards[id(p)] = _shard_of(g, p)
+    return names, shards
+
+
+class MegatronAdapter:
+    """Saves and loads a Megatron-Core module (any TP/PP/DP layout), storing global tensors.
+
+    Example::
+
+        sp.save(path, {"model": gpt, "optimizer": opt}, layouts=rules)
+        sp.load(path, {"model": plain_fsdp2_model, "optimizer": opt2})
+    """
+
+    name = "megatron"
+
+    def claims(self, obj: Any) -> bool:
+        return is_megatron(obj)
+
+    def _tensors(self, key: str, m: nn.Module):
+        """(global fqn, tensor, shard) for every tensor of ``m.state_dict()``."""
+        m = unwrap_module(m)
+        _check_tied(m)
+        glob = megatron_names(m)
+        params = dict(m.named_parameters())
+        out, extra = [], {}
+        for n, t in m.state_dict(keep_vars=True).items():
+            fqn = f"{key}.{glob.get(n, n)}"
+            if not isinstance(t, torch.Tensor):
+                extra[n] = t
+                continue
+            src = params.get(n, t)
+            out.append((fqn, n, t, _shard_of(fqn, src)))
+        return out, extra
+
+    def save(self, key: str, obj: nn.Module, ctx: AdapterContext) -> SavePart:
+        part = SavePart(framework="megatron")
+        items, extra = self._tensors(key, obj)
+        if any(v is not None for v in extra.values()):
+            raise UnsupportedStateError(f"state[{key!r}]: Megatron extra_state entries {sorted(extra)} are not supported yet")
+        for fqn, _, t, shard in items:
+            part.tensors.extend(shard.save(fqn, t))
+        part.value = {}
+        return part
+
+    def load(self, key, obj, doc, tensors: Mapping[str, Any], ctx, where="<checkpoint>") -> LoadPart:
+        part = LoadPart()
+        items, _ = self._tensors(key, obj)
+        for fqn, _, t, shard in items:
+            meta = tensors.get(fqn)
+            if meta is None:
+                part.missing.append(fqn)
+                continue
+            part.consumed.add(fqn)
+            if tuple(meta.shape) != shard.shape or torch_dtype(meta.dtype) != t.dtype:
+                raise ShapeMismatchError(
+                    f"{where}: tensor {fqn!r}: checkpoint has {meta.dtype}{list(meta.shape)}, "
+                    f"target has {dtype_name(t.dtype)}{list(shard.shape)}"
+                )
+            part.targets.extend(shard.targets(fqn, t.detach()))
+        part.finish = lambda: obj
+        return part
+
