@@ -9,6 +9,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,s3,tools]'
+	# megatron-core with --no-deps: resolving its torch>=2.6 requirement can pull a CUDA torch from PyPI.
+	$(BIN)/pip install -q --no-deps megatron-core==0.16.1
 	touch $@
 
 install: $(BIN)/.installed
