@@ -163,7 +163,8 @@ def save_job(rank: int, world: int, root: str) -> dict:
         if losses is not None:
             save_file({"losses": losses.contiguous()}, os.path.join(root, "losses.safetensors"))
     m = sp.read_manifest(os.path.join(root, "mcore"))
-    return {"names": sorted(ref), "tensors": sorted(m.tensors), "layers": sorted({n.split(".")[2] for n in names.values() if ".layers." in n})}
+    error = _expert_refusal(root, model.config)
+    return {"expert_error": error, "tensors": sorted(m.tensors), "layers": sorted({n.split(".")[2] for n in names.values() if ".layers." in n})}
 
 
 # ---------------------------------------------------------------- the plain PyTorch twin
@@ -291,6 +292,19 @@ def load_job(rank: int, world: int, root: str) -> dict:
     diff = float((losses - ref_losses).abs().max())
     assert diff < 1e-5, f"forward differs from Megatron's by {diff}"
     return {"n": len(got), "max_diff": diff}
+
+
+def _expert_refusal(root: str, cfg) -> str | None:
+    """Expert-parallel parameters (``allreduce=False``) are refused with a clear error."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    lin = ColumnParallelLinear(8, 16, config=cfg, init_method=nn.init.normal_, bias=False)
+    lin.weight.allreduce = False
+    try:
+        sp.save(os.path.join(root, "expert"), {"model": lin})
+    except sp.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 __all__ = ["save_job", "load_job", "build_megatron", "PlainGPT", "RULES"]

@@ -40,3 +40,9 @@ def test_megatron_tp2_pp2_to_plain(saved, world):
     root, _ = saved
     for r in launch(world, "tests.dist.megatron_cases:load_job", {"root": root}):
         assert r["n"] > 0 and r["max_diff"] < 1e-5, r
+
+
+def test_megatron_expert_parameters_are_refused(saved):
+    for r in saved[1]:
+        err = r["expert_error"]
+        assert err is not None and err.startswith("UnsupportedStateError") and "expert" in err, r
