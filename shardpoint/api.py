@@ -32,6 +32,7 @@ from .errors import (
     UnsupportedStateError,
 )
 from .adapters.base import LoadTarget, dtype_name, torch_dtype
+from .adapters.megatron import is_megatron, megatron_global_shapes
 from .geometry import Box
 from .errors import StorageError
 from .format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, ChunkMeta, Manifest, TensorMeta
@@ -346,6 +347,9 @@ def _physical_shapes(state) -> dict[str, tuple]:
     shapes = {}
     for key, obj in state.items():
         if isinstance(obj, nn.Module):
+            if is_megatron(unwrap_module(obj)):  # local TP shards and stage-local layer names
+                shapes.update(megatron_global_shapes(key, unwrap_module(obj)))
+                continue
             for n, t in unwrap_module(obj).state_dict().items():
                 if isinstance(t, torch.Tensor):
                     shapes[f"{key}.{n}"] = tuple(t.shape)

@@ -44,7 +44,7 @@ from ..geometry import Box
 from .base import AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor, dtype_name, torch_dtype
 from .module import unwrap_module
 
-__all__ = ["MegatronAdapter", "MegatronShard", "is_megatron", "megatron_names", "megatron_shards"]
+__all__ = ["MegatronAdapter", "MegatronShard", "is_megatron", "megatron_names", "megatron_shards", "megatron_global_shapes"]
 
 
 def _ps():
@@ -209,6 +209,12 @@ def megatron_shards(key: str, m: nn.Module) -> tuple[dict[int, str], dict[int, M
         names[id(p)] = g
         shards[id(p)] = _shard_of(g, p)
     return names, shards
+
+
+def megatron_global_shapes(key: str, m: nn.Module) -> dict[str, tuple[int, ...]]:
+    """``<key>.<global name>`` -> global shape of every tensor of ``m`` (what layout rules cut)."""
+    items, _ = MegatronAdapter()._tensors(key, m)
+    return {fqn: shard.shape for fqn, _, _, shard in items}
 
 
 class MegatronAdapter:

@@ -59,14 +59,15 @@ def _cpu_shims() -> None:
     CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
 
 
-def build_megatron(seed: int = 0):
+def build_megatron(seed: int = 0, init: bool = True):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     _cpu_shims()
-    ps.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
+    if init:
+        ps.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
     cfg = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
         ffn_hidden_size=FFN, use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
@@ -163,6 +164,19 @@ def save_job(rank: int, world: int, root: str) -> dict:
         if losses is not None:
             save_file({"losses": losses.contiguous()}, os.path.join(root, "losses.safetensors"))
     m = sp.read_manifest(os.path.join(root, "mcore"))
+    # Back into a freshly built Megatron model (same layout, other init): the load path, in place.
+    model2 = build_megatron(seed=77, init=False)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    sp.load(os.path.join(root, "mcore"), {"model": model2, "optimizer": opt2}, layouts=RULES)
+    names2 = megatron_names(model2)
+    back = {}
+    for n, p in model2.named_parameters():
+        back[f"model.{names2[n]}"] = _gather_tp(p, p)
+        for k, v in opt2.state[p].items():
+            back[f"opt.{names2[n]}.{k}"] = _gather_tp(v, p) if v.dim() else v.clone()
+    assert sorted(back) == sorted(ref), sorted(set(back) ^ set(ref))
+    bad = [k for k in ref if not torch.equal(back[k], ref[k])]
+    assert not bad, f"Megatron -> Megatron not bit-exact: {bad[:5]}"
     error = _expert_refusal(root, model.config)
     return {"expert_error": error, "tensors": sorted(m.tensors), "layers": sorted({n.split(".")[2] for n in names.values() if ".layers." in n})}
 
