@@ -66,7 +66,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import shardpoint as sp
 from shardpoint.manager import CheckpointManager, OnDemand, init_distributed
-from shardpoint.testing import GPTConfig, build, loss_of
+from shardpoint.testing import Block, GPTConfig, build, loss_of
 
 CFG = GPTConfig(vocab=96, dim=64, heads=4, layers=2, seq=16)
 
@@ -108,7 +108,7 @@ def add_dropout(model: torch.nn.Module, p: float) -> None:
     if p <= 0:
         return
     for mod in model.modules():
-        if type(mod).__name__ == "Block":
+        if isinstance(mod, Block):  # FSDP2 turns a Block into an FSDPBlock, a subclass
             for sub in (mod.attn, mod.mlp):
                 sub.register_forward_hook(lambda m, inp, out: F.dropout(out, p, m.training))
 
