@@ -105,6 +105,9 @@ def test_killed_rank_restarts_and_resumes_bit_exact(tmp_path):
     assert diff == []
     assert ma.values["extra"] == mb.values["extra"] == {"step": steps}
     assert ma.values["data"] == mb.values["data"] and ma.values["data"]["position"] == steps * GLOBAL_BATCH
+    # Dropout really drew from the torch generators: their rows moved between steps 4 and 12.
+    rows4 = sp.read_tensor(os.path.join(ref_root, step_folder(4)), "rng.rows_w2.torch")
+    assert not any(torch.equal(rows4[r], sp.read_tensor(a, "rng.rows_w2.torch")[r]) for r in range(2))
 
 
 def test_relaunch_on_fewer_ranks_loses_and_repeats_no_sample(tmp_path):
