@@ -202,11 +202,11 @@ def main() -> None:
         print(f"[attempt {attempt}] world {world} layout {args.layout}: "
               f"{'resumed after step ' + str(step) if step else 'starting fresh'} "
               f"(data epoch {d['epoch']} position {d['position']})", flush=True)
-    log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None
+    log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None  # noqa: SIM115 - open for the whole run
     samples_log = None
     if args.samples_log and rank == min(r for r in range(world) if dp_coords(args.layout, r, world)[0] == dp_rank):
         os.makedirs(args.samples_log, exist_ok=True)
-        samples_log = open(os.path.join(args.samples_log, f"rank{rank}.jsonl"), "a")
+        samples_log = open(os.path.join(args.samples_log, f"rank{rank}.jsonl"), "a")  # noqa: SIM115
     model.train()
     it = batches(loader)  # iterates from the restored position on first use
     while step < args.steps:
