@@ -256,8 +256,35 @@ def _logical_shape(rule: Rule, phys_shape, name: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _split(rule: Rule, m, fqn: str, box: Box, shape: tuple[int, ...]):
+    """Each segment a shard box touches: (segment, lo, hi, logical name, logical box, logical shape).
+
+    Padding segments come back with ``None`` for the name, box and shape.
+    """
+    prefix, param, suffix = m
+    d = rule.dim
+    for seg, a, b in _pieces(rule, box, shape):
+        if seg.name is None:
+            yield seg, a, b, None, None, None
+            continue
+        offs, sizes = list(box.offsets), list(box.sizes)
+        offs[d] = seg.logical_start + (a - seg.start)
+        sizes[d] = b - a
+        name = prefix + rule.logical_name(param, seg.name) + suffix
+        yield seg, a, b, name, Box(tuple(offs), tuple(sizes)), _logical_shape(rule, shape, seg.name)
+
+
+def _scalar_names(rule: Rule, m) -> list[str]:
+    prefix, param, suffix = m
+    return [prefix + rule.logical_name(param, n) + suffix for n in rule.part_names()]
+
+
 def apply_save(tensors: Iterable[SaveTensor], rules: Sequence[Rule]) -> list[SaveTensor]:
-    """Replace physical tensors matched by a rule with their logical pieces."""
+    """Replace physical tensors matched by a rule with their logical pieces.
+
+    Group-interleaved parts give one rank several boxes of one logical tensor:
+    they become separate chunks.
+    """
     out = []
     for t in tensors:
         rule, m = _find(rules, t.fqn)
@@ -266,26 +293,17 @@ def apply_save(tensors: Iterable[SaveTensor], rules: Sequence[Rule]) -> list[Sav
             continue
         if t.flat is not None:
             raise UnsupportedStateError(f"{t.fqn}: layout rules do not apply to flat-parameter shards yet")
-        prefix, param, suffix = m
         d = rule.dim
         if len(t.shape) <= d:
             # Per-parameter scalars (an optimizer's step) belong to every logical part.
-            for n in rule.part_names():
-                out.append(replace(t, fqn=prefix + rule.logical_name(param, n) + suffix))
+            out.extend(replace(t, fqn=n) for n in _scalar_names(rule, m))
             continue
-        for seg, a, b in _pieces(rule, t.box, t.shape):
-            if seg.name is None:
+        for seg, a, b, name, box, shape in _split(rule, m, t.fqn, t.box, t.shape):
+            if name is None:
                 continue
-            offs = list(t.box.offsets)
-            sizes = list(t.box.sizes)
-            offs[d] = seg.logical_start + (a - seg.start)
-            sizes[d] = b - a
-            name = prefix + rule.logical_name(param, seg.name) + suffix
             data = t.data.narrow(d, a - t.box.offsets[d], b - a)
-            shape = _logical_shape(rule, t.shape, seg.name)
             frac = (b - a) / max(1, t.box.sizes[d])
-            out.append(replace(t, fqn=name, data=data, shape=shape, box=Box(tuple(offs), tuple(sizes)), cost=t.cost * frac))
-    # Group-interleaved parts give one rank several boxes of one logical tensor: separate chunks.
+            out.append(replace(t, fqn=name, data=data, shape=shape, box=box, cost=t.cost * frac))
     return out
 
 
@@ -299,24 +317,18 @@ def apply_load(targets: Iterable[LoadTarget], rules: Sequence[Rule]) -> list[Loa
             continue
         if t.flat is not None:
             raise UnsupportedStateError(f"{t.fqn}: layout rules do not apply to flat-parameter targets yet")
-        prefix, param, suffix = m
         d = rule.dim
         if len(t.shape) <= d:
-            out.append(replace(t, fqn=prefix + rule.logical_name(param, rule.part_names()[0]) + suffix))
+            out.append(replace(t, fqn=_scalar_names(rule, m)[0]))
             continue
         dest = t.dest if t.dest.dim() == len(t.box.sizes) else t.dest.view(t.box.sizes)
-        for seg, a, b in _pieces(rule, t.box, t.shape):
+        for seg, a, b, name, box, shape in _split(rule, m, t.fqn, t.box, t.shape):
             view = dest.narrow(d, a - t.box.offsets[d], b - a)
-            if seg.name is None:
+            if name is None:
                 with torch.no_grad():
                     view.zero_()
                 continue
-            offs = list(t.box.offsets)
-            sizes = list(t.box.sizes)
-            offs[d] = seg.logical_start + (a - seg.start)
-            sizes[d] = b - a
-            name = prefix + rule.logical_name(param, seg.name) + suffix
-            out.append(LoadTarget(name, view, _logical_shape(rule, t.shape, seg.name), Box(tuple(offs), tuple(sizes))))
+            out.append(LoadTarget(name, view, shape, box))
     return out
 
 
