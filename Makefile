@@ -8,7 +8,8 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,s3,tools]'
+	# deepspeed builds from source: DS_BUILD_OPS=0 skips its C++/CUDA ops (the tests need none).
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[test,s3,tools,deepspeed]'
 	# megatron-core with --no-deps: resolving its torch>=2.6 requirement can pull a CUDA torch from PyPI.
 	$(BIN)/pip install -q --no-deps megatron-core==0.16.1
 	touch $@

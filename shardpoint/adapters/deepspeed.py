@@ -343,13 +343,17 @@ def _zero12_slots(zopt: Any, names: dict[int, list[str]], where: str) -> list[_S
             raise _unsupported(where, f"ZeRO group {i}: fp32 partition of {fp32.numel()} elements, expected "
                                f"{zero12_partitions(total, world)[rank][1]}; this DeepSpeed version is not supported")
         entries = []
+        rr = bool(getattr(zopt, "round_robin_gradients", False))
         for k, p in enumerate(params):
             if id(p) not in names:
                 raise _unsupported(where, f"ZeRO group {i} holds a parameter of shape {shapes[k]} that the module does not own")
             pc = pieces.get(k)
             # DeepSpeed's own per-parameter mapping (used by its universal checkpoints) must agree.
+            # With round_robin_gradients, DeepSpeed 0.19.8 builds that mapping in the original
+            # parameter order while the flat buffer is in round-robin order (its safe_get_full_*
+            # helpers then return other parameters' elements); the buffer check below still holds.
             hp = getattr(p, "_hp_mapping", None)
-            if hp is not None or pc is not None:
+            if (hp is not None or pc is not None) and not (rr and world > 1):
                 ours = (pc.start, pc.numel, pc.offset) if pc is not None else None
                 theirs = (hp.lp_fragment_address.start, hp.lp_fragment_address.numel, hp.hp_fragment_address.start) if hp is not None else None
                 if hasattr(p, "_hp_mapping") and ours != theirs:

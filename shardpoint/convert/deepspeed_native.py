@@ -261,7 +261,8 @@ def import_deepspeed(
                 raise ConversionError(f"{f}: ZeRO stage {osd.get('zero_stage')} differs from rank 0's {stage}")
             inner = _inner_state(osd, stage, f) if optimizer_key is not None else None
             if stage < 3:
-                _rank_zero12(f, osd, inner, rank, world, params, emit, emit_state, hyper)
+                rr = bool(((sd.get("ds_config") or {}).get("zero_optimization") or {}).get("round_robin_gradients"))
+                _rank_zero12(f, osd, inner, rank, world, params, emit, emit_state, hyper, check_mappings=not rr)
             else:
                 _rank_zero3(f, osd, inner, rank, world, params, emit, emit_state, hyper)
             del sd, osd, inner
@@ -314,11 +315,14 @@ def _hyper(pg: dict) -> dict:
     return {k: v for k, v in pg.items() if k != "params"}
 
 
-def _rank_zero12(f, osd, inner, rank, world, params, emit, emit_state, hyper) -> None:
+def _rank_zero12(f, osd, inner, rank, world, params, emit, emit_state, hyper, check_mappings=True) -> None:
     fp32s = osd["single_partition_of_fp32_groups"]
     paddings = osd.get("group_paddings") or [0] * len(fp32s)
     align = osd.get("param_alignment_paddings")
-    mappings = osd.get("param_slice_mappings")
+    # DeepSpeed's per-parameter addresses (for its universal checkpoints), a cross-check. With
+    # round_robin_gradients, DeepSpeed 0.19.8 computes them in the original parameter order while
+    # the flat group (and param_shapes) follow the round-robin order: they are wrong, skip them.
+    mappings = osd.get("param_slice_mappings") if check_mappings else None
     if len(fp32s) != len(params):
         raise ConversionError(f"{f}: {len(fp32s)} fp32 groups for {len(params)} parameter groups")
     index = _flat_index(inner["param_groups"]) if inner is not None else []

@@ -48,29 +48,47 @@ def _deepspeed():
     return deepspeed
 
 
-def ds_config(stage: int) -> dict:
-    return {
+def ds_config(layout: str) -> dict:
+    """The DeepSpeed config of ``zero<stage>[-variant...]``.
+
+    Variants: ``rr`` round-robin gradient ordering (ZeRO-1/2 reorder the flat
+    group), ``sg`` small ZeRO-3 sub-groups and no persistent parameters,
+    ``bf16`` bf16 training with fp32 masters.
+    """
+    stage, *variants = layout.removeprefix("zero").split("-")
+    zero: dict = {"stage": int(stage)}
+    cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
+    for v in variants:
+        if v == "rr":
+            zero["round_robin_gradients"] = True
+        elif v == "sg":
+            zero.update(sub_group_size=1000, stage3_param_persistence_threshold=0)
+        elif v == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        else:
+            raise ValueError(f"unknown DeepSpeed variant {v!r} in {layout!r}")
+    return cfg
 
 
-def build_ds(stage: int, c: GPTConfig = CFG, seed: int = 0, lr: float = 1e-2):
-    """A TinyGPT under DeepSpeed ZeRO ``stage`` with a torch AdamW (the same as ``build``'s)."""
+def build_ds(layout: str, c: GPTConfig = CFG, seed: int = 0, lr: float = 1e-2):
+    """A TinyGPT under DeepSpeed (``zero1``, ``zero3-sg``, ...) with a torch AdamW (the same as ``build``'s)."""
     ds = _deepspeed()
     torch.manual_seed(seed)
     model = TinyGPT(c)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    engine, zopt, _, _ = ds.initialize(model=model, optimizer=opt, config=ds_config(stage))
+    engine, zopt, _, _ = ds.initialize(model=model, optimizer=opt, config=ds_config(layout))
     return engine, zopt
 
 
 def make(layout: str, seed: int):
     if layout.startswith("zero"):
-        return build_ds(int(layout[4:]), CFG, seed)
+        return build_ds(layout, CFG, seed)
     return build(layout, CFG, seed)
 
 
@@ -84,6 +102,22 @@ def step(layout: str, model, opt, s: int) -> float:
     return train_step(model, opt, s, CFG)
 
 
+def _rr_gather(zopt, p, tensor_of_group) -> torch.Tensor:
+    # ZeRO-1/2 with round_robin_gradients: DeepSpeed 0.19.8's safe_get_full_* helpers map
+    # parameters in the original order onto a flat buffer built in round-robin order, and
+    # return other parameters' elements. Gather the flat group (padding back on) and cut it
+    # at DeepSpeed's own round-robin offsets instead.
+    for i, group in enumerate(zopt.round_robin_bit16_groups):
+        for q, off in zip(group, zopt.round_robin_bit16_offsets[i]):
+            if q is p:
+                local = tensor_of_group(i).detach().reshape(-1)
+                local = torch.cat([local, local.new_zeros(zopt.partition_size[i] - local.numel())])
+                parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+                dist.all_gather(parts, local)
+                return torch.cat(parts)[off : off + p.numel()].reshape(p.shape).clone()
+    raise KeyError("parameter not in any ZeRO group")
+
+
 def _ds_full_state(engine, zopt) -> dict[str, torch.Tensor]:
     # DeepSpeed's own gathers (collectives), independent of shardpoint's geometry.
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -92,11 +126,19 @@ def _ds_full_state(engine, zopt) -> dict[str, torch.Tensor]:
     inner = zopt.optimizer
     states = [s for s in inner.state.values() if s]
     keys = sorted(k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() > 0) if states else []
+    rr = getattr(zopt, "round_robin_gradients", False)
+    fp32 = getattr(zopt, "single_partition_of_fp32_groups", None)
     for n, p in engine.module.named_parameters():
         shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
-        out[f"model.{n}"] = safe_get_full_fp32_param(p).detach().reshape(shape).clone()
+        if rr:
+            out[f"model.{n}"] = _rr_gather(zopt, p, lambda i: fp32[i])
+        else:
+            out[f"model.{n}"] = safe_get_full_fp32_param(p).detach().reshape(shape).clone()
         for k in keys:
-            out[f"opt.{n}.{k}"] = safe_get_full_optimizer_state(p, k).detach().reshape(shape).clone()
+            if rr:
+                out[f"opt.{n}.{k}"] = _rr_gather(zopt, p, lambda i, k=k: inner.state[fp32[i]][k])
+            else:
+                out[f"opt.{n}.{k}"] = safe_get_full_optimizer_state(p, k).detach().reshape(shape).clone()
         if states:
             out[f"opt.{n}.step"] = states[0]["step"].detach().clone()
     for n, b in engine.module.named_buffers():
@@ -187,7 +229,7 @@ def load_job(rank: int, world: int, root: str, cases: list[list[str]]) -> dict:
 def errors_job(rank: int, world: int, root: str) -> dict:
     """What must fail loudly: a ZeRO module saved without its optimizer, a ZeRO optimizer without its model."""
     out = {}
-    engine, zopt = build_ds(1)
+    engine, zopt = build_ds("zero1")
     step("zero1", engine, zopt, 0)
     for name, state in (("module_alone", {"model": engine.module}), ("optimizer_alone", {"optimizer": zopt})):
         try:

@@ -1,8 +1,10 @@
 """DeepSpeed ZeRO 1/2/3 saved and loaded across layouts and world sizes, as real gloo processes.
 
 Sources are saved on 2 ranks: ZeRO-1, ZeRO-2 and ZeRO-3 engines (with
-``sp.save`` and with DeepSpeed's own ``save_checkpoint``) and FSDP2. Each
-launch then loads several of them into other layouts and world sizes and
+``sp.save`` and with DeepSpeed's own ``save_checkpoint``), variants
+(``-rr`` round-robin gradient order, ``-sg`` several ZeRO-3 sub-groups and no
+persistent parameters, ``-bf16`` bf16 training with fp32 masters) and FSDP2.
+Each launch then loads several of them into other layouts and world sizes and
 checks them bit for bit against the source's full reference, and the next
 two losses against the source's. Skipped when DeepSpeed is not installed.
 """
@@ -26,7 +28,11 @@ def saved(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("deepspeed"))
     info = launch(
         2, "tests.dist.deepspeed_cases:save_job",
-        {"root": root, "layouts": ["zero1", "zero2", "zero3", "fsdp2"], "native": ["zero1", "zero3"]},
+        {
+            "root": root,
+            "layouts": ["zero1", "zero2", "zero3", "fsdp2", "zero2-rr", "zero3-sg", "zero1-bf16"],
+            "native": ["zero1", "zero3", "zero2-rr"],
+        },
     )[0]
     return root, info
 
@@ -34,7 +40,7 @@ def saved(tmp_path_factory):
 def test_zero_saves_flat_slices_without_gather(saved):
     _, info = saved
     total = info["fsdp22"]["total"]
-    for name in ("zero12", "zero22", "zero32"):
+    for name in ("zero12", "zero22", "zero32", "zero2-rr2", "zero3-sg2", "zero1-bf162"):
         # The same logical tensors as FSDP2's, each stored once, as flat ranges of the partitions.
         assert info[name]["total"] == total, (name, info[name], total)
         assert info[name]["flat_chunks"] > 0, info[name]
@@ -46,9 +52,12 @@ def test_zero_saves_flat_slices_without_gather(saved):
 @pytest.mark.parametrize(
     "world,cases",
     [
-        (1, [["zero32", "single"], ["zero32.native", "single"], ["zero12", "zero3"]]),
-        (3, [["zero12", "fsdp2"], ["fsdp22", "zero2"], ["zero32", "zero1"], ["zero12.native", "fsdp2"], ["zero22", "zero3"]]),
-        (2, [["fsdp22", "zero1"], ["zero32.native", "zero2"], ["zero22", "tp"]]),
+        (1, [["zero32", "single"], ["zero32.native", "single"], ["zero12", "zero3"], ["zero1-bf162", "zero3-bf16"]]),
+        (3, [
+            ["zero12", "fsdp2"], ["fsdp22", "zero2"], ["zero32", "zero1"], ["zero12.native", "fsdp2"],
+            ["zero22", "zero3"], ["zero3-sg2", "zero3-sg"], ["zero2-rr2.native", "zero1-rr"],
+        ]),
+        (2, [["fsdp22", "zero1"], ["zero32.native", "zero2"], ["zero22", "tp"], ["zero2-rr2", "fsdp2"]]),
     ],
     ids=["to1", "to3", "to2"],
 )
