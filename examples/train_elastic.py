@@ -202,6 +202,8 @@ def main() -> None:
         print(f"[attempt {attempt}] world {world} layout {args.layout}: "
               f"{'resumed after step ' + str(step) if step else 'starting fresh'} "
               f"(data epoch {d['epoch']} position {d['position']})", flush=True)
+    if args.loss_log and rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.loss_log)), exist_ok=True)
     log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None  # noqa: SIM115 - open for the whole run
     samples_log = None
     if args.samples_log and rank == min(r for r in range(world) if dp_coords(args.layout, r, world)[0] == dp_rank):
