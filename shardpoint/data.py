@@ -75,6 +75,7 @@ import math
 from typing import Any, Iterator, Sized
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Sampler
 
 __all__ = ["ResumableSampler", "ResumableLoader", "epoch_permutation", "STATE_VERSION"]
@@ -394,6 +395,11 @@ class ResumableLoader:
         self.loader = loader
         self.sampler = sampler
         sampler.count_on_yield = False
+        if loader.generator is None:
+            # Each iter() of a DataLoader without a generator draws from the global torch
+            # generator; a resumed run opens an extra iterator mid-epoch, which would shift the
+            # training loop's random stream (dropout) away from the uninterrupted run's.
+            loader.generator = torch.Generator().manual_seed(int(sampler.seed))
 
     @property
     def epoch(self) -> int:

@@ -303,3 +303,19 @@ def test_docstring_examples():
     import shardpoint.data
 
     assert doctest.testmod(shardpoint.data).failed == 0
+
+
+def test_loader_iteration_leaves_the_global_torch_stream_alone():
+    import torch
+    from torch.utils.data import DataLoader
+
+    from shardpoint.data import ResumableLoader, ResumableSampler
+
+    data = list(range(20))
+    loader = ResumableLoader(DataLoader(data, batch_size=2, sampler=ResumableSampler(data, rank=0, world_size=1)))
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    next(iter(loader))
+    next(iter(loader))  # a resumed run opens an extra iterator: it must not consume the global stream
+    assert torch.equal(torch.rand(3), want)
