@@ -80,6 +80,7 @@ __all__ = [
     "ZeroLayout",
     "zero_layout",
     "deepspeed_names_and_views",
+    "scaler_doc",
     "DeepSpeedAdapter",
 ]
 
@@ -551,6 +552,30 @@ def _check_extra_state(module: nn.Module, where: str) -> None:
 
 
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+# fp16 dynamic loss scaling: the state that decides which of the next steps are skipped.
+_SCALER = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def scaler_doc(ls: Any) -> dict:
+    """The numeric state of a DeepSpeed loss scaler (``zopt.loss_scaler``), JSON-safe."""
+    out = {}
+    for k in _SCALER:
+        v = getattr(ls, k, None)
+        if torch.is_tensor(v) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v
+    return out
+
+
+def _restore_scaler(zopt: Any, doc: Mapping[str, Any]) -> None:
+    ls = getattr(zopt, "loss_scaler", None)
+    if ls is None:
+        return
+    for k, v in doc.items():
+        if k in _SCALER and hasattr(ls, k) and isinstance(v, (int, float)):
+            cur = getattr(ls, k)
+            setattr(ls, k, torch.tensor(v, dtype=cur.dtype, device=cur.device) if torch.is_tensor(cur) else type(cur)(v))
 
 
 class DeepSpeedAdapter:
@@ -636,6 +661,9 @@ class DeepSpeedAdapter:
         lay = self._optimizer_layout(key, zopt, ctx)
         part = OptimizerAdapter().save(key, _InnerView(zopt.optimizer, lay.inner_params()), ctx)
         part.framework = f"deepspeed_zero{lay.stage}:{type(zopt.optimizer).__name__}"
+        scaler = scaler_doc(getattr(zopt, "loss_scaler", None))
+        if scaler and getattr(zopt, "dynamic_loss_scale", False):
+            part.value = dict(part.value, deepspeed={"loss_scaler": scaler})
         return part
 
     def _optimizer_layout(self, key: str, zopt: Any, ctx: AdapterContext) -> ZeroLayout:
@@ -757,8 +785,12 @@ class DeepSpeedAdapter:
         part = OptimizerAdapter().load(key, _InnerView(zopt.optimizer, lay.inner_params()), doc, tensors, ctx, where)
         inner_finish = part.finish
 
+        scaler = ((doc or {}).get("deepspeed") or {}).get("loss_scaler") if isinstance(doc, dict) else None
+
         def finish():
             inner_finish()
+            if scaler and getattr(zopt, "dynamic_loss_scale", False):
+                _restore_scaler(zopt, scaler)
             # ZeRO-1/2 keep per-parameter views of the state (for safe_get_full_optimizer_state and
             # universal checkpoints): point them at the new state tensors (local, no collective).
             if hasattr(zopt, "_hp_optimizer_states_linked"):

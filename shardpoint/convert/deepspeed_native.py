@@ -47,7 +47,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..adapters.deepspeed import zero3_pieces, zero12_pieces
+from ..adapters.deepspeed import scaler_doc, zero3_pieces, zero12_pieces
 from ..engine.io import DEFAULT_BLOCK_SIZE
 from ..format.values import encode_value
 from ..geometry import Box, flat_range_pieces
@@ -214,6 +214,7 @@ def import_deepspeed(
     first = _load(optim_files[0])
     osd0 = first["optimizer_state_dict"]
     stage, world = _stage_and_world(osd0, optim_files, folder)
+    scaler = scaler_doc(osd0.get("loss_scaler")) if osd0.get("dynamic_loss_scale") else {}
     del first
     layout = {"source": "deepspeed", "zero_stage": stage, "source_world_size": world, "ds_version": msd.get("ds_version")}
 
@@ -296,7 +297,10 @@ def import_deepspeed(
                     w.add(fq, t.detach().clone(), rank=0, placement="replicated")
 
                 groups.append(encode_value(hyper.get(g, {}), f"{optimizer_key}.groups.{g}", put_group))
-            w.set_value(optimizer_key, {"groups": groups, "group_of": group_of, "state": state_docs}, f"deepspeed_zero{stage}")
+            doc = {"groups": groups, "group_of": group_of, "state": state_docs}
+            if scaler:  # fp16 dynamic loss scaling, restored into a DeepSpeed engine
+                doc["deepspeed"] = {"loss_scaler": scaler}
+            w.set_value(optimizer_key, doc, f"deepspeed_zero{stage}")
         manifest = w.commit()
     result.tensors = len(manifest.tensors)
     result.bytes = w.bytes_written

@@ -53,7 +53,7 @@ def ds_config(layout: str) -> dict:
 
     Variants: ``rr`` round-robin gradient ordering (ZeRO-1/2 reorder the flat
     group), ``sg`` small ZeRO-3 sub-groups and no persistent parameters,
-    ``bf16`` bf16 training with fp32 masters.
+    ``bf16`` bf16 training with fp32 masters, ``fp16`` fp16 with dynamic loss scaling.
     """
     stage, *variants = layout.removeprefix("zero").split("-")
     zero: dict = {"stage": int(stage)}
@@ -71,6 +71,8 @@ def ds_config(layout: str) -> dict:
             zero.update(sub_group_size=1000, stage3_param_persistence_threshold=0)
         elif v == "bf16":
             cfg["bf16"] = {"enabled": True}
+        elif v == "fp16":  # dynamic loss scaling from 2**16: the first steps overflow and are skipped
+            cfg["fp16"] = {"enabled": True}
         else:
             raise ValueError(f"unknown DeepSpeed variant {v!r} in {layout!r}")
     return cfg

@@ -30,8 +30,8 @@ def saved(tmp_path_factory):
         2, "tests.dist.deepspeed_cases:save_job",
         {
             "root": root,
-            "layouts": ["zero1", "zero2", "zero3", "fsdp2", "zero2-rr", "zero3-sg", "zero1-bf16"],
-            "native": ["zero1", "zero3", "zero2-rr"],
+            "layouts": ["zero1", "zero2", "zero3", "fsdp2", "zero2-rr", "zero3-sg", "zero1-bf16", "zero3-fp16"],
+            "native": ["zero1", "zero3", "zero2-rr", "zero3-fp16"],
         },
     )[0]
     return root, info
@@ -40,24 +40,33 @@ def saved(tmp_path_factory):
 def test_zero_saves_flat_slices_without_gather(saved):
     _, info = saved
     total = info["fsdp22"]["total"]
-    for name in ("zero12", "zero22", "zero32", "zero2-rr2", "zero3-sg2", "zero1-bf162"):
-        # The same logical tensors as FSDP2's, each stored once, as flat ranges of the partitions.
-        assert info[name]["total"] == total, (name, info[name], total)
+    for name in ("zero12", "zero22", "zero32", "zero2-rr2", "zero3-sg2", "zero1-bf162", "zero3-fp162"):
+        # The same logical tensors as FSDP2's, each stored once, as flat ranges of the partitions
+        # (fp16 skipped both steps: no optimizer state yet).
+        if name != "zero3-fp162":
+            assert info[name]["total"] == total, (name, info[name], total)
         assert info[name]["flat_chunks"] > 0, info[name]
         assert info[name]["entries"]["model"].startswith("deepspeed_zero"), info[name]["entries"]
-        assert info[name]["model_doc"] == {"deepspeed": {"global_steps": 2, "global_samples": 16, "skipped_steps": 0}}
+        skipped = 2 if name == "zero3-fp162" else 0  # fp16 from a loss scale of 2**16: both steps overflow
+        assert info[name]["model_doc"] == {"deepspeed": {"global_steps": 2, "global_samples": 16, "skipped_steps": skipped}}
     assert info["fsdp22"]["flat_chunks"] == 0
 
 
 @pytest.mark.parametrize(
     "world,cases",
     [
-        (1, [["zero32", "single"], ["zero32.native", "single"], ["zero12", "zero3"], ["zero1-bf162", "zero3-bf16"]]),
+        (1, [
+            ["zero32", "single"], ["zero32.native", "single"], ["zero12", "zero3"], ["zero1-bf162", "zero3-bf16"],
+            ["zero3-fp162", "zero1-fp16"],
+        ]),
         (3, [
             ["zero12", "fsdp2"], ["fsdp22", "zero2"], ["zero32", "zero1"], ["zero12.native", "fsdp2"],
             ["zero22", "zero3"], ["zero3-sg2", "zero3-sg"], ["zero2-rr2.native", "zero1-rr"],
         ]),
-        (2, [["fsdp22", "zero1"], ["zero32.native", "zero2"], ["zero22", "tp"], ["zero2-rr2", "fsdp2"]]),
+        (2, [
+            ["fsdp22", "zero1"], ["zero32.native", "zero2"], ["zero22", "tp"], ["zero2-rr2", "fsdp2"],
+            ["zero3-fp162.native", "zero2-fp16"],
+        ]),
     ],
     ids=["to1", "to3", "to2"],
 )
