@@ -11,16 +11,19 @@ two losses against the source's. Skipped when DeepSpeed is not installed.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
 
-pytest.importorskip("deepspeed")
+from shardpoint.testing import launch
+
+# Only the launched ranks import DeepSpeed (it takes seconds and touches global torch state).
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"),
+]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-from shardpoint.testing import launch  # noqa: E402
-
-pytestmark = pytest.mark.dist
 
 
 @pytest.fixture(scope="module")
