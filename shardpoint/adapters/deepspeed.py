@@ -62,7 +62,16 @@ from torch import nn
 
 from ..errors import ShapeMismatchError, UnsupportedStateError
 from ..geometry import Box
-from .base import AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor, dtype_name, torch_dtype
+from .base import (
+    AdapterContext,
+    LoadPart,
+    LoadTarget,
+    ParamView,
+    SavePart,
+    SaveTensor,
+    dtype_name,
+    torch_dtype,
+)
 from .fsdp1 import Piece1D
 from .optimizer import OptimizerAdapter
 from .tensors import load_target, save_tensor

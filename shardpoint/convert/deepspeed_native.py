@@ -39,7 +39,6 @@ Example::
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import re
@@ -338,9 +337,10 @@ def _rank_zero12(f, osd, inner, rank, world, params, emit, emit_state, hyper, ch
         for n, pad in zip(numels, pads):
             offsets.append(pos)
             pos += n + int(pad)
-        size = fp32.numel() + int(paddings[g])  # every rank's partition, padding included
+        local_n = fp32.numel()
+        size = local_n + int(paddings[g])  # every rank's partition, padding included
         pieces = zero12_pieces(numels, offsets, size * world, world, rank)
-        st, stored = {}, None
+        st = {}
         if inner is not None:
             hyper.setdefault(g, _hyper(inner["param_groups"][g]))
             idx = [i for i, gg in index if gg == g]
@@ -360,8 +360,8 @@ def _rank_zero12(f, osd, inner, rank, world, params, emit, emit_state, hyper, ch
                     )
             emit(p.name, fp32[pc.offset : pc.offset + pc.numel], p.shape, pc.start, pc.stop, rank)
 
-            def piece(k, v, pc=pc):
-                if torch.is_tensor(v) and v.dim() > 0 and v.numel() in (fp32.numel(), size):
+            def piece(k, v, pc=pc, n=local_n, size=size):
+                if torch.is_tensor(v) and v.dim() > 0 and v.numel() in (n, size):
                     return v.reshape(-1)[pc.offset : pc.offset + pc.numel], pc.start, pc.stop
                 return None
 
@@ -384,7 +384,8 @@ def _rank_zero3(f, osd, inner, rank, world, params, emit, emit_state, hyper) -> 
         ps = params[j]
         pieces = zero3_pieces([p.numel for p in ps], world, rank)
         expect = sum(-(-p.numel // world) for p in ps)
-        if fp32.numel() != expect:
+        local_n = fp32.numel()
+        if local_n != expect:
             raise ConversionError(f"{f}: sub-group {j} holds {fp32.numel()} elements, expected {expect}")
         st = {}
         if inner is not None:
@@ -397,8 +398,8 @@ def _rank_zero3(f, osd, inner, rank, world, params, emit, emit_state, hyper) -> 
             p = ps[pc.index]
             emit(p.name, fp32[pc.offset : pc.offset + pc.numel], p.shape, pc.start, pc.stop, rank)
 
-            def piece(k, v, pc=pc):
-                if torch.is_tensor(v) and v.dim() > 0 and v.numel() == fp32.numel():
+            def piece(k, v, pc=pc, n=local_n):
+                if torch.is_tensor(v) and v.dim() > 0 and v.numel() == n:
                     return v.reshape(-1)[pc.offset : pc.offset + pc.numel], pc.start, pc.stop
                 return None
 

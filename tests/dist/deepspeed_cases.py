@@ -25,7 +25,15 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import shardpoint as sp
-from shardpoint.testing import GPTConfig, TinyGPT, batch, build, full_state, loss_of, train_step
+from shardpoint.testing import (
+    GPTConfig,
+    TinyGPT,
+    batch,
+    build,
+    full_state,
+    loss_of,
+    train_step,
+)
 
 # Odd sizes, so that ZeRO partitions cut parameters in the middle of rows.
 CFG = GPTConfig(vocab=61, dim=24, heads=4, layers=4, seq=8)

@@ -23,8 +23,12 @@ from shardpoint.adapters.deepspeed import (
     zero12_pieces,
 )
 from shardpoint.adapters.fsdp1 import Piece1D
-from shardpoint.convert.deepspeed_native import DEEPSPEED_TRUST_HELP, deepspeed_files, import_deepspeed
 from shardpoint.convert.common import ConversionError
+from shardpoint.convert.deepspeed_native import (
+    DEEPSPEED_TRUST_HELP,
+    deepspeed_files,
+    import_deepspeed,
+)
 
 
 def test_zero12_examples():
