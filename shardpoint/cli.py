@@ -12,6 +12,7 @@ Commands (each has ``--help`` with examples)::
     shardpoint import hf hf_model_dir ckpt/pretrained
     shardpoint import dcp dcp_ckpt ckpt/from_dcp --trust-pickle
     shardpoint import torch model.pt ckpt/from_pt --trust-pickle
+  shardpoint import deepspeed ds_ckpt ckpt/from_ds --trust-pickle   # engine.save_checkpoint folders (ZeRO 1-3)
     shardpoint reshard ckpt/step_100 --to-layout fsdp:8 ckpt/step_100-fsdp8
     shardpoint diff ckpt/step_100 resumed/step_100 --atol 1e-6
     shardpoint trace traces/step_100                     # slowest phases and ranks
@@ -167,7 +168,7 @@ def _verify(args) -> int:
 
 
 # ------------------------------------------------------------------ export / import
-_DEFAULT_PREFIX = {"hf": "model.", "torch": "model.", "dcp": ""}
+_DEFAULT_PREFIX = {"hf": "model.", "torch": "model.", "dcp": "", "deepspeed": ""}
 
 
 def _export(args) -> int:
@@ -197,7 +198,11 @@ def _import(args) -> int:
     dtype = common.parse_dtype(args.dtype)
     prefix = _DEFAULT_PREFIX[args.fmt] if args.prefix is None else args.prefix
     kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype, block_size=args.block_size, force=args.force, quiet=args.quiet)
-    if args.fmt == "hf":
+    if args.fmt == "deepspeed":
+        from .convert.deepspeed_native import import_deepspeed
+
+        r = import_deepspeed(args.src, args.path, trust_pickle=args.trust_pickle, block_size=args.block_size, force=args.force)
+    elif args.fmt == "hf":
         r = import_hf(args.src, args.path, **kw)
     elif args.fmt == "dcp":
         r = import_dcp(args.src, args.path, trust_pickle=args.trust_pickle, **kw)
@@ -328,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trust-pickle: DCP's .metadata file and a torch.save file are Python pickles, and\n"
         "unpickling runs whatever code the file's author put in it. Only import files you\n"
         "trust; safetensors (hf) holds no code and needs no flag."))
-    pm.add_argument("fmt", choices=("hf", "dcp", "torch"), metavar="{hf,dcp,torch}")
+    pm.add_argument("fmt", choices=("hf", "dcp", "torch", "deepspeed"), metavar="{hf,dcp,torch,deepspeed}")
     pm.add_argument("src", metavar="IN")
     pm.add_argument("path", metavar="PATH", help="the new checkpoint")
     pm.add_argument("--trust-pickle", action="store_true",

@@ -29,6 +29,14 @@ from .reshard import ReshardResult, TargetLayout, parse_layout, reshard
 from .shardmap import chunk_table, plot_shard_map
 from .torchfile import export_torch, import_torch
 
+
+def import_deepspeed(*args, **kwargs):
+    """See :func:`shardpoint.convert.deepspeed_native.import_deepspeed` (imported lazily)."""
+    from .deepspeed_native import import_deepspeed as _impl
+
+    return _impl(*args, **kwargs)
+
+
 __all__ = [
     "CheckpointReader",
     "CheckpointWriter",
@@ -40,6 +48,7 @@ __all__ = [
     "import_dcp",
     "export_torch",
     "import_torch",
+    "import_deepspeed",
     "reshard",
     "parse_layout",
     "TargetLayout",

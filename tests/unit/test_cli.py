@@ -222,3 +222,12 @@ def test_trace_command(tmp_path, capsys):
 def test_missing_checkpoint_is_exit_2(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
     assert "CheckpointNotFoundError" in capsys.readouterr().err
+
+
+def test_import_deepspeed_refuses_without_trust(tmp_path, capsys):
+    from shardpoint.cli import main
+
+    rc = main(["import", "deepspeed", str(tmp_path), str(tmp_path / "out")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "ConversionError" in err and "without trust_pickle" in err
