@@ -151,6 +151,14 @@ def _rss_peak_during(fn) -> tuple[int, int]:
     """(baseline RSS, peak RSS) in bytes while ``fn`` runs, sampled every millisecond."""
     import psutil
 
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:  # hand freed heap pages back to the OS, so growth is measured from a true baseline
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     proc = psutil.Process()
     base = proc.memory_info().rss
     peak = [base]
