@@ -157,7 +157,7 @@ def save(
             records, size = write_chunks(storage, name, prep.mine, comm.rank, block_size, result.recorder)
             files[name] = size
             result.bytes_written = size
-        _mark(result, "write", tb)
+        _mark(result, "data_file", tb)  # whole file incl. fsync; per-chunk spans are "write"
         return prep.summary(records, files)
 
     out = run_guarded(local)

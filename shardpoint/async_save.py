@@ -229,7 +229,7 @@ class AsyncSaver:
                         staged.write()
                         files[staged.file] = staged.size
                         result.bytes_written = staged.size
-                    _mark(result, "write", tb)
+                    _mark(result, "data_file", tb)
                     return prep_out.value.summary(staged.records if staged else [], files)
 
                 out = run_guarded(write)
