@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import os
 import socket
 import subprocess

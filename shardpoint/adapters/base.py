@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
+from ..errors import ShapeMismatchError
 from ..geometry import Box
 
 __all__ = [
@@ -113,6 +114,24 @@ class LoadPart:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     consumed: set[str] = field(default_factory=set)
+
+    def expect(self, tensors: Mapping[str, Any], fqn: str, shape: tuple[int, ...], dtype: torch.dtype, where: str):
+        """The checkpoint's entry for ``fqn``, checked against the target's global shape and dtype.
+
+        Records ``fqn`` as missing (returns ``None``) or consumed; a differing
+        shape or dtype raises :class:`ShapeMismatchError` naming both.
+        """
+        meta = tensors.get(fqn)
+        if meta is None:
+            self.missing.append(fqn)
+            return None
+        self.consumed.add(fqn)
+        if tuple(meta.shape) != tuple(shape) or torch_dtype(meta.dtype) != dtype:
+            raise ShapeMismatchError(
+                f"{where}: tensor {fqn!r}: checkpoint has {meta.dtype}{list(meta.shape)}, "
+                f"target has {dtype_name(dtype)}{list(shape)}"
+            )
+        return meta
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..errors import ShapeMismatchError, UnsupportedStateError
+from ..errors import UnsupportedStateError
 from ..geometry import Box
 from .base import (
     AdapterContext,
@@ -69,8 +69,6 @@ from .base import (
     ParamView,
     SavePart,
     SaveTensor,
-    dtype_name,
-    torch_dtype,
 )
 from .fsdp1 import Piece1D
 from .optimizer import OptimizerAdapter
@@ -727,17 +725,7 @@ class DeepSpeedAdapter:
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def meta_for(fqn: str, shape: tuple[int, ...], dtype: torch.dtype):
-            meta = tensors.get(fqn)
-            if meta is None:
-                part.missing.append(fqn)
-                return None
-            part.consumed.add(fqn)
-            if tuple(meta.shape) != tuple(shape) or torch_dtype(meta.dtype) != dtype:
-                raise ShapeMismatchError(
-                    f"{where}: tensor {fqn!r}: checkpoint has {meta.dtype}{list(meta.shape)}, "
-                    f"target has {dtype_name(dtype)}{list(shape)}"
-                )
-            return meta
+            return part.expect(tensors, fqn, shape, dtype, where)
 
         for s in lay.slots:
             for e in s.entries:

@@ -31,9 +31,9 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..errors import ShapeMismatchError, UnsupportedStateError
+from ..errors import UnsupportedStateError
 from ..geometry import Box
-from .base import AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor, dtype_name, torch_dtype
+from .base import AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor
 from .tensors import load_target, save_tensor
 
 __all__ = [
@@ -372,17 +372,7 @@ class FSDP1Adapter:
         managed: set[int] = set()
 
         def meta_for(fqn: str, shape: tuple[int, ...], dtype: torch.dtype):
-            meta = tensors.get(fqn)
-            if meta is None:
-                part.missing.append(fqn)
-                return None
-            part.consumed.add(fqn)
-            if tuple(meta.shape) != tuple(shape) or torch_dtype(meta.dtype) != dtype:
-                raise ShapeMismatchError(
-                    f"{where}: tensor {fqn!r}: checkpoint has {meta.dtype}{list(meta.shape)}, "
-                    f"target has {dtype_name(dtype)}{list(shape)}"
-                )
-            return meta
+            return part.expect(tensors, fqn, shape, dtype, where)
 
         for unit in fsdp1_units(root, where):
             managed.add(id(unit.flat_param))

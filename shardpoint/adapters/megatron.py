@@ -39,9 +39,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..errors import ShapeMismatchError, UnsupportedStateError
+from ..errors import UnsupportedStateError
 from ..geometry import Box
-from .base import AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor, dtype_name, torch_dtype
+from .base import AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor
 from .module import unwrap_module
 
 __all__ = ["MegatronAdapter", "MegatronShard", "is_megatron", "megatron_names", "megatron_shards", "megatron_global_shapes"]
@@ -261,16 +261,8 @@ class MegatronAdapter:
         part = LoadPart()
         items, _ = self._tensors(key, obj)
         for fqn, _, t, shard in items:
-            meta = tensors.get(fqn)
-            if meta is None:
-                part.missing.append(fqn)
+            if part.expect(tensors, fqn, tuple(shard.shape), t.dtype, where) is None:
                 continue
-            part.consumed.add(fqn)
-            if tuple(meta.shape) != shard.shape or torch_dtype(meta.dtype) != t.dtype:
-                raise ShapeMismatchError(
-                    f"{where}: tensor {fqn!r}: checkpoint has {meta.dtype}{list(meta.shape)}, "
-                    f"target has {dtype_name(t.dtype)}{list(shard.shape)}"
-                )
             part.targets.extend(shard.targets(fqn, t.detach()))
         part.finish = lambda: obj
         return part

@@ -13,9 +13,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..errors import ShapeMismatchError, UnsupportedStateError
+from ..errors import UnsupportedStateError
 from ..format.values import decode_value, encode_value
-from .base import AdapterContext, LoadPart, SavePart, dtype_name, torch_dtype
+from .base import AdapterContext, LoadPart, SavePart
 from .tensors import is_dtensor, load_target, save_tensor
 
 __all__ = ["ModuleAdapter", "unwrap_module", "module_framework"]
@@ -100,16 +100,8 @@ class ModuleAdapter:
                 else:
                     part.missing.append(fqn)
                 continue
-            meta = tensors.get(fqn)
-            if meta is None:
-                part.missing.append(fqn)
+            if part.expect(tensors, fqn, tuple(t.shape), t.dtype, where) is None:
                 continue
-            part.consumed.add(fqn)
-            if tuple(meta.shape) != tuple(t.shape) or torch_dtype(meta.dtype) != t.dtype:
-                raise ShapeMismatchError(
-                    f"{where}: tensor {fqn!r}: checkpoint has {meta.dtype}{list(meta.shape)}, "
-                    f"target has {dtype_name(t.dtype)}{list(t.shape)}"
-                )
             tgt = load_target(fqn, t)
             if tgt is not None:
                 part.targets.append(tgt)

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import ShapeMismatchError
 from ..format.values import decode_value, encode_value
-from .base import AdapterContext, LoadPart, LoadTarget, SavePart, dtype_name, torch_dtype
+from .base import AdapterContext, LoadPart, SavePart, dtype_name, torch_dtype
 from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
 
 __all__ = ["TreeAdapter", "StatefulAdapter", "encode_tree", "decode_tree"]

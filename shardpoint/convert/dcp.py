@@ -46,7 +46,6 @@ from .common import (
     encodable,
     encode_entries,
     parse_rename,
-    path_name,
     prepare_output_dir,
     progress,
     top_key,
