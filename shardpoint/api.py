@@ -32,6 +32,7 @@ from .errors import (
     UnsupportedStateError,
 )
 from .adapters.base import LoadTarget, dtype_name, torch_dtype
+from .adapters.reuse import PartCache
 from .adapters.megatron import is_megatron, megatron_global_shapes
 from .geometry import Box
 from .errors import StorageError
@@ -197,13 +198,27 @@ class _Prepared:
 
 def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=(), cache: dict | None = None, replicated_over: Any = None) -> _Prepared:
     ta = time.monotonic()
-    ctx = _context(state, comm, allow_pickle, replicated_over)
+    # Repeated saves (AsyncSaver) reuse the context and the unchanged module and
+    # optimizer parts; layout rules reduce across ranks, so they take the full path.
+    parts: PartCache | None = None
+    if cache is not None and not rules:
+        parts = cache.setdefault("parts", PartCache())
+    ctx = parts.context(state, comm.rank, comm.world, allow_pickle, replicated_over) if parts is not None else None
+    if ctx is None:
+        ctx = _context(state, comm, allow_pickle, replicated_over)
+        if parts is not None:
+            parts.remember_context(state, comm.rank, comm.world, allow_pickle, replicated_over, ctx)
     adapters = default_adapters()
     tensors: list[SaveTensor] = []
     values, layout = {}, {}
     lazy_ok: set[str] = set(ctx.param_names.values())
     for key, obj in state.items():
-        part = adapter_for(obj, adapters).save(key, obj, ctx)
+        part = parts.get(key, obj, ctx) if parts is not None else None
+        if part is None:
+            adapter = adapter_for(obj, adapters)
+            part = adapter.save(key, obj, ctx)
+            if parts is not None:
+                parts.put(key, obj, adapter, part, ctx)
         tensors.extend(part.tensors)
         values[key] = part.value
         layout[key] = part.framework
@@ -222,6 +237,12 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
             if t.fqn in lazy_ok:
                 lazy_logical.update(x.fqn for x in pieces)
         tensors, lazy_ok = logical, lazy_ok | lazy_logical
+    prev = cache.get("checked") if cache is not None and not rules else None
+    if prev is not None and len(prev[0]) == len(tensors) and all(a is b for a, b in zip(prev[0], tensors)):
+        # The very SaveTensor objects checked and planned last time: nothing to redo.
+        result.plan_cached = True
+        _mark(result, "plan", ta)
+        return _Prepared(tensors, [tensors[i] for i in prev[1]], values, layout, lazy_ok)
     seen = set()
     for t in tensors:
         if dtype_name(t.data.dtype) not in DTYPE_SIZES:
@@ -239,7 +260,8 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
 
     # Plan cache: the same names, shapes, dtypes and geometry give the same writers.
     sig = tuple((t.fqn, t.shape, t.data.dtype, t.box, t.flat, t.replica_index, t.replica_count, t.replica_group) for t in tensors)
-    picked = cache.get(sig) if cache is not None else None
+    hit = cache.get("plan") if cache is not None else None
+    picked = hit[1] if hit is not None and hit[0] == sig else None
     if picked is None:
         # Balance within each replica group: its ranks all list the same replicated tensors.
         groups: dict[str, list[ReplicaItem]] = {}
@@ -249,10 +271,11 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
         writers = {k: w for items in groups.values() for k, w in assign_writers(items).items()}
         picked = tuple(i for i, t in enumerate(tensors) if t.replica_count <= 1 or writers[wkey(t)] == t.replica_index)
         if cache is not None:
-            cache.clear()  # keep one layout: a changed layout must never reuse stale choices
-            cache[sig] = picked
+            cache["plan"] = (sig, picked)  # one layout: a changed layout never reuses stale choices
     else:
         result.plan_cached = True
+    if cache is not None and not rules:
+        cache["checked"] = (tuple(tensors), picked)
     mine = [tensors[i] for i in picked]
     _mark(result, "plan", ta)
     return _Prepared(tensors, mine, values, layout, lazy_ok)
@@ -440,7 +463,7 @@ def load(
     strict: bool = True,
     allow_pickle: bool = False,
     verify: bool = True,
-    share_reads: bool = True,
+    share_reads: bool | str = "auto",
     keys: str | Sequence[str] | None = None,
     layouts: Sequence[Rule] = (),
     report: LoadResult | None = None,
@@ -455,9 +478,11 @@ def load(
     ``strict=True`` any key missing from or unexpected in the checkpoint raises
     :class:`KeyMismatchError`; with ``strict=False`` the intersection loads and
     the rest is logged. Checksums of everything read are verified. With
-    ``share_reads`` (the default) bytes that several ranks need are read from
-    storage once and sent to the others; turn it off where re-reading a fast
-    local disk is cheaper than the network. ``keys`` selects what to load with
+    ``share_reads=True`` bytes that several ranks need are read from storage
+    once and sent to the others; ``False`` re-reads them on every rank, which
+    is cheaper on a fast local disk. The default, ``"auto"``, shares unless
+    every rank runs on one host and the storage is a local path or memory
+    (there a second rank's read comes from the page cache). ``keys`` selects what to load with
     glob patterns over tensor names (``"model.*"`` loads the model and skips
     everything else; ``"model.layers.0.*"`` one layer); unselected tensors keep
     their values and are never reported missing. Modules on the ``meta``

@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import datetime
 import logging
 import threading
@@ -72,7 +73,7 @@ class AsyncSaveHandle:
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._copy_error: BaseException | None = None
-        self._threads: list[threading.Thread] = []
+        self._futures: list[cf.Future] = []
         self._hooks: list[Any] = []
         self._reported = False
         self._storage: Any = None
@@ -102,11 +103,9 @@ class AsyncSaveHandle:
         waits until the checkpoint is committed on that (slower) tier.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        for t in self._threads:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            t.join(left)
-            if t.is_alive():
-                raise TimeoutError(f"save to {self.path} still running after {timeout}s")
+        _, pending = cf.wait(self._futures, timeout)
+        if pending:
+            raise TimeoutError(f"save to {self.path} still running after {timeout}s")
         self._remove_hooks()
         if not self._finished.is_set():
             # Every worker exited but none reported: a worker died without a trace.
@@ -152,6 +151,14 @@ class AsyncSaver:
         self._ring: StagingRing | None = None
         self._inflight: AsyncSaveHandle | None = None
         self._plan_cache: dict = {}
+        # Two long-lived workers (writer and lazy copier): a thread start per save
+        # waits for the new thread to take the GIL, which costs the loop milliseconds.
+        self._pool: cf.ThreadPoolExecutor | None = None
+
+    def _workers(self) -> cf.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardpoint-save")
+        return self._pool
 
     def _coordination(self) -> Comm:
         if self._comm is None:
@@ -246,9 +253,10 @@ class AsyncSaver:
                 handle._copied.set()
                 handle._finished.set()
 
-        writer = threading.Thread(target=finish, name="shardpoint-save-writer", daemon=True)
-        handle._threads.append(writer)
-        writer.start()
+        pool = self._workers()
+        if split > 0:
+            # The writer starts first: an eager snapshot larger than the ring streams through it.
+            handle._futures.append(pool.submit(finish))
         ts = time.monotonic()
         if staged is not None:
             try:
@@ -257,6 +265,7 @@ class AsyncSaver:
                 log.debug("snapshot copy failed: %s", e)
                 handle._copied.set()
         _mark(result, "snapshot", ts)
+        lazy_copy = None
         if staged is not None and split < len(staged.items):
             def lazy_copy():
                 try:
@@ -267,16 +276,19 @@ class AsyncSaver:
                     _mark(result, "lazy_copy", ts)
                     handle._copied.set()
 
-            copier = threading.Thread(target=lazy_copy, name="shardpoint-save-copier", daemon=True)
-            handle._threads.insert(0, copier)
             for obj in state.values():
                 if isinstance(obj, torch.optim.Optimizer):
                     handle._hooks.append(obj.register_step_pre_hook(lambda *_a, **_k: handle.fence()))
-            copier.start()
         else:
             handle._copied.set()
-        _mark(result, "blocked", t0)
         self._inflight = handle
+        _mark(result, "blocked", t0)
+        # Workers are woken last: once running they compete for the GIL, and
+        # nothing of the training thread's own work should be left by then.
+        if lazy_copy is not None:
+            handle._futures.insert(0, pool.submit(lazy_copy))
+        if split == 0:
+            handle._futures.append(pool.submit(finish))
         if not prep_out.ok:
             # This rank cannot save; its writer thread still joins the commit so no rank hangs.
             err = prep_out.exc

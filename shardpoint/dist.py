@@ -15,6 +15,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from . import errors as _errors
@@ -103,6 +104,24 @@ class Comm:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def all_gather_rows(self, rows: "torch.Tensor") -> list["torch.Tensor"]:
+        """Every rank's int64 ``[n, k]`` table (``n`` may differ per rank), as tensors.
+
+        Tensors instead of pickled objects: no per-row Python objects on the wire.
+        """
+        if not self.active or self.world == 1:
+            return [rows]
+        k = rows.shape[1]
+        n = torch.tensor([rows.shape[0]], dtype=torch.int64)
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(counts, n, group=self.group)
+        most = max(int(c) for c in counts)
+        padded = torch.zeros((most, k), dtype=torch.int64)
+        padded[: rows.shape[0]] = rows
+        out = [torch.empty((most, k), dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(out, padded, group=self.group)
+        return [o[: int(c)] for o, c in zip(out, counts)]
 
     def barrier(self) -> None:
         if self.active and self.world > 1:

@@ -15,14 +15,18 @@ blocks so everything read can be verified. Spans are then fetched:
 
 from __future__ import annotations
 
+import math
+import socket
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 
 from ..adapters.base import LoadTarget, dtype_name, torch_dtype
 from ..errors import CorruptCheckpointError, ShapeMismatchError
@@ -32,7 +36,7 @@ from ..planning.load_plan import ReadOp, SourceIndex, coverage_gaps, plan_reads
 from ..storage.base import Storage
 from .io import _dst_view, _readinto, _verify
 
-__all__ = ["LoadStats", "ChunkRead", "plan_chunk_reads", "execute_reads"]
+__all__ = ["LoadStats", "ChunkRead", "SharedSpan", "plan_chunk_reads", "plan_segments", "plan_sharing", "execute_reads"]
 
 
 @dataclass
@@ -61,10 +65,23 @@ class ChunkRead:
     dtype: torch.dtype
     itemsize: int
     jobs: list[tuple[LoadTarget, list[ReadOp]]] = field(default_factory=list)
+    # Sub-ranges of [lo, hi) that are actually read (None: all of it). The
+    # buffer still spans [lo, hi); the gaps hold bytes no copy looks at.
+    segments: list[tuple[int, int]] | None = None
 
     @property
     def key(self) -> tuple[str, int, int, int]:
         return (self.fqn, self.ci, self.lo, self.hi)
+
+    @property
+    def nread(self) -> int:
+        """Bytes this read fetches from storage."""
+        if self.segments is None:
+            return self.hi - self.lo
+        return sum(b - a for a, b in self.segments)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return [(self.lo, self.hi)] if self.segments is None else self.segments
 
 
 def _overlapping(ops: Sequence[ReadOp]) -> bool:
@@ -75,10 +92,70 @@ def _overlapping(ops: Sequence[ReadOp]) -> bool:
     return False
 
 
+# A chunk with more needed runs than this is read as one span: listing the runs
+# would cost more than the bytes it saves.
+MAX_RUNS = 1 << 20
+DEFAULT_COALESCE = 4096
+
+
+def _needed_intervals(r: ChunkRead) -> tuple[np.ndarray, np.ndarray] | None:
+    """Byte ``[start, end)`` of every needed run of ``r``'s chunk, or None when too many."""
+    starts, lens = [], []
+    total = 0
+    for _tgt, ops in r.jobs:
+        for op in ops:
+            run = runs_within(op.src.box, op.region)
+            n = math.prod(run.counts)
+            total += n
+            if total > MAX_RUNS:
+                return None
+            e = np.full(1, op.src.start + run.base, dtype=np.int64)
+            for c, st in zip(run.counts, run.strides):
+                e = (e[:, None] + np.arange(c, dtype=np.int64)[None, :] * st).reshape(-1)
+            starts.append(e)
+            lens.append(np.full(e.shape[0], run.length, dtype=np.int64))
+    st = np.concatenate(starts) * r.itemsize
+    return st, st + np.concatenate(lens) * r.itemsize
+
+
+def _merge(lo: np.ndarray, hi: np.ndarray, gap: int) -> list[tuple[int, int]]:
+    """Union of intervals, joining those less than ``gap`` apart (``gap=0``: only touching ones)."""
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], np.maximum.accumulate(hi[order])
+    brk = np.nonzero(lo[1:] > hi[:-1] + gap)[0]
+    first = np.concatenate(([0], brk + 1))
+    last = np.concatenate((brk, [len(lo) - 1]))
+    return [(int(lo[a]), int(hi[b])) for a, b in zip(first, last)]
+
+
+def plan_segments(r: ChunkRead, verify: bool, block: int, coalesce: int) -> list[tuple[int, int]] | None:
+    """What of ``r``'s span to read: the needed runs, widened to checksum blocks when verifying.
+
+    Runs closer than ``coalesce`` bytes are read as one (one request costs more
+    than a small gap). ``None`` means the whole span ``[lo, hi)``.
+    """
+    iv = _needed_intervals(r)
+    if iv is None or len(iv[0]) <= 1:
+        return None
+    st, en = iv
+    if verify:  # whole checksum blocks, so that everything read can be verified
+        segs = [(a * block, min(b * block, r.chunk.nbytes)) for a, b in _merge(st // block, (en + block - 1) // block, 0)]
+    else:
+        segs = _merge(st, en, coalesce)
+    if len(segs) == 1 and segs[0] == (r.lo, r.hi):
+        return None
+    return segs
+
+
 def plan_chunk_reads(
-    manifest: Manifest, targets: Sequence[LoadTarget], where: str, verify: bool, stats: LoadStats
+    manifest: Manifest, targets: Sequence[LoadTarget], where: str, verify: bool, stats: LoadStats,
+    coalesce: int = DEFAULT_COALESCE,
 ) -> list[ChunkRead]:
-    """Group every target's read ops by saved chunk, one span per chunk (no I/O)."""
+    """Group every target's read ops by saved chunk, one span per chunk (no I/O).
+
+    Where the target needs only some strided runs of a chunk, the span's
+    ``segments`` list the byte ranges to read (see :func:`plan_segments`).
+    """
     indexes: dict[str, SourceIndex] = {}
     block = manifest.block_size
     reads: dict[tuple[str, int], ChunkRead] = {}
@@ -118,10 +195,11 @@ def plan_chunk_reads(
                 r.lo, r.hi = min(r.lo, lo_e * isz), max(r.hi, hi_e * isz)
             r.jobs.append((tgt, cops))
     out = sorted(reads.values(), key=lambda r: (r.chunk.file, r.chunk.offset + r.lo))
-    if verify:
-        for r in out:
+    for r in out:
+        if verify:
             r.lo = (r.lo // block) * block
             r.hi = min(-(-r.hi // block) * block, r.chunk.nbytes)
+        r.segments = plan_segments(r, verify, block, coalesce)
     return out
 
 
@@ -138,7 +216,7 @@ def _copy_jobs(r: ChunkRead, buf: torch.Tensor) -> None:
 
 def _direct_view(r: ChunkRead) -> torch.Tensor | None:
     """The destination bytes when the whole chunk lands on one contiguous host view."""
-    if len(r.jobs) != 1 or r.lo != 0 or r.hi != r.chunk.nbytes or r.chunk.flat is not None:
+    if len(r.jobs) != 1 or r.lo != 0 or r.hi != r.chunk.nbytes or r.chunk.flat is not None or r.segments is not None:
         return None
     tgt, ops = r.jobs[0]
     if len(ops) != 1 or ops[0].region != ops[0].src.box:
@@ -165,15 +243,17 @@ def _fetch(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str,
 def _fetch_one(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str, into: torch.Tensor | None, rec) -> torch.Tensor:
     buf = into if into is not None else torch.empty(r.hi - r.lo, dtype=torch.uint8)
     mv = memoryview(buf.numpy())
-    t0 = time.monotonic()
-    _readinto(storage, r.chunk, r.lo, mv, r.fqn, where)
-    t1 = time.monotonic()
-    if verify:
-        _verify(mv, r.chunk, r.lo // block, block, r.fqn, where)
-    if rec is not None:
-        rec.add("read", t0, t1, len(mv))
+    for a, b in r.ranges():
+        part = mv[a - r.lo : b - r.lo]
+        t0 = time.monotonic()
+        _readinto(storage, r.chunk, a, part, r.fqn, where)
+        t1 = time.monotonic()
         if verify:
-            rec.add("verify", t1, time.monotonic(), len(mv))
+            _verify(part, r.chunk, a // block, block, r.fqn, where)
+        if rec is not None:
+            rec.add("read", t0, t1, len(part))
+            if verify:
+                rec.add("verify", t1, time.monotonic(), len(part))
     return buf
 
 
@@ -186,8 +266,8 @@ def _copy_timed(r: ChunkRead, buf: torch.Tensor, rec) -> None:
 
 def _count(stats: LoadStats, r: ChunkRead) -> None:
     stats.chunks_read += 1
-    stats.bytes_read += r.hi - r.lo
-    stats.per_file[r.chunk.file] += r.hi - r.lo
+    stats.bytes_read += r.nread
+    stats.per_file[r.chunk.file] += r.nread
 
 
 def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, stats, window: int, threads: int, rec=None) -> None:
@@ -213,89 +293,198 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
                 _copy_timed(r, buf, rec)
 
 
-def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, where, stats, window: int, rec=None, threads: int = 2) -> None:
-    """Read each span once across the ranks that need it; send it to the others."""
-    mine = {r.key: r for r in reads}
+def _span_id(r: ChunkRead) -> int:
+    """A 63-bit name for a span, the same on every rank that plans it."""
+    return xxhash.xxh3_64_intdigest(f"{r.fqn}\0{r.ci}\0{r.lo}\0{r.hi}".encode()) >> 1
+
+
+@dataclass
+class SharedSpan:
+    """A span that several ranks need: ``reader`` fetches it and sends it to the others."""
+
+    sid: int
+    size: int
+    reader: int
+    needers: tuple[int, ...]
+
+
+def plan_sharing(tables: Sequence[np.ndarray], world: int) -> list[SharedSpan]:
+    """Pick one reader per span needed by several ranks, balancing bytes (pure, no I/O).
+
+    ``tables[q]`` holds rank ``q``'s rows ``(span id, size, file index,
+    offset)``. Every rank runs this on the same input and gets the same
+    result, in the order the spans are processed (file, then offset).
+    """
+    rows = [np.asarray(t, dtype=np.int64).reshape(-1, 4) for t in tables]
+    if not any(len(t) for t in rows):
+        return []
+    allr = np.concatenate(rows)
+    owner = np.concatenate([np.full(len(t), q, dtype=np.int64) for q, t in enumerate(rows)])
+    order = np.lexsort((owner, allr[:, 0]))
+    allr, owner = allr[order], owner[order]
+    ids = allr[:, 0]
+    starts = np.concatenate(([0], np.nonzero(ids[1:] != ids[:-1])[0] + 1))
+    counts = np.diff(np.concatenate((starts, [len(ids)])))
+    multi = starts[counts > 1]
+    if len(multi) == 0:
+        return []
+    spans = []
+    for i in multi:
+        j = i + int(counts[np.searchsorted(starts, i)])
+        spans.append((int(allr[i, 2]), int(allr[i, 3]), int(ids[i]), int(allr[i, 1]), tuple(int(q) for q in owner[i:j])))
+    # Greedy balance, largest first: each span goes to its least-loaded needer.
+    load = [0] * world
+    reader = {}
+    for f, off, sid, size, needers in sorted(spans, key=lambda x: (-x[3], x[2])):
+        best = min(needers, key=lambda q: (load[q], q))
+        reader[sid] = best
+        load[best] += size
+    spans.sort(key=lambda x: (x[0], x[1], x[2]))
+    return [SharedSpan(sid, size, reader[sid], needers) for _f, _o, sid, size, needers in spans]
+
+
+def _host_id() -> int:
+    return xxhash.xxh3_64_intdigest(socket.gethostname().encode()) >> 1
+
+
+def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, where, stats, window: int, rec=None, threads: int = 2, file_index=None, auto: bool = False) -> None:
+    """Read each span once across the ranks that need it; send it to the others.
+
+    Ranks exchange a table of span ids (int64 rows, no pickling). Spans only
+    one rank needs are read locally, in a background thread, while the shared
+    ones stream: readers prefetch and send point to point, needers receive
+    ahead into buffers, both bounded by ``window`` bytes. With ``auto``,
+    nothing is shared when every rank runs on one host and the storage is
+    page-cached (its re-reads are memory copies). Every rank walks the
+    shared spans in the same order and only ever waits on an earlier or the
+    current span, so the exchange cannot deadlock.
+    """
+    file_index = file_index or {}
+    by_id = {_span_id(r): r for r in reads}
+    # Row 0 names this rank's host; the others are its spans.
+    rows = torch.tensor(
+        [[_host_id(), 0, 0, 0]] + [[sid, r.hi - r.lo, file_index.get(r.chunk.file, 0), r.chunk.offset + r.lo] for sid, r in by_id.items()],
+        dtype=torch.int64,
+    ).reshape(-1, 4)
     tc = time.monotonic()
-    everyone = comm.all_gather(sorted(mine))
+    tables = comm.all_gather_rows(rows)
     if rec is not None:
         rec.add("communicate", tc, time.monotonic())
-    needers: dict[tuple, list[int]] = defaultdict(list)
-    for rank, keys in enumerate(everyone):
-        for k in keys:
-            needers[tuple(k)].append(rank)
-    order = sorted(needers)
-    load = [0] * comm.world
-    reader: dict[tuple, int] = {}
-    for k in sorted(order, key=lambda k: (-(k[3] - k[2]), k)):
-        best = min(needers[k], key=lambda q: (load[q], q))
-        reader[k] = best
-        load[best] += k[3] - k[2]
-    local = [mine[k] for k in order if k in mine and len(needers[k]) == 1]
-    error: BaseException | None = None
-    try:
-        _execute_local(storage, local, block, verify, where, stats, window, threads=threads, rec=rec)
-    except Exception as e:  # noqa: BLE001 - keep serving peers, raise at the end
-        error = e
+    one_host = len({int(t[0, 0]) for t in tables if len(t)}) == 1
+    if auto and one_host:
+        plan = []  # re-reads on one host come from its page cache: cheaper than sending
+    else:
+        plan = plan_sharing([t[1:].numpy() for t in tables], comm.world)
+    shared_ids = {sp.sid for sp in plan}
+    me = comm.rank
+    local = [r for sid, r in by_id.items() if sid not in shared_ids]
+    local.sort(key=lambda r: (r.chunk.file, r.chunk.offset + r.lo))
+    mine = [sp for sp in plan if me in sp.needers]
+    errors: list[BaseException] = []
+    # Unshared spans: the ordinary prefetching path, beside the exchange.
+    local_pool = ThreadPoolExecutor(1, thread_name_prefix="shardpoint-local")
+    local_done = local_pool.submit(_execute_local, storage, local, block, verify, where, stats, window // 2, threads, rec)
+    reads_pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardpoint-shared")
+
+    def fetch_whole(r: ChunkRead, buf: torch.Tensor) -> None:
+        whole = ChunkRead(r.fqn, r.ci, r.chunk, r.lo, r.hi, r.dtype, r.itemsize)  # other needers may need other runs
+        _fetch(storage, whole, block, verify, where, buf[:-1], rec)
+        stats.chunks_read += 1
+        stats.bytes_read += whole.hi - whole.lo
+        stats.per_file[r.chunk.file] += whole.hi - whole.lo
+
+    # Per span: ("read", future, buf) or ("recv", work, buf). Posted ahead in plan order.
+    posted: list = []
+    ahead = 0
+    nxt = 0
     sends: list = []
     in_flight = 0
-    for k in order:
-        ns = needers[k]
-        if len(ns) == 1 or comm.rank not in ns:
-            continue
-        size = k[3] - k[2]
-        r = mine[k]
-        buf = torch.empty(size + 1, dtype=torch.uint8)  # last byte: 1 = good data, 0 = reader failed
-        src = reader[k]
-        stats.shared_spans += 1
-        if comm.rank == src:
-            if error is None:
+    half = max(1, window // 2)
+    try:
+        for i, sp in enumerate(mine):
+            while nxt < len(mine) and (nxt <= i or ahead + mine[nxt].size <= half):
+                q = mine[nxt]
+                buf = torch.empty(q.size + 1, dtype=torch.uint8)  # last byte: 1 = good data, 0 = reader failed
+                if q.reader == me:
+                    posted.append(("read", reads_pool.submit(fetch_whole, by_id[q.sid], buf), buf))
+                else:
+                    posted.append(("recv", dist.irecv(buf, src=comm._global(q.reader), group=comm.group), buf))
+                ahead += q.size
+                nxt += 1
+            kind, work, buf = posted.pop(0)
+            ahead -= sp.size
+            r = by_id[sp.sid]
+            stats.shared_spans += 1
+            tc = time.monotonic()
+            if kind == "read":
                 try:
-                    _fetch(storage, r, block, verify, where, buf[:size], rec)
-                    _count(stats, r)
-                    buf[size] = 1
+                    work.result()
+                    buf[sp.size] = 1
                 except Exception as e:  # noqa: BLE001 - peers must still get an answer
-                    error = e
-                    buf[size] = 0
-            else:
-                buf[size] = 0
-            tc = time.monotonic()
-            if len(ns) == comm.world:
-                dist.broadcast(buf, src=comm._global(src), group=comm.group)
-            else:
-                for q in ns:
-                    if q != src:
-                        sends.append((dist.isend(buf, dst=comm._global(q), group=comm.group), buf))
-                        in_flight += size
-                        stats.bytes_sent += size
-                while in_flight > window and sends:
-                    h, b = sends.pop(0)
+                    errors.append(e)
+                    buf[sp.size] = 0
+                for q in sp.needers:
+                    if q != me:
+                        sends.append((dist.isend(buf, dst=comm._global(q), group=comm.group), sp.size))
+                        in_flight += sp.size
+                        stats.bytes_sent += sp.size
+                while in_flight > half and sends:
+                    h, n = sends.pop(0)
                     h.wait()
-                    in_flight -= b.numel() - 1
-            if rec is not None:
-                rec.add("communicate", tc, time.monotonic(), size)
-        else:
-            tc = time.monotonic()
-            if len(ns) == comm.world:
-                dist.broadcast(buf, src=comm._global(src), group=comm.group)
+                    in_flight -= n
             else:
-                dist.recv(buf, src=comm._global(src), group=comm.group)
-            if rec is not None:
-                rec.add("communicate", tc, time.monotonic(), size)
-            stats.bytes_received += size
-            if int(buf[size]) != 1 and error is None:
-                error = CorruptCheckpointError(
-                    f"{where}: rank {src} could not read {r.chunk.file} for tensor {r.fqn!r}; see its error"
-                )
-        if error is None:
-            try:
-                _copy_timed(r, buf[:size], rec)
-            except Exception as e:  # noqa: BLE001
-                error = e
-    for h, _b in sends:
-        h.wait()
-    if error is not None:
-        raise error
+                work.wait()
+                stats.bytes_received += sp.size
+                if rec is not None:
+                    rec.add("communicate", tc, time.monotonic(), sp.size)
+                if int(buf[sp.size]) != 1:
+                    if not errors:
+                        errors.append(CorruptCheckpointError(
+                            f"{where}: rank {sp.reader} could not read {r.chunk.file} for tensor {r.fqn!r}; see its error"
+                        ))
+                    continue
+                if verify:  # what came over the wire is checked like what comes from storage
+                    try:
+                        _verify(memoryview(buf[: sp.size].numpy()), r.chunk, r.lo // block, block, r.fqn, where)
+                    except Exception as e:  # noqa: BLE001
+                        errors.append(e)
+                        continue
+            if not errors:
+                try:
+                    _copy_timed(r, buf[: sp.size], rec)
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+        for h, _n in sends:
+            h.wait()
+    finally:
+        reads_pool.shutdown(wait=True)
+        local_pool.shutdown(wait=True)
+    try:
+        local_done.result()
+    except Exception as e:  # noqa: BLE001
+        errors.insert(0, e)
+    if errors:
+        raise errors[0]
+
+
+def _page_cached(storage) -> bool:
+    """Whether re-reading ``storage`` on one host is a memory copy (local files, memory)."""
+    v = getattr(storage, "page_cached", None)
+    if v is not None:
+        return bool(v)
+    from ..storage.local import LocalStorage
+    from ..storage.memory import MemoryStorage
+
+    return isinstance(storage, (LocalStorage, MemoryStorage))
+
+
+def _exchange_only(comm) -> None:
+    """Join the span exchange with an empty table after a local failure.
+
+    Peers then plan no sharing with this rank; the failure itself is reported
+    by the collective check that follows the read phase.
+    """
+    comm.all_gather_rows(torch.tensor([[_host_id(), 0, 0, 0]], dtype=torch.int64))
 
 
 def execute_reads(
@@ -305,22 +494,38 @@ def execute_reads(
     where: str,
     verify: bool = True,
     comm=None,
-    share: bool = True,
+    share: bool | str = "auto",
     window: int = 256 << 20,
     threads: int = 2,
     recorder=None,
 ) -> LoadStats:
     """Fill every target. ``share`` reads spans needed by several ranks only once.
 
-    With ``share`` and a process group, this is a collective: every rank of
-    ``comm`` must call it, even with no targets.
+    ``share="auto"`` shares unless every rank is on one host and the storage
+    is page-cached (``storage.page_cached``). With sharing and a process
+    group, this is a collective: every rank of ``comm`` must call it, even
+    with no targets.
     """
+    if share not in (True, False, "auto"):
+        raise ValueError(f"share_reads must be True, False or 'auto', got {share!r}")
+    auto = share == "auto"
+    if auto and not _page_cached(storage):
+        share, auto = True, False
     stats = LoadStats()
-    # Backends with high per-request latency (object stores) ask for more reads in flight.
+    # Backends with high per-request latency (object stores) ask for more reads in flight
+    # and for wider coalescing of nearby runs.
     threads = max(threads, int(getattr(storage, "read_threads", threads)))
-    reads = plan_chunk_reads(manifest, targets, where, verify, stats)
+    coalesce = int(getattr(storage, "coalesce_bytes", DEFAULT_COALESCE))
     if comm is not None and share and comm.active and comm.world > 1:
-        _execute_shared(storage, reads, comm, manifest.block_size, verify, where, stats, window, recorder, threads)
+        try:
+            reads = plan_chunk_reads(manifest, targets, where, verify, stats, coalesce)
+        except Exception:
+            # Still take part in the exchange (with nothing), so no peer waits for this rank.
+            _exchange_only(comm)
+            raise
+        files = {f: i for i, f in enumerate(sorted(manifest.files))}
+        _execute_shared(storage, reads, comm, manifest.block_size, verify, where, stats, window, recorder, threads, files, auto)
     else:
+        reads = plan_chunk_reads(manifest, targets, where, verify, stats, coalesce)
         _execute_local(storage, reads, manifest.block_size, verify, where, stats, window, threads, recorder)
     return stats

@@ -71,6 +71,11 @@ def test_read_once(saved, src, layout, world):
     if layout == "ddp":
         assert alone - manifest >= 3.9 * ckpt  # every replica reads it all
     assert sum(r["True"]["received"] for r in results) > 0
+    # "auto" on one host and a local path: re-reads come from the page cache, so nothing is sent.
+    assert [r["auto"]["storage_bytes"] for r in results] == [r["False"]["storage_bytes"] for r in results]
+    assert sum(r["auto"]["received"] for r in results) == 0
+    # "auto" across hosts shares exactly as share_reads=True does.
+    assert [r["auto-hosts"]["storage_bytes"] for r in results] == [r["True"]["storage_bytes"] for r in results]
 
 
 def test_reduced_values(tmp_path):

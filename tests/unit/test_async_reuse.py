@@ -1,0 +1,101 @@
+"""Repeated asynchronous saves reuse the adapter walk only while nothing it saw has changed."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import shardpoint as sp
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def _step(m, opt):
+    m(torch.randn(8, 16)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _reused(saver) -> int:
+    return saver._plan_cache["parts"].hits
+
+
+def _check(path, m, opt):
+    m2 = _model()
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
+    sp.load(path, {"model": m2, "optimizer": opt2})
+    for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert s1["param_groups"] == s2["param_groups"]
+    for k in s1["state"]:
+        for n, v in s1["state"][k].items():
+            assert torch.equal(v, s2["state"][k][n]), (k, n)
+
+
+def test_unchanged_state_reuses_parts_and_saves_current_values(tmp_path):
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _step(m, opt)
+    saver = sp.AsyncSaver(staging_bytes=1 << 20)
+    r1 = saver.save(str(tmp_path / "a"), {"model": m, "optimizer": opt}, mode="lazy").wait()
+    assert _reused(saver) == 0 and not r1.plan_cached
+    _step(m, opt)
+    for g in opt.param_groups:
+        g["lr"] = 3e-3  # a scheduler: the hyper-parameters are encoded afresh every time
+    r2 = saver.save(str(tmp_path / "b"), {"model": m, "optimizer": opt}, mode="lazy").wait()
+    assert _reused(saver) == 2 and r2.plan_cached
+    _check(str(tmp_path / "b"), m, opt)
+    assert sp.read_manifest(str(tmp_path / "b")).values["optimizer"]["groups"][0]["lr"] == 3e-3
+
+
+def test_swapped_tensors_are_noticed(tmp_path):
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _step(m, opt)
+    saver = sp.AsyncSaver(staging_bytes=1 << 20)
+    saver.save(str(tmp_path / "a"), {"model": m, "optimizer": opt}).wait()
+
+    # param.data = ...: the same Parameter object, new storage.
+    with torch.no_grad():
+        m[0].weight.data = torch.full_like(m[0].weight, 7.0)
+    saver.save(str(tmp_path / "b"), {"model": m, "optimizer": opt}).wait()
+    got = sp.read_tensor(str(tmp_path / "b"), "model.0.weight")
+    assert torch.equal(got, torch.full((16, 16), 7.0))
+
+    # An optimizer state tensor replaced by a new one.
+    p = m[2].weight
+    opt.state[p]["exp_avg"] = torch.full_like(p, 3.0)
+    saver.save(str(tmp_path / "c"), {"model": m, "optimizer": opt}).wait()
+    assert torch.equal(sp.read_tensor(str(tmp_path / "c"), "optimizer.state.model.2.weight.exp_avg"), torch.full((4, 16), 3.0))
+
+    # A new buffer registered on a submodule.
+    m[1].register_buffer("extra", torch.arange(5.0))
+    saver.save(str(tmp_path / "d"), {"model": m, "optimizer": opt}).wait()
+    assert torch.equal(sp.read_tensor(str(tmp_path / "d"), "model.1.extra"), torch.arange(5.0))
+
+    # A parameter replaced by a new Parameter object of another shape.
+    m[2].bias = nn.Parameter(torch.ones(4) * 2)
+    saver.save(str(tmp_path / "e"), {"model": m}).wait()
+    assert torch.equal(sp.read_tensor(str(tmp_path / "e"), "model.2.bias"), torch.full((4,), 2.0))
+    _check_no_stale = sp.read_manifest(str(tmp_path / "e"))
+    assert "optimizer" not in _check_no_stale.values
+
+
+def test_non_tensor_optimizer_state_is_not_reused(tmp_path):
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _step(m, opt)
+    for s in opt.state.values():
+        s["note"] = 1  # a plain value may change from step to step
+    saver = sp.AsyncSaver(staging_bytes=1 << 20)
+    saver.save(str(tmp_path / "a"), {"model": m, "optimizer": opt}).wait()
+    for s in opt.state.values():
+        s["note"] = 2
+    saver.save(str(tmp_path / "b"), {"model": m, "optimizer": opt}).wait()
+    assert _reused(saver) == 1  # the module only
+    doc = sp.read_manifest(str(tmp_path / "b")).values["optimizer"]["state"]
+    assert {v["note"] for v in doc.values()} == {2}
