@@ -34,6 +34,23 @@ def setup_env() -> None:
     os.chdir(REPO)  # launch() puts the working directory on the ranks' PYTHONPATH
 
 
+# ------------------------------------------------------------------ workload sizes
+# The two sizes of the benchmark suite (issue 9): TinyGPT + AdamW after one step holds
+# 12 bytes of state per parameter (fp32 weight, exp_avg, exp_avg_sq) plus the step counts.
+SIZES: dict[str, dict] = {
+    "100mb": dict(vocab=1024, dim=384, heads=6, layers=4, seq=16),  # 7.9 M parameters, 94.6 MB of state
+    "1.5gb": dict(vocab=4096, dim=1024, heads=16, layers=9, seq=16),  # 121.7 M parameters, 1.46 GB of state
+}
+
+
+def size_cfg(name: str) -> dict:
+    """The TinyGPT config of a suite size (``100mb`` or ``1.5gb``)."""
+    try:
+        return dict(SIZES[name.lower()])
+    except KeyError:
+        raise ValueError(f"unknown size {name!r}; choose from {', '.join(SIZES)}") from None
+
+
 # ------------------------------------------------------------------ statistics
 def summary(values: Iterable[float]) -> dict[str, Any]:
     """Median, min, max and count of ``values`` (None when empty)."""

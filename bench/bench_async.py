@@ -31,6 +31,11 @@ Usage::
 
     python bench/bench_async.py --quick
     python bench/bench_async.py --json bench-async.json --plot docs/bench_async.png
+    python bench/bench_async.py --size 100mb --layout ddp --systems sp-lazy,dcp-thread   # suite (issue 9)
+
+``--layout`` trains another 4-rank layout instead of FSDP2 (``ddp``; ``2d``:
+FSDP2 x TP on a 2 x 2 mesh, where ByteCheckpoint 0.0.2 has no checkpointer and
+is skipped); ``--size`` picks one of the suite's state sizes (``100mb``, ``1.5gb``).
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ DEFAULT_SYSTEMS = ["sp-eager", "sp-lazy", "sp-lazy-small", "dcp-thread", "dcp-pr
 
 # ====================================================================== rank side
 def rank_job(rank: int, world: int, system: str, cfg: dict, root: str, every: int, n_ckpt: int,
-             batch: int, staging_mb: int, small_mb: int, verify: bool) -> dict:
+             batch: int, staging_mb: int, small_mb: int, verify: bool, layout: str = "fsdp2") -> dict:
     import torch
     import torch.distributed as dist
 
@@ -71,7 +76,8 @@ def rank_job(rank: int, world: int, system: str, cfg: dict, root: str, every: in
     from shardpoint.testing import GPTConfig, batch as make_batch, build, loss_of
 
     c = GPTConfig(**cfg)
-    model, opt = build("fsdp2", c, seed=0, lr=1e-4)
+    model, opt = build(layout, c, seed=0, lr=1e-4)
+    bcp_framework = "ddp" if layout == "ddp" else "fsdp2"
     out: dict = {"rank": rank, "system": system}
 
     def step(i: int, before_step=None) -> None:
@@ -168,7 +174,7 @@ def rank_job(rank: int, world: int, system: str, cfg: dict, root: str, every: in
                 with lock:
                     durable_at[k] = time.monotonic()
 
-            bcp.save(path, {"model": model, "optimizer": opt}, framework="fsdp2", fast_saving=True,
+            bcp.save(path, {"model": model, "optimizer": opt}, framework=bcp_framework, fast_saving=True,
                      global_steps=k, callback=done, ignore_append_global_steps_to_folder=True)
         else:
             t1 = time.monotonic()
@@ -244,7 +250,7 @@ def rank_job(rank: int, world: int, system: str, cfg: dict, root: str, every: in
 
     # Verify: load each measured checkpoint into a fresh model and optimizer; compare fingerprints.
     if verify and system != "none":
-        m2, o2 = build("fsdp2", c, seed=1234, lr=1e-4)
+        m2, o2 = build(layout, c, seed=1234, lr=1e-4)
         checks = {}
         for k, ref in refs.items():
             path = paths[k]
@@ -255,7 +261,7 @@ def rank_job(rank: int, world: int, system: str, cfg: dict, root: str, every: in
                 dcp.load(sd, checkpoint_id=path)
                 C.dcp_apply(m2, o2, sd)
             elif system == "bcp":
-                bcp.load(path, {"model": m2, "optimizer": o2}, framework="fsdp2", fast_loading=True)
+                bcp.load(path, {"model": m2, "optimizer": o2}, framework=bcp_framework, fast_loading=True)
             bad = C.diff_hashes(ref, C.local_hashes(m2, o2))
             checks[k] = {"ok": not bad, "differs": bad[:5], "n": len(ref)}
         out["verify"] = checks
@@ -347,6 +353,7 @@ def run_system(system: str, args, cfg: dict, root: str) -> dict:
     ranks = launch(4, "bench_async:rank_job", {
         "system": system, "cfg": cfg, "root": root, "every": args.every, "n_ckpt": args.checkpoints,
         "batch": args.batch, "staging_mb": args.staging_mb, "small_mb": args.small_mb, "verify": not args.no_verify,
+        "layout": args.layout,
     }, timeout=args.timeout)
     agg = aggregate(system, ranks, args.every)
     agg["job_s"] = round(time.monotonic() - t, 1)
@@ -383,7 +390,7 @@ def plot(results: dict, path: str) -> None:
     bars(axes[2], "durable_s", "save call -> durable", 1, unit="s")
     bars(axes[3], "peak_rss_with_children_mb", "peak RSS per rank (+children)", 1, unit="MiB")
     axes[3].axhline(results["baseline_peak_rss_mb"], color="gray", ls="--", lw=1)
-    fig.suptitle(f"4-rank FSDP2 TinyGPT + AdamW, {results['state_mb']:.0f} MB state, CPU/gloo (2 cores), "
+    fig.suptitle(f"4-rank {results['config'].get('layout', 'fsdp2').upper()} TinyGPT + AdamW, {results['state_mb']:.0f} MB state, CPU/gloo (2 cores), "
                  f"load avg {results['load_average_start'][0]:.2f} at start, {results['load_average_end'][0]:.2f} at end; "
                  "dashed: max rank's peak RSS in the two warm-up steps before any save")
     fig.tight_layout()
@@ -396,6 +403,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller model, fewer checkpoints and systems (< 3 min)")
     ap.add_argument("--systems", default=None, help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    ap.add_argument("--size", default=None, help="a suite state size (100mb, 1.5gb): sets vocab, dim, heads, layers")
+    ap.add_argument("--layout", default="fsdp2", choices=("fsdp2", "ddp", "2d"), help="4-rank layout that trains (default fsdp2)")
     ap.add_argument("--dim", type=int, default=None)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
@@ -418,8 +427,9 @@ def main(argv=None) -> int:
     C.setup_env()
 
     q = args.quick
-    args.dim = args.dim or (384 if q else 768)
-    args.layers = args.layers or (4 if q else 3)
+    sized = C.size_cfg(args.size) if args.size else {}
+    args.dim = args.dim or sized.get("dim") or (384 if q else 768)
+    args.layers = args.layers or sized.get("layers") or (4 if q else 3)
     args.batch = args.batch or 4
     args.seq = args.seq or 16
     args.checkpoints = args.checkpoints or 3
@@ -434,14 +444,17 @@ def main(argv=None) -> int:
     if not bcp_status["available"]:
         print(f"# ByteCheckpoint unavailable, skipped: {bcp_status['reason']}")
         systems = [s for s in systems if s != "bcp"]
-    cfg = {"vocab": 1024 if q else 2048, "dim": args.dim, "heads": args.dim // 64, "layers": args.layers, "seq": args.seq}
+    if args.layout == "2d" and "bcp" in systems:
+        print("# ByteCheckpoint 0.0.2 has no checkpointer for 2-D (FSDP2 x TP) models: skipped")
+        systems = [s for s in systems if s != "bcp"]
+    cfg = {"vocab": sized.get("vocab") or (1024 if q else 2048), "dim": args.dim, "heads": args.dim // 64, "layers": args.layers, "seq": args.seq}
     quiet = C.wait_quiet(args.wait_quiet, args.wait_max) if args.wait_quiet else {"load_average_at_start": C.load_average()}
     root = args.root or tempfile.mkdtemp(prefix="sp-bench-async-")
     os.makedirs(root, exist_ok=True)
     results = {
         "benchmark": "async_save",
         "command": "python bench/bench_async.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "config": {"model": cfg, "world": 4, "layout": "fsdp2", "optimizer": "AdamW", "every": args.every,
+        "config": {"model": cfg, "world": 4, "layout": args.layout, "size": args.size, "optimizer": "AdamW", "every": args.every,
                    "checkpoints": args.checkpoints, "batch": args.batch, "staging_mb": args.staging_mb,
                    "small_mb": args.small_mb},
         "machine": C.machine_info(),
@@ -450,7 +463,7 @@ def main(argv=None) -> int:
         "load_average_start": quiet["load_average_at_start"],
         "systems": [],
     }
-    print(f"# 4-rank FSDP2 TinyGPT {cfg}, AdamW, checkpoint every {args.every} steps, "
+    print(f"# 4-rank {args.layout.upper()} TinyGPT {cfg}, AdamW, checkpoint every {args.every} steps, "
           f"{args.checkpoints} measured checkpoints (+1 warm-up); load average {results['load_average_start'][0]:.2f}", flush=True)
     try:
         for s in systems:

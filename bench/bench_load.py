@@ -32,6 +32,7 @@ Usage::
 
     python bench/bench_load.py --quick
     python bench/bench_load.py --json bench-load.json --plot docs/bench_load.png
+    python bench/bench_load.py --size 1.5gb --repeats 3      # a suite state size (issue 9): 100mb or 1.5gb
 """
 
 from __future__ import annotations
@@ -290,6 +291,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller state, one repeat (< 3 min)")
     ap.add_argument("--systems", default=None, help=f"comma-separated subset of {','.join(SYSTEMS)}")
     ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated subset of {','.join(TARGETS)}")
+    ap.add_argument("--size", default=None, help="a suite state size (100mb, 1.5gb): sets vocab, dim, heads, layers")
     ap.add_argument("--dim", type=int, default=None)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
@@ -309,8 +311,9 @@ def main(argv=None) -> int:
     from shardpoint.testing import LaunchError, launch
 
     q = args.quick
-    args.dim = args.dim or (384 if q else 768)
-    args.layers = args.layers or (4 if q else 5)
+    sized = C.size_cfg(args.size) if args.size else {}
+    args.dim = args.dim or sized.get("dim") or (384 if q else 768)
+    args.layers = args.layers or sized.get("layers") or (4 if q else 5)
     args.repeats = args.repeats or (1 if q else 3)
     systems = args.systems.split(",") if args.systems else list(SYSTEMS)
     targets = args.targets.split(",")
@@ -318,14 +321,14 @@ def main(argv=None) -> int:
     if "bcp" in systems and not bcp_status["available"]:
         print(f"# ByteCheckpoint unavailable, skipped: {bcp_status['reason']}")
         systems.remove("bcp")
-    cfg = {"vocab": 1024 if q else 2048, "dim": args.dim, "heads": args.dim // 64, "layers": args.layers, "seq": 16}
+    cfg = {"vocab": sized.get("vocab") or (1024 if q else 2048), "dim": args.dim, "heads": args.dim // 64, "layers": args.layers, "seq": 16}
     quiet = C.wait_quiet(args.wait_quiet, args.wait_max) if args.wait_quiet else {"load_average_at_start": C.load_average()}
     root = args.root or tempfile.mkdtemp(prefix="sp-bench-load-")
     os.makedirs(root, exist_ok=True)
     results = {
         "benchmark": "load",
         "command": "python bench/bench_load.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "config": {"model": cfg, "saved_from": "fsdp2 x4", "optimizer": "AdamW", "repeats": args.repeats, "cold": not args.warm},
+        "config": {"model": cfg, "size": args.size, "saved_from": "fsdp2 x4", "optimizer": "AdamW", "repeats": args.repeats, "cold": not args.warm},
         "machine": C.machine_info(),
         "git": C.git_rev(),
         "bytecheckpoint": bcp_status,

@@ -18,6 +18,12 @@ Times are the slowest rank's, measured from a barrier.
     .venv/bin/python bench/bench_sync.py            # default (~460 MB of state)
     .venv/bin/python bench/bench_sync.py --quick    # small state, 2 repeats
     .venv/bin/python bench/bench_sync.py --json out.json --repeats 5
+    .venv/bin/python bench/bench_sync.py --size 1.5gb --layout ddp   # suite sizes and layouts (issue 9)
+
+``--layout`` picks the 4-rank layout that saves and loads (``fsdp2``, the
+default; ``ddp``; ``2d``: FSDP2 x TP on a 2 x 2 mesh); ``--reshard-layout``
+the layout of the resharding load (FSDP2 on ``--reshard-world`` ranks by
+default). ``--size`` picks one of the suite's state sizes (``100mb``, ``1.5gb``).
 """
 
 from __future__ import annotations
@@ -142,6 +148,10 @@ def _named_local(model, opt) -> dict[str, tuple[Any, Any]]:
 
     Names match :func:`shardpoint.testing.full_state` (``model.<param>``, ``opt.<param>.<state>``).
     """
+    from torch import nn
+
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
     out = {f"model.{k}": (v, _local(v)) for k, v in model.state_dict().items() if hasattr(v, "detach")}
     names = {id(p): n for n, p in model.named_parameters()}
     for g in opt.param_groups:
@@ -152,10 +162,25 @@ def _named_local(model, opt) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-def expected_local(model, opt, ref_full: dict) -> dict:
-    """The slices of the full reference that this rank's shards must hold after a load.
+def fingerprint(t) -> tuple[str, tuple, str]:
+    """dtype, shape and xxh3 of the raw bytes: a bit-exact identity without keeping a copy."""
+    import torch
+    import xxhash
 
-    ``model``/``opt`` only give the geometry (a freshly built, stepped pair).
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return (str(t.dtype), tuple(t.shape), xxhash.xxh3_128_hexdigest(raw))
+
+
+def live_expected(model, opt) -> dict:
+    """Fingerprints of this rank's own local tensors: what a same-layout load must restore."""
+    return {name: fingerprint(loc) for name, (_live, loc) in _named_local(model, opt).items()}
+
+
+def expected_local(model, opt, ref_full: dict) -> dict:
+    """Fingerprints of the slices of the full reference that this rank's shards must hold after a load.
+
+    ``model``/``opt`` only give the geometry (a freshly built, stepped pair). The geometry
+    must be contiguous boxes (Shard/Replicate placements; not 2-D's strided shards).
     """
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -165,25 +190,23 @@ def expected_local(model, opt, ref_full: dict) -> dict:
         if hasattr(live, "device_mesh"):
             shape, off = compute_local_shape_and_global_offset(live.shape, live.device_mesh, live.placements)
             full = full[tuple(slice(o, o + s) for o, s in zip(off, shape))]
-        out[name] = full.clone()
+        out[name] = fingerprint(full)
     return out
 
 
 def check_exact(model, opt, expected: dict, what: str) -> None:
-    """Raise unless every local tensor equals the expected one bit for bit (dtype included)."""
-    import torch
+    """Raise unless every local tensor equals the expected one bit for bit (dtype included).
 
+    ``expected`` holds :func:`fingerprint` s (dtype, shape, xxh3-128 of the raw bytes), so no
+    copy of the state is kept: a 1.5 GB DDP state would need 4 more copies on the machine.
+    """
     got = _named_local(model, opt)
     if sorted(got) != sorted(expected):
         diff = sorted(set(got) ^ set(expected))
         raise AssertionError(f"{what}: tensor names differ from the reference: {diff[:10]}")
-    def raw(t):
-        return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
     bad = []
     for k, want in expected.items():
-        t = got[k][1]
-        if t.dtype != want.dtype or t.shape != want.shape or not torch.equal(raw(t), raw(want)):
+        if fingerprint(got[k][1]) != tuple(want):
             bad.append(k)
     if bad:
         raise AssertionError(f"{what}: NOT bit-exact in {len(bad)} of {len(expected)} tensors, e.g. {bad[:5]}")
@@ -340,8 +363,8 @@ def _cold_and_warm_loads(system, path, rank, layout, cfg, expected, drop, timer,
     return out
 
 
-def same_layout_job(rank: int, world: int, root: str, cfg: dict, repeats: int, warmup: int, drop: bool, max_busy: float = 0.0, max_wait: float = 0.0, wait_budget: float = 0.0) -> dict | None:
-    """4 ranks: train one step, save with both systems, load back into fresh FSDP2 targets."""
+def same_layout_job(rank: int, world: int, root: str, cfg: dict, repeats: int, warmup: int, drop: bool, max_busy: float = 0.0, max_wait: float = 0.0, wait_budget: float = 0.0, layout: str = "fsdp2") -> dict | None:
+    """4 ranks: train one step, save with both systems, load back into fresh targets of the same layout."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -350,13 +373,14 @@ def same_layout_job(rank: int, world: int, root: str, cfg: dict, repeats: int, w
 
     c = GPTConfig(**cfg)
     timer = Timer()
-    model, opt = build("fsdp2", c, seed=0)
+    model, opt = build(layout, c, seed=0)
     train_step(model, opt, 0, c)  # AdamW now has exp_avg, exp_avg_sq and step for every parameter
     ref_full = full_state(model, opt)
     state_bytes = sum(t.numel() * t.element_size() for t in ref_full.values())
     if rank == 0:
         save_file({k: v.contiguous() for k, v in ref_full.items()}, os.path.join(root, "ref.safetensors"))
-    expected = expected_local(model, opt, ref_full)
+    # 2-D shards are strided (not boxes of the full tensor): there the reference is the live shards.
+    expected = live_expected(model, opt) if layout == "2d" else expected_local(model, opt, ref_full)
     del ref_full
     gc.collect()
     check_exact(model, opt, expected, "reference geometry")
@@ -375,7 +399,7 @@ def same_layout_job(rank: int, world: int, root: str, cfg: dict, repeats: int, w
             res: dict[str, Any] = {"save": timer(lambda: save_with(system, model, opt, path))}
             if rank == 0:
                 res["disk"] = dir_usage(path)
-            res.update({f"load_{k}": v for k, v in _cold_and_warm_loads(system, path, rank, "fsdp2", c, expected, drop, timer, "same-layout").items()})
+            res.update({f"load_{k}": v for k, v in _cold_and_warm_loads(system, path, rank, layout, c, expected, drop, timer, "same-layout").items()})
             rnd[system] = res
             dist.barrier()
             if rank == 0 and i < warmup + repeats - 1:
@@ -399,8 +423,8 @@ def same_layout_job(rank: int, world: int, root: str, cfg: dict, repeats: int, w
     }
 
 
-def reshard_job(rank: int, world: int, root: str, cfg: dict, paths: dict, repeats: int, warmup: int, drop: bool, max_busy: float = 0.0, max_wait: float = 0.0, wait_budget: float = 0.0) -> dict | None:
-    """2 ranks: load the 4-rank checkpoints of both systems into FSDP2 on 2 ranks."""
+def reshard_job(rank: int, world: int, root: str, cfg: dict, paths: dict, repeats: int, warmup: int, drop: bool, max_busy: float = 0.0, max_wait: float = 0.0, wait_budget: float = 0.0, layout: str = "fsdp2") -> dict | None:
+    """2 ranks: load the 4-rank checkpoints of both systems into ``layout`` (FSDP2) on 2 ranks."""
     import torch.distributed as dist
     from safetensors.torch import load_file
 
@@ -408,7 +432,9 @@ def reshard_job(rank: int, world: int, root: str, cfg: dict, paths: dict, repeat
 
     c = GPTConfig(**cfg)
     timer = Timer()
-    model, opt = _fresh("fsdp2", c)
+    if layout == "2d":
+        raise ValueError("the resharding target must have box-shaped shards (fsdp2, tp, ddp, single), not 2d")
+    model, opt = _fresh(layout, c)
     from shardpoint.testing import train_step
 
     train_step(model, opt, 0, c)  # only to give the optimizer state its geometry
@@ -427,7 +453,7 @@ def reshard_job(rank: int, world: int, root: str, cfg: dict, paths: dict, repeat
         dist.barrier()
         for system in _order(i):
             path = os.path.join(root, paths[system])
-            rnd[system] = {f"load_{k}": v for k, v in _cold_and_warm_loads(system, path, rank, "fsdp2", c, expected, drop, timer, f"4->{world} reshard").items()}
+            rnd[system] = {f"load_{k}": v for k, v in _cold_and_warm_loads(system, path, rank, layout, c, expected, drop, timer, f"4->{world} reshard").items()}
         rounds.append(rnd)
         if rank == 0:
             progress(root, f"# {world}-rank round {i + 1}/{warmup + repeats}{' (warm-up)' if i < warmup else ''}: "
@@ -623,7 +649,8 @@ def print_report(res: dict) -> None:
     mb = res["state_bytes"] / 1e6
     print()
     print(f"State: TinyGPT {cfg['model']} + AdamW after 1 step = {res['tensors']} tensors, {mb:.1f} MB "
-          f"(saved on 4 ranks, FSDP2); {cfg['repeats']} measured repeats, {cfg['warmup']} warm-up")
+          f"(saved on {cfg['world']} ranks, {cfg.get('layout', 'fsdp2')}; resharding load into {cfg.get('reshard_layout', 'fsdp2')} "
+          f"on {cfg['reshard_world']}); {cfg['repeats']} measured repeats, {cfg['warmup']} warm-up")
     print(f"Cold loads: page cache {'dropped before each cold load' if res['drop_caches'] else 'NOT dropped (no permission): all loads are warm'}")
     print()
     hdr = f"{'seconds: median [min, max]':<28} {'shardpoint':>24} {'DCP':>24} {'sp/DCP':>7}"
@@ -705,6 +732,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=None)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--world", type=int, default=4, help="ranks that save (FSDP2)")
+    ap.add_argument("--size", default=None, help="a suite state size (100mb, 1.5gb): sets vocab, dim, heads, layers "
+                    "(--dim/--layers still override)")
+    ap.add_argument("--layout", default="fsdp2", choices=("fsdp2", "ddp", "2d", "hsdp", "tp"),
+                    help="layout of the ranks that save and load (default fsdp2; 2d = FSDP2 x TP on a 2 x (world/2) mesh)")
+    ap.add_argument("--reshard-layout", default="fsdp2", choices=("fsdp2", "ddp", "tp"),
+                    help="layout of the resharding load (default fsdp2)")
     ap.add_argument("--reshard-world", type=int, default=2, help="ranks of the resharding load (0 to skip it)")
     ap.add_argument("--dir", default=None, help="parent folder for the checkpoints (default: the temp dir, if on disk)")
     ap.add_argument("--max-busy", type=float, default=0.25,
@@ -719,6 +752,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     cfg = dict(QUICK_CFG if args.quick else DEFAULT_CFG)
+    if args.size:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _common import size_cfg
+
+        cfg = size_cfg(args.size)
     if args.dim:
         cfg["dim"] = args.dim
         cfg["heads"] = max(1, args.dim // 64)
@@ -749,7 +787,8 @@ def main(argv=None) -> int:
         "drop_caches": drop,
         "load_average": {"start": [round(x, 2) for x in os.getloadavg()]},
         "config": {"model": cfg, "repeats": repeats, "warmup": warmup, "world": args.world,
-                   "reshard_world": args.reshard_world, "layout": "fsdp2", "optimizer": "AdamW(lr=1e-2)",
+                   "reshard_world": args.reshard_world, "layout": args.layout, "reshard_layout": args.reshard_layout,
+                   "size": args.size, "optimizer": "AdamW(lr=1e-2)",
                    "torch_threads_per_rank": 1, "max_busy": args.max_busy, "max_wait": max_wait, "wait_budget": wait_budget},
     }
     print(f"# checkpoints under a temp dir on {result['checkpoint_fs']['fstype'] or '?'} "
@@ -757,14 +796,16 @@ def main(argv=None) -> int:
     try:
         same = _launch_showing_progress(root, args.world, "bench.bench_sync:same_layout_job",
                                         {"root": root, "cfg": cfg, "repeats": repeats, "warmup": warmup, "drop": drop,
-                                         "max_busy": args.max_busy, "max_wait": max_wait, "wait_budget": wait_budget})
+                                         "max_busy": args.max_busy, "max_wait": max_wait, "wait_budget": wait_budget,
+                                         "layout": args.layout})
         result["state_bytes"] = same["state_bytes"]
         result["tensors"] = same["tensors"]
         reshard = None
         if args.reshard_world:
             reshard = _launch_showing_progress(root, args.reshard_world, "bench.bench_sync:reshard_job",
                                                {"root": root, "cfg": cfg, "paths": same["paths"], "repeats": repeats,
-                                                "warmup": warmup, "drop": drop, "max_busy": args.max_busy, "max_wait": max_wait, "wait_budget": wait_budget})
+                                                "warmup": warmup, "drop": drop, "max_busy": args.max_busy, "max_wait": max_wait, "wait_budget": wait_budget,
+                                                "layout": args.reshard_layout})
         if not args.no_disk_probe:
             result["disk_probe"] = disk_probe(root, same["state_bytes"], drop)
         result["summary"] = aggregate(same, reshard)

@@ -1,0 +1,100 @@
+"""Pure helpers of the benchmark suite: statistics, ratios, fractions of a limit, markdown tables.
+
+No torch, no I/O: the suite driver and the benchmark scripts use these, and
+``tests/unit/test_bench_report.py`` checks them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Iterable, Sequence
+
+
+def summary(values: Iterable[float | None]) -> dict[str, Any]:
+    """Median, min, max and count of ``values`` (None values skipped; None fields when empty)."""
+    v = [float(x) for x in values if x is not None]
+    if not v:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
+
+
+def pooled(*groups: Iterable[float | None]) -> dict[str, Any]:
+    """One :func:`summary` over the values of several runs, with the values kept."""
+    vals = [float(x) for g in groups for x in g if x is not None]
+    return {**summary(vals), "values": vals}
+
+
+def scaled(s: dict | None, factor: float | None) -> dict | None:
+    """A summary with median, min and max multiplied by ``factor`` (min/max swap for negative)."""
+    if not s or s.get("median") is None or factor is None:
+        return None
+    lo, hi = s["min"] * factor, s["max"] * factor
+    return {"median": s["median"] * factor, "min": min(lo, hi), "max": max(lo, hi), "n": s.get("n", 0)}
+
+
+def rate(nbytes: float | None, seconds: dict | None) -> dict | None:
+    """GB/s summary of moving ``nbytes`` in the times of ``seconds`` (a summary): max speed from min time."""
+    if not nbytes or not seconds or seconds.get("median") in (None, 0) or not seconds.get("min"):
+        return None
+    return {"median": nbytes / seconds["median"] / 1e9, "min": nbytes / seconds["max"] / 1e9,
+            "max": nbytes / seconds["min"] / 1e9, "n": seconds.get("n", 0)}
+
+
+def fraction(value: float | None, limit: float | None) -> float | None:
+    """``value / limit``, or None when either is missing or the limit is not positive."""
+    if value is None or limit is None or limit <= 0:
+        return None
+    return value / limit
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b`` (e.g. shardpoint's median over the anchor's), None when undefined."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def fmt_summary(s: dict | None, scale: float = 1.0, digits: int = 2) -> str:
+    """``median [min, max]`` of a summary, scaled; ``n/a`` when empty."""
+    if not s or s.get("median") is None:
+        return "n/a"
+    f = f"{{:.{digits}f}}"
+    return f"{f.format(s['median'] * scale)} [{f.format(s['min'] * scale)}, {f.format(s['max'] * scale)}]"
+
+
+def fmt_num(x: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def fmt_ratio(x: float | None) -> str:
+    """``0.64x``; ``-`` when undefined."""
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def fmt_pct(x: float | None, digits: int = 0) -> str:
+    """A fraction as a percentage: 0.412 -> ``41%``."""
+    return "n/a" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; ``|`` inside cells is escaped, None shows as ``-``."""
+    def cell(x: Any) -> str:
+        return "-" if x is None else str(x).replace("|", "\\|").replace("\n", " ")
+
+    out = ["| " + " | ".join(cell(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    for r in rows:
+        if len(r) != len(headers):
+            raise ValueError(f"row has {len(r)} cells, the header {len(headers)}: {r!r}")
+        out.append("| " + " | ".join(cell(x) for x in r) + " |")
+    return "\n".join(out)
+
+
+def merge_entries(old: list[dict], new: list[dict], key=("part", "size", "layout")) -> list[dict]:
+    """Entries of ``old`` replaced by the ``new`` entries with the same key, new ones appended in order."""
+    def k(e: dict) -> tuple:
+        return tuple(e.get(x) for x in key)
+
+    fresh = {k(e): e for e in new}
+    out = [fresh.pop(k(e)) if k(e) in fresh else e for e in old]
+    out.extend(e for e in new if k(e) in fresh)
+    return out
