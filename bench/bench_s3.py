@@ -3,7 +3,9 @@
 One process, one state (a stack of fp32 linear layers), saved and loaded by:
 
 - shardpoint to a local folder (fsync on; loads hit the warm page cache);
-- shardpoint to ``s3://`` (boto3: parallel multipart parts, parallel ranged GETs);
+- shardpoint to ``s3://`` (boto3: parallel multipart parts, parallel ranged GETs),
+  with its default merging of nearby ranged reads and with merging off
+  (``read_merge_gap=None``, the backend before this option existed);
 - shardpoint through its generic fsspec bridge over s3fs (same server);
 - PyTorch DCP with ``FsspecWriter``/``FsspecReader`` over s3fs (same server),
   with ``sync_files=False`` because ``fsync`` does not exist on S3, at 1 and
@@ -15,12 +17,13 @@ objects kept in memory. moto answers a ranged GET by materialising the whole
 object and slicing it, so on moto a ranged read costs time in proportion to
 the object's size, not the range's (real S3 does not); a first row measures
 the server's ceiling with one PUT and one GET of the same bytes. Every
-load is checked bit-exact. Prints MB/s (best and median of ``--reps``) and
-ratios.
+load is checked bit-exact. Prints MB/s (best and median of ``--reps``),
+the ranged GETs per shardpoint load, and ratios.
 
 Usage::
 
     python bench/bench_s3.py --mib 256 --reps 3
+    python bench/bench_s3.py --mib 256 --reps 3 --only 'shardpoint s3'   # merging on and off only
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -112,6 +116,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8, help="shardpoint S3 threads per process")
     ap.add_argument("--part-mib", type=int, default=16, help="multipart part size")
     ap.add_argument("--read-part-mib", type=int, default=16, help="ranged GET size")
+    ap.add_argument("--read-merge-gap", type=int, default=1 << 20,
+                    help="merge waiting reads of one object up to this many bytes apart (-1: off)")
     ap.add_argument("--only", help="run only the cases whose name contains this")
     ap.add_argument("--json", help="write the results here as JSON")
     args = ap.parse_args()
@@ -132,7 +138,8 @@ def main() -> None:
         size = nbytes(src)
         opts = S3Options(endpoint_url=endpoint, access_key_id="testing", secret_access_key="testing",
                          region="us-east-1", max_concurrency=args.concurrency,
-                         part_size=args.part_mib << 20, read_part_size=args.read_part_mib << 20)
+                         part_size=args.part_mib << 20, read_part_size=args.read_part_mib << 20,
+                         read_merge_gap=None if args.read_merge_gap < 0 else args.read_merge_gap)
         s3fs_opts = {"key": "testing", "secret": "testing", "endpoint_url": endpoint,
                      "client_kwargs": {"region_name": "us-east-1"}}
         fs = s3fs.S3FileSystem(**s3fs_opts)
@@ -143,12 +150,21 @@ def main() -> None:
                     lambda: sp.load(path, {"model": dst}),
                     lambda: shutil.rmtree(path, ignore_errors=True))
 
-        def sp_s3():
-            prefix = f"sp/{uuid.uuid4().hex}"
-            st = S3Storage(f"s3://{bucket}/{prefix}", opts)
-            return (lambda: sp.save(st, {"model": src}),
-                    lambda: sp.load(st, {"model": dst}),
-                    lambda: (s3_cleanup(client, bucket, prefix), st.close()))
+        gets: dict[str, list[int]] = {}
+
+        def sp_s3(merge: bool = True):
+            def make():
+                prefix = f"sp/{uuid.uuid4().hex}"
+                st = S3Storage(f"s3://{bucket}/{prefix}", opts if merge else replace(opts, read_merge_gap=None))
+
+                def load():
+                    before = st.get_requests
+                    sp.load(st, {"model": dst})
+                    gets.setdefault("on" if merge else "off", []).append(st.get_requests - before)
+
+                return (lambda: sp.save(st, {"model": src}), load,
+                        lambda: (s3_cleanup(client, bucket, prefix), st.close()))
+            return make
 
         def sp_bridge():
             prefix = f"br/{uuid.uuid4().hex}"
@@ -201,7 +217,8 @@ def main() -> None:
         cases = [
             ("boto3 one PUT / one GET (ceiling)", raw_boto3),
             ("shardpoint local", sp_local),
-            ("shardpoint s3 (boto3)", sp_s3),
+            ("shardpoint s3 (boto3)", sp_s3()),
+            ("shardpoint s3 (boto3), merging off", sp_s3(merge=False)),
             ("shardpoint fsspec bridge (s3fs)", sp_bridge),
             ("dcp fsspec s3fs, 1 thread", dcp_fsspec(1)),
             ("dcp fsspec s3fs, 8 threads", dcp_fsspec(8)),
@@ -233,6 +250,9 @@ def main() -> None:
             print(f"{name:34s} save {r['save_median']:7.1f} MB/s (best {r['save_best']:7.1f})   "
                   f"load {r['load_median']:7.1f} MB/s (best {r['load_best']:7.1f})", flush=True)
 
+        for k, v in gets.items():
+            print(f"shardpoint s3, merging {k}: ranged GETs per load {statistics.median(v):.0f} "
+                  f"[{min(v)}, {max(v)}]")
         if probe:
             print(f"a 1-byte ranged GET of that {size / 1e6:.0f} MB object takes {statistics.median(probe):.3f} s on moto")
         if args.only:
@@ -240,14 +260,15 @@ def main() -> None:
         s3 = results["shardpoint s3 (boto3)"]
         print(f"\nstate {size / 1e6:.0f} MB, {args.reps} reps, medians; load average {os.getloadavg()[0]:.1f} "
               f"on {os.cpu_count()} CPUs")
-        for other in ("shardpoint local", "dcp fsspec s3fs, 1 thread", "dcp fsspec s3fs, 8 threads",
-                      "shardpoint fsspec bridge (s3fs)"):
+        for other in ("shardpoint s3 (boto3), merging off", "shardpoint local", "dcp fsspec s3fs, 1 thread",
+                      "dcp fsspec s3fs, 8 threads", "shardpoint fsspec bridge (s3fs)"):
             o = results[other]
             print(f"shardpoint s3 / {other:32s} save {s3['save_median'] / o['save_median']:5.2f}x   "
                   f"load {s3['load_median'] / o['load_median']:5.2f}x")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"state_bytes": size, "reps": args.reps, "results": results}, f, indent=1)
+                json.dump({"state_bytes": size, "reps": args.reps, "results": results, "gets_per_load": gets},
+                          f, indent=1)
     finally:
         proc.terminate()
         try:

@@ -12,6 +12,7 @@ Example::
 
     st = storage_for("s3://bucket/run1", endpoint_url="http://127.0.0.1:9000")
     st = storage_for("s3://bucket/run1", options=S3Options(max_concurrency=16))
+    st = storage_for("ckpt/step_100", direct=True)  # LocalStorage with O_DIRECT data files
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from ..errors import StorageError
 from .base import IOStats, MissingDependencyError, ShortReadError, Storage, Writer
 from .fsspec_bridge import FsspecStorage
-from .local import LocalStorage
+from .local import LocalOptions, LocalStorage
 from .memory import MemoryStorage
 from .s3 import S3Options, S3Storage, S3StorageError
 
@@ -28,6 +29,7 @@ __all__ = [
     "Writer",
     "IOStats",
     "LocalStorage",
+    "LocalOptions",
     "MemoryStorage",
     "S3Storage",
     "S3Options",
@@ -43,8 +45,10 @@ def storage_for(location, **options) -> Storage:
     """Resolve a path, URL or :class:`Storage` into a storage instance.
 
     ``options`` go to the backend: for ``s3://``, :class:`S3Options` fields
-    (``endpoint_url=...``) or ``options=S3Options(...)``; for fsspec schemes,
-    the filesystem's own storage options. Local paths take none.
+    (``endpoint_url=...``) or ``options=S3Options(...)``; for local paths,
+    :class:`LocalOptions` fields (``direct=True``) or
+    ``options=LocalOptions(...)``; for fsspec schemes, the filesystem's own
+    storage options.
 
     Example::
 
@@ -60,9 +64,8 @@ def storage_for(location, **options) -> Storage:
         raise StorageError(f"expected a path, URL or Storage, got {type(location).__name__}")
     scheme = location.split("://", 1)[0] if "://" in location else "file"
     if scheme == "file":
-        if options:
-            raise StorageError(f"local paths take no storage options, got {sorted(options)}")
-        return LocalStorage(location)
+        opts = options.pop("options", None)
+        return LocalStorage(location, opts, **options)
     if scheme == "s3":
         opts = options.pop("options", None)
         return S3Storage(location, opts, **options)

@@ -1,14 +1,88 @@
-"""Local filesystem backend: positional I/O, fsync, atomic rename, directory fsync."""
+"""Local filesystem backend: positional I/O, fsync, atomic rename, directory fsync, optional O_DIRECT.
+
+Every read and write names its file offset (``os.preadv``/``os.pwrite``), so
+no file position is shared between threads. A data file is made durable on
+``close()`` (``fsync`` of the file, then of its folder); ``put_atomic`` is
+write-temp, ``fsync``, rename, ``fsync`` of the folder, and folders created
+on the way are made durable in their parents too.
+
+O_DIRECT (``LocalOptions(direct=True)``, off by default) writes data files
+around the page cache: writes are copied into page-aligned buffers, and full
+buffers are written at aligned offsets by a background thread while the
+caller fills the next one. The unaligned tail of a file (less than
+``direct_alignment`` bytes) is written with a normal buffered write before
+the ``fsync``. A filesystem that refuses O_DIRECT (at ``open`` or on the
+first write) gets buffered writes instead, with the reason logged once and
+kept in :attr:`LocalStorage.direct_fallback_reason`. Reads and manifests are
+always buffered. See docs/design.md ("Local writes: positional, O_DIRECT")
+for when O_DIRECT pays.
+"""
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import queue
+import threading
 import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
 
 from ..errors import StorageError
 from .base import Storage, Writer
 
-__all__ = ["LocalStorage"]
+__all__ = ["LocalOptions", "LocalStorage"]
+
+log = logging.getLogger("shardpoint.storage.local")
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # absent on macOS and Windows
+# errno values with which a filesystem says "no O_DIRECT here" (not a disk or permission problem).
+_REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    """How :class:`LocalStorage` writes data files.
+
+    - ``direct``: write data files with ``O_DIRECT`` through aligned
+      buffers, bypassing the page cache (default ``False``; see
+      docs/benchmarks.md for the measurement behind the default). Manifests
+      and reads stay buffered. Where the filesystem refuses ``O_DIRECT`` the
+      writes are buffered, with the reason logged.
+    - ``direct_buffer_size``: bytes per aligned staging buffer (a multiple of
+      ``direct_alignment``).
+    - ``direct_buffers``: staging buffers per open file. With 2 or more, a
+      background thread writes full buffers while the caller fills the next;
+      with 1, each full buffer is written in the caller's thread.
+    - ``direct_alignment``: alignment of buffer addresses, file offsets and
+      write sizes for ``O_DIRECT`` (a power of two, at least 512). 4096 suits
+      Linux filesystems on 512-byte and 4 KiB-sector devices.
+
+    Example::
+
+        st = LocalStorage("ckpt/step_100", LocalOptions(direct=True))
+        st = storage_for("ckpt/step_100", direct=True)  # the same
+    """
+
+    direct: bool = False
+    direct_buffer_size: int = 8 << 20
+    direct_buffers: int = 2
+    direct_alignment: int = 4096
+
+    def __post_init__(self) -> None:
+        a = self.direct_alignment
+        if a < 512 or a & (a - 1):
+            raise ValueError(f"LocalOptions.direct_alignment must be a power of two >= 512, got {a}")
+        if self.direct_buffer_size < a or self.direct_buffer_size % a:
+            raise ValueError(
+                f"LocalOptions.direct_buffer_size must be a positive multiple of direct_alignment ({a}), "
+                f"got {self.direct_buffer_size}"
+            )
+        if self.direct_buffers < 1:
+            raise ValueError(f"LocalOptions.direct_buffers must be at least 1, got {self.direct_buffers}")
 
 
 def _fsync_dir(path: str) -> None:
@@ -19,20 +93,86 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _makedirs_durable(path: str) -> None:
+    """``os.makedirs``, then fsync the parent of every folder it created.
+
+    A file fsynced inside a new folder is not durable until the folder's own
+    entry in its parent is: a crash could otherwise lose the whole folder.
+    """
+    if os.path.isdir(path):
+        return
+    missing = []
+    p = path
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    os.makedirs(path, exist_ok=True)
+    for d in reversed(missing):
+        _fsync_dir(os.path.dirname(d))
+
+
+def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
+    while len(mv):
+        n = os.pwrite(fd, mv, offset)
+        if n <= 0:  # pragma: no cover - pwrite raises rather than return 0 on a full disk
+            raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset}")
+        mv, offset = mv[n:], offset + n
+
+
+def aligned_buffer(size: int, alignment: int) -> memoryview:
+    """A writable byte buffer of ``size`` bytes whose address is a multiple of ``alignment``.
+
+    O_DIRECT needs aligned memory; numpy over-allocates and the view starts
+    at the first aligned byte, so the memory is freed with the view.
+
+    Example::
+
+        buf = aligned_buffer(8 << 20, 4096)
+    """
+    raw = np.empty(size + alignment, dtype=np.uint8)
+    skip = (-raw.ctypes.data) % alignment
+    return memoryview(raw[skip : skip + size])
+
+
+class _DirectState:
+    """Shared by a storage and its children: why O_DIRECT was refused, if it was."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.lock = threading.Lock()
+
+    def __getstate__(self) -> dict:  # picklable: the lock is per process
+        return {"reason": self.reason}
+
+    def __setstate__(self, state: dict) -> None:
+        self.reason, self.lock = state["reason"], threading.Lock()
+
+    def refuse(self, url: str, reason: str) -> None:
+        with self.lock:
+            first, self.reason = self.reason is None, self.reason or reason
+        if first:
+            log.warning("%s: O_DIRECT refused (%s); writing data files buffered instead", url, reason)
+
+
 class _LocalWriter(Writer):
+    """Buffered positional writes; ``close()`` fsyncs the file and its folder."""
+
     def __init__(self, storage: "LocalStorage", name: str):
         self._storage = storage
         self._path = storage._path(name)
-        os.makedirs(os.path.dirname(self._path), exist_ok=True)
+        _makedirs_durable(os.path.dirname(self._path))
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._pos = 0
         self._closed = False
 
     def write(self, data) -> None:
         mv = memoryview(data).cast("B")
-        while len(mv):
-            n = os.write(self._fd, mv)
-            mv = mv[n:]
-        self._storage.stats.add_write(len(memoryview(data).cast("B")))
+        _pwrite_all(self._fd, mv, self._pos)
+        self._pos += len(mv)
+        self._storage.stats.add_write(len(mv))
 
     def close(self) -> None:
         if self._closed:
@@ -57,21 +197,193 @@ class _LocalWriter(Writer):
             pass
 
 
+class _DirectWriter(Writer):
+    """O_DIRECT writes through aligned staging buffers; see the module documentation.
+
+    Bytes are copied into the current buffer; a full buffer goes to the
+    writing thread (or is written at once with one buffer). On ``close()``
+    the aligned part of the last buffer is written with O_DIRECT, the
+    remainder through a buffered descriptor, and the file is fsynced. If the
+    first O_DIRECT write fails with EINVAL (the flag was accepted at open but
+    the filesystem cannot do it), that buffer and the rest of the file are
+    written buffered instead.
+    """
+
+    def __init__(self, storage: "LocalStorage", name: str, fd: int, path: str):
+        o = storage.options
+        self._storage = storage
+        self._path = path
+        self._fd = fd  # opened with O_DIRECT
+        self._fd_buffered: int | None = None
+        self._align = o.direct_alignment
+        self._size = o.direct_buffer_size
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(o.direct_buffers):
+            self._free.put(aligned_buffer(self._size, self._align))
+        self._buf: memoryview = self._free.get()
+        self._fill = 0
+        self._flushed = 0  # file offset where the current buffer starts
+        self._direct_ok = True
+        self._direct_bytes = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        self._todo: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        if o.direct_buffers > 1:
+            self._todo = queue.Queue()
+            self._thread = threading.Thread(target=self._drain, name="shardpoint-odirect", daemon=True)
+            self._thread.start()
+
+    # --- the device side ------------------------------------------------------
+    def _buffered_fd(self) -> int:
+        if self._fd_buffered is None:
+            self._fd_buffered = os.open(self._path, os.O_WRONLY)
+        return self._fd_buffered
+
+    def _put(self, mv: memoryview, offset: int) -> None:
+        """Write ``mv`` at ``offset`` (aligned, whole blocks) with O_DIRECT, or buffered after a refusal."""
+        if self._direct_ok:
+            try:
+                _pwrite_all(self._fd, mv, offset)
+                self._direct_bytes += len(mv)
+                return
+            except OSError as e:
+                if e.errno not in _REFUSED or self._direct_bytes:
+                    raise
+                self._direct_ok = False
+                self._storage._direct.refuse(self._storage.url, f"the first O_DIRECT write failed: {e}")
+        _pwrite_all(self._buffered_fd(), mv, offset)
+
+    def _drain(self) -> None:
+        while True:
+            job = self._todo.get()
+            if job is None:
+                return
+            buf, offset = job
+            try:
+                if self._error is None:
+                    self._put(buf, offset)
+            except BaseException as e:  # noqa: BLE001 - reported by the next write or close
+                self._error = e
+            finally:
+                self._free.put(buf)
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _ship(self) -> None:
+        """Hand the full current buffer to the device side; take a free one."""
+        if self._todo is None:
+            self._put(self._buf, self._flushed)
+        else:
+            self._todo.put((self._buf, self._flushed))
+            self._buf = self._free.get()
+            self._raise_pending()
+        self._flushed += self._size
+        self._fill = 0
+
+    # --- Writer ---------------------------------------------------------------
+    def write(self, data) -> None:
+        if self._closed:
+            raise StorageError(f"{self._storage.url}: write to {self._path} after close or abort")
+        self._raise_pending()
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        while len(mv):
+            take = min(self._size - self._fill, len(mv))
+            self._buf[self._fill : self._fill + take] = mv[:take]
+            self._fill += take
+            mv = mv[take:]
+            if self._fill == self._size:
+                self._ship()
+        self._storage.stats.add_write(n)
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None:
+            self._todo.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _close_fds(self) -> None:
+        for fd in (self._fd, self._fd_buffered):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._fd = self._fd_buffered = None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._stop_thread()
+            self._raise_pending()
+            head = self._fill - self._fill % self._align
+            if head:
+                self._put(self._buf[:head], self._flushed)
+            if self._fill > head:
+                # The unaligned tail: O_DIRECT cannot write a partial block, the page cache can.
+                _pwrite_all(self._buffered_fd(), self._buf[head : self._fill], self._flushed + head)
+            # One fsync covers the file whichever descriptor wrote it: O_DIRECT does not
+            # persist metadata (size, extents), and the tail sits in the page cache.
+            os.fsync(self._fd)
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        self._close_fds()
+        _fsync_dir(os.path.dirname(self._path))
+
+    def abort(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._stop_thread()
+        except BaseException:  # noqa: BLE001 - abort never raises
+            pass
+        self._close_fds()
+        try:
+            os.unlink(self._path)
+        except OSError:
+            pass
+
+
 class LocalStorage(Storage):
     """A folder on a local or shared POSIX filesystem.
+
+    ``options`` is a :class:`LocalOptions`; keyword arguments override its
+    fields (``LocalStorage(path, direct=True)``). Children share the options,
+    the counters and the O_DIRECT fallback state.
 
     Example::
 
         st = LocalStorage("ckpt/step_100")
         st.put_atomic("manifest.json", b"{}")
+        fast = LocalStorage("ckpt/step_100", direct=True)  # O_DIRECT data files
     """
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, options: LocalOptions | None = None, **overrides: Any):
         super().__init__()
         if root.startswith("file://"):
             root = root[len("file://"):]
         self.root = os.path.abspath(root)
         self.url = root
+        opts = options or LocalOptions()
+        if overrides:
+            try:
+                opts = replace(opts, **overrides)
+            except TypeError as e:
+                raise TypeError(f"unknown local storage option: {e}; see shardpoint.storage.LocalOptions") from None
+        self.options = opts
+        self._direct = _DirectState()
+
+    @property
+    def direct_fallback_reason(self) -> str | None:
+        """Why O_DIRECT writes fell back to buffered ones here (``None`` if they did not)."""
+        return self._direct.reason
 
     def _path(self, name: str) -> str:
         if name.startswith("/") or ".." in name.split("/"):
@@ -79,15 +391,27 @@ class LocalStorage(Storage):
         return os.path.join(self.root, name)
 
     def open_writer(self, name: str) -> Writer:
-        return _LocalWriter(self, name)
+        if not self.options.direct:
+            return _LocalWriter(self, name)
+        path = self._path(name)
+        if not _O_DIRECT:
+            self._direct.refuse(self.url, "this platform has no O_DIRECT")
+        if self._direct.reason is not None:  # refused before: do not ask again for every file
+            return _LocalWriter(self, name)
+        _makedirs_durable(os.path.dirname(path))
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
+        except OSError as e:
+            if e.errno not in _REFUSED:
+                raise
+            self._direct.refuse(self.url, f"open with O_DIRECT failed: {e}")
+            return _LocalWriter(self, name)
+        return _DirectWriter(self, name, fd, path)
 
     def readinto(self, name: str, offset: int, buf: memoryview) -> None:
         mv = memoryview(buf).cast("B")
         want = len(mv)
-        try:
-            fd = os.open(self._path(name), os.O_RDONLY)
-        except FileNotFoundError:
-            raise
+        fd = os.open(self._path(name), os.O_RDONLY)
         try:
             got = 0
             while got < want:
@@ -102,13 +426,11 @@ class LocalStorage(Storage):
     def put_atomic(self, name: str, data: bytes) -> None:
         path = self._path(name)
         d = os.path.dirname(path)
-        os.makedirs(d, exist_ok=True)
+        _makedirs_durable(d)
         tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            mv = memoryview(data)
-            while len(mv):
-                mv = mv[os.write(fd, mv):]
+            _pwrite_all(fd, memoryview(data).cast("B"), 0)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -151,6 +473,7 @@ class LocalStorage(Storage):
         return os.path.exists(self.root)
 
     def child(self, sub: str) -> "LocalStorage":
-        child = LocalStorage(os.path.join(self.root, sub))
+        child = LocalStorage(os.path.join(self.root, sub), self.options)
         child.stats = self.stats
+        child._direct = self._direct
         return child

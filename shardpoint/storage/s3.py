@@ -23,8 +23,23 @@ at once from a thread pool shared by the storage instance (memory per writer
 is at most ``(max_concurrency + 1) * part_size``). ``close()`` completes the
 upload; ``abort()`` aborts it. Files smaller than one part are one PUT.
 
-Reads: ``readinto`` of more than ``read_part_size`` bytes is split into
-ranged GETs that run in parallel and fill the caller's buffer in place.
+Reads: ``readinto`` calls wait in one queue per storage tree and are served
+by up to ``max_concurrency`` ranged GETs at a time, streamed straight into the
+callers' buffers. When a GET slot frees up, the oldest waiting read is taken
+together with every other waiting read of the same object that lies within
+``read_merge_gap`` bytes of it (the loader asks for the chunks of one data
+object in file order, several at once), and that run of bytes is cut into the
+fewest equal ranged GETs of at most 9/8 of ``read_part_size``, which run in
+parallel. Small neighbours (biases, norms, checksum-block tails) therefore
+ride along with a large read instead of costing a request each; bytes in
+gaps are read into a small scratch buffer and dropped, so memory stays at
+the callers' buffers plus at most 256 KiB per GET. With a slot free a read
+is sent at once, except a small one (under 1/8 of ``read_part_size``) of an
+object that already has GETs running: it waits for a larger neighbour to
+arrive or for those GETs to end (see :class:`_ReadQueue`). A load takes its
+reads in file order behind the larger reads in flight, so this costs it
+almost nothing. ``read_merge_gap=None`` turns all this off (each read is
+split on its own into GETs of at most ``read_part_size``).
 
 Retries: botocore's ``standard`` retry mode (exponential backoff with jitter on
 throttling such as ``SlowDown``/503, on 500/502/504 and on connection errors)
@@ -55,7 +70,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import StorageError
 from .base import MissingDependencyError, Storage, Writer
@@ -109,7 +124,11 @@ class S3Options:
     - ``part_size``: bytes per multipart part (at least 5 MiB). Files up to
       one part are a single PUT.
     - ``read_part_size``: reads larger than this are split into parallel
-      ranged GETs of this size.
+      ranged GETs of about this size (at most 9/8 of it when merging).
+    - ``read_merge_gap``: waiting reads of one object at most this many bytes
+      apart are served by the same GETs (the gap is read and dropped);
+      ``None`` turns merging off. The default (1 MiB) costs about as much
+      transfer time as one more request's first-byte latency on S3.
     - ``max_concurrency``: threads (and in-flight parts or ranges) per storage
       instance, shared by its children.
     - ``max_attempts``: botocore attempts per request (``None``:
@@ -138,6 +157,7 @@ class S3Options:
     session_token: str | None = None
     part_size: int = 16 * _MiB
     read_part_size: int = 16 * _MiB
+    read_merge_gap: int | None = 1 * _MiB
     max_concurrency: int = 8
     max_attempts: int | None = None
     retry_mode: str | None = None
@@ -156,6 +176,8 @@ class S3Options:
             raise ValueError(f"S3Options.part_size must be between 5 MiB and 5 GiB, got {self.part_size}")
         if self.read_part_size < 1:
             raise ValueError(f"S3Options.read_part_size must be positive, got {self.read_part_size}")
+        if self.read_merge_gap is not None and self.read_merge_gap < 0:
+            raise ValueError(f"S3Options.read_merge_gap must be >= 0 or None, got {self.read_merge_gap}")
         if self.max_concurrency < 1:
             raise ValueError(f"S3Options.max_concurrency must be at least 1, got {self.max_concurrency}")
         if self.retries < 0 or (self.max_attempts is not None and self.max_attempts < 1):
@@ -228,6 +250,205 @@ def _is_not_found(e: BaseException) -> bool:
     return code in _NOT_FOUND or (status == 404 and code not in ("NoSuchUpload",))
 
 
+_SCRATCH = 256 << 10  # bytes of a gap read at a time (the only memory merging adds)
+
+
+def merge_runs(
+    spans: Sequence[tuple[int, int]], gap: int, limit: int | None = None
+) -> list[tuple[int, int, list[int]]]:
+    """Group byte spans ``[start, end)`` of one object into runs; pure.
+
+    Spans (in any order, possibly overlapping) join a run when they start at
+    most ``gap`` bytes after the end of what the run covers so far and, with
+    a ``limit`` (the largest GET), when joining needs no more GETs than
+    keeping them apart (two limit-sized reads with a gap between them stay
+    two runs). Returns ``(start, end, indices into spans)`` per run, in file
+    order.
+
+    Example::
+
+        merge_runs([(100, 200), (0, 90), (500, 600)], gap=16)
+        # [(0, 200, [1, 0]), (500, 600, [2])]
+    """
+
+    def gets(n: int) -> int:
+        return 1 if limit is None else max(1, -(-n // limit))
+
+    order = sorted(range(len(spans)), key=lambda i: spans[i])
+    runs: list[tuple[int, int, list[int]]] = []
+    for i in order:
+        a, b = spans[i]
+        if runs and a - runs[-1][1] <= gap:
+            s0, e0, members = runs[-1]
+            e1 = max(e0, b)
+            if gets(e1 - s0) <= gets(e0 - s0) + gets(b - a):
+                members.append(i)
+                runs[-1] = (s0, e1, members)
+                continue
+        runs.append((a, b, [i]))
+    return runs
+
+
+def get_limit(part: int) -> int:
+    """The largest ranged GET for ``read_part_size`` ``part``: 9/8 of it, so small neighbours ride along."""
+    return part + part // 8
+
+
+def split_run(start: int, end: int, part: int) -> list[tuple[int, int]]:
+    """Cut ``[start, end)`` into the fewest equal ranges of at most ``part + part // 8`` bytes; pure.
+
+    The 1/8 allowance lets a small neighbour ride along with a part-sized
+    read (a 32 MiB weight and its bias: 2 GETs at 16 MiB parts, not 3).
+
+    Example::
+
+        split_run(0, 100, 40)   # [(0, 33), (33, 66), (66, 100)]
+    """
+    n = max(1, -(-(end - start) // get_limit(part)))
+    cuts = [start + (end - start) * i // n for i in range(n + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def scatter_plan(lo: int, hi: int, wants: Sequence[tuple[int, int, memoryview]]) -> list[tuple[int, list[memoryview]]]:
+    """How the body of a GET of ``[lo, hi)`` lands in the waiting buffers; pure.
+
+    ``wants`` are ``(start, end, buffer)`` with ``len(buffer) == end - start``.
+    Returns consecutive ``(length, views)`` pieces covering ``[lo, hi)``:
+    the slices of every buffer that wants those bytes, or no views for a gap.
+
+    Example::
+
+        a, b = memoryview(bytearray(4)), memoryview(bytearray(2))
+        scatter_plan(0, 8, [(0, 4, a), (6, 8, b)])   # [(4, [a]), (2, []), (2, [b])]
+    """
+    points = {lo, hi}
+    for s, e, _ in wants:
+        points.update(p for p in (s, e) if lo < p < hi)
+    cuts = sorted(points)
+    out = []
+    for p, q in zip(cuts, cuts[1:]):
+        views = [mv[p - s : q - s] for s, e, mv in wants if s <= p and q <= e]
+        out.append((q - p, views))
+    return out
+
+
+class _Want:
+    """One waiting ``readinto``: a byte range of one object and the buffer it fills."""
+
+    __slots__ = ("storage", "key", "name", "start", "end", "mv", "left", "avail", "error", "done")
+
+    def __init__(self, storage: "S3Storage", key: str, name: str, start: int, mv: memoryview):
+        self.storage, self.key, self.name = storage, key, name
+        self.start, self.end, self.mv = start, start + len(mv), mv
+        self.left = 0  # GETs still running for it
+        self.avail = len(mv)  # bytes the object holds from start (less when a GET found its end)
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
+class _ReadQueue:
+    """Waiting reads of one storage tree, served by at most ``max_concurrency`` GETs at a time.
+
+    When a GET slot is free, the oldest waiting read is taken with every
+    waiting read of the same object within ``read_merge_gap`` of it, and the
+    run is cut by :func:`split_run`. Reads wait only for a free slot, with
+    one exception: a small read (under 1/8 of ``read_part_size``) of an
+    object that already has GETs running does not start a GET of its own
+    until a larger read of that object arrives (it joins that read's run
+    when close) or the object's running GETs have all finished, so that it
+    rides along with a neighbour instead of costing a request. A load
+    consumes its reads in file order, behind the larger reads in flight, so
+    this rarely delays what it waits for.
+    """
+
+    def __init__(self, shared: "_Shared"):
+        self._shared = shared
+        self._lock = threading.Lock()
+        self._pending: list[_Want] = []
+        self._in_flight = 0
+        self._busy: dict[str, int] = {}  # object key -> GETs running
+
+    def read(self, storage: "S3Storage", key: str, name: str, start: int, mv: memoryview) -> int:
+        """Fill ``mv`` from ``start`` of ``key``; return how many bytes the object had there."""
+        w = _Want(storage, key, name, start, mv)
+        with self._lock:
+            self._pending.append(w)
+            jobs = self._take()
+        self._submit(jobs)
+        w.done.wait()
+        if w.error is not None:
+            raise w.error
+        return min(len(mv), w.avail)
+
+    def _take(self) -> list[tuple[int, int, list[_Want]]]:
+        """Under the lock: the GETs to start now, each with the reads it feeds."""
+        o = self._shared.options
+        jobs = []
+        small = o.read_part_size // 8
+        while self._in_flight < o.max_concurrency:
+            # The oldest read that may start a run. Held ones still join the run of a neighbour.
+            head = next((w for w in self._pending if w.end - w.start >= small or not self._busy.get(w.key)), None)
+            if head is None:
+                break
+            same = [w for w in self._pending if w.key == head.key]
+            spans = [(w.start, w.end) for w in same]
+            for start, end, idx in merge_runs(spans, o.read_merge_gap or 0, get_limit(o.read_part_size)):
+                members = [same[i] for i in idx]
+                if head in members:
+                    break
+            taken = set(map(id, members))
+            self._pending = [w for w in self._pending if id(w) not in taken]
+            gets = split_run(start, end, o.read_part_size)
+            for lo, hi in gets:
+                fed = [w for w in members if w.start < hi and w.end > lo]
+                for w in fed:
+                    w.left += 1
+                jobs.append((lo, hi, fed))
+            self._in_flight += len(gets)
+            self._busy[head.key] = self._busy.get(head.key, 0) + len(gets)
+        return jobs
+
+    def _submit(self, jobs: list[tuple[int, int, list[_Want]]]) -> None:
+        for job in jobs:
+            try:
+                self._shared.pool.submit(self._run, job)
+            except BaseException as e:  # noqa: BLE001 - a shut-down pool: fail the reads, never hang them
+                self._finished(job, e, 0)
+
+    def _run(self, job: tuple[int, int, list[_Want]]) -> None:
+        lo, hi, fed = job
+        head = fed[0]
+        try:
+            got = head.storage._get_scatter(head.key, head.name, lo, hi, [(w.start, w.end, w.mv) for w in fed])
+        except BaseException as e:  # noqa: BLE001 - handed to every read this GET feeds
+            self._finished(job, e, 0)
+        else:
+            self._finished(job, None, got)
+
+    def _finished(self, job: tuple[int, int, list[_Want]], error: BaseException | None, got: int) -> None:
+        lo, hi, fed = job
+        done = []
+        with self._lock:
+            self._in_flight -= 1
+            key = fed[0].key
+            self._busy[key] -= 1
+            if not self._busy[key]:
+                del self._busy[key]
+            self._shared.count_gets(1)
+            for w in fed:
+                if error is not None:
+                    w.error = w.error or error
+                elif got < hi - lo:  # the object ends at lo + got
+                    w.avail = min(w.avail, max(0, lo + got - w.start))
+                w.left -= 1
+                if w.left == 0:
+                    done.append(w)
+            jobs = self._take()
+        for w in done:
+            w.done.set()
+        self._submit(jobs)
+
+
 class _Shared:
     """What a storage and its children share: options, client, thread pool, counters.
 
@@ -241,6 +462,12 @@ class _Shared:
         self._pid = -1
         self._client = None
         self._pool: ThreadPoolExecutor | None = None
+        self._reads: _ReadQueue | None = None
+        self.gets = 0
+
+    def count_gets(self, n: int) -> None:
+        with self._lock:
+            self.gets += n
 
     def __getstate__(self) -> dict:  # picklable: the client and threads are rebuilt on use
         return {"options": self.options}
@@ -250,7 +477,7 @@ class _Shared:
 
     def _fresh(self) -> None:
         if self._pid != os.getpid():
-            self._client, self._pool, self._pid = None, None, os.getpid()
+            self._client, self._pool, self._reads, self._pid = None, None, None, os.getpid()
 
     @property
     def client(self):
@@ -267,6 +494,14 @@ class _Shared:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.options.max_concurrency, thread_name_prefix="shardpoint-s3")
             return self._pool
+
+    @property
+    def reads(self) -> _ReadQueue:
+        with self._lock:
+            self._fresh()
+            if self._reads is None:
+                self._reads = _ReadQueue(self)
+            return self._reads
 
     def _make_client(self):
         boto3 = _require_boto3()
@@ -556,6 +791,15 @@ class S3Storage(Storage):
         return max(2, self.options.max_concurrency)
 
     @property
+    def coalesce_bytes(self) -> int:
+        """Gap below which the load engine reads nearby runs of one chunk as one range.
+
+        The same trade as ``read_merge_gap`` (0 when merging is off): a
+        request costs more than reading a gap of this size.
+        """
+        return self.options.read_merge_gap or 0
+
+    @property
     def client(self):
         """The boto3 S3 client (shared with children; rebuilt after ``fork``)."""
         return self._shared.client
@@ -606,28 +850,56 @@ class S3Storage(Storage):
 
     def _get_range(self, key: str, name: str, start: int, mv: memoryview) -> int:
         """Fill ``mv`` from ``start``; return the bytes the object had (less at its end)."""
+        return self._get_scatter(key, name, start, start + len(mv), [(start, start + len(mv), mv)])
+
+    def _get_scatter(self, key: str, name: str, lo: int, hi: int, wants: Sequence[tuple[int, int, memoryview]]) -> int:
+        """One ranged GET of ``[lo, hi)`` streamed into the ``(start, end, buffer)`` wants it covers.
+
+        Returns the bytes the object had in the range (less at its end).
+        Bytes no want covers go through a small scratch buffer; a retry
+        streams the whole range again (it rewrites the same bytes).
+        """
         c = self._shared.client
-        want = len(mv)
+        pieces = scatter_plan(lo, hi, wants)
 
         def once() -> int:
             try:
-                r = c.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + want - 1}")
+                r = c.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={lo}-{hi - 1}")
             except Exception as e:
                 if _error_code(e)[0] == "InvalidRange":  # starts at or past the end
                     return 0
                 raise
             body = r["Body"]
-            expect = int(r.get("ContentLength", want))
-            if r.get("ResponseMetadata", {}).get("HTTPStatusCode") == 200 and start > 0:
+            expect = min(hi - lo, int(r.get("ContentLength", hi - lo)))
+            if r.get("ResponseMetadata", {}).get("HTTPStatusCode") == 200 and lo > 0:
                 body.close()
                 raise S3StorageError(f"{self.url}: the server ignored the Range header reading {name}")
             got = 0
+            scratch = None
             try:
-                while got < min(want, expect):
-                    n = body.readinto(mv[got:])
-                    if not n:
-                        raise _BodyShortError(f"body ended after {got} of {expect} bytes")
-                    got += n
+                for length, views in pieces:
+                    take = min(length, expect - got)
+                    if take <= 0:
+                        break
+                    if views:
+                        dst, k = views[0][:take], 0
+                        while k < take:
+                            n = body.readinto(dst[k:])
+                            if not n:
+                                raise _BodyShortError(f"body ended after {got + k} of {expect} bytes")
+                            k += n
+                        for v in views[1:]:  # overlapping reads of the same bytes
+                            v[:take] = dst
+                    else:
+                        if scratch is None:
+                            scratch = memoryview(bytearray(min(_SCRATCH, length)))
+                        k = 0
+                        while k < take:
+                            n = body.readinto(scratch[: min(len(scratch), take - k)])
+                            if not n:
+                                raise _BodyShortError(f"body ended after {got + k} of {expect} bytes")
+                            k += n
+                    got += take
             finally:
                 body.close()
             return got
@@ -647,22 +919,36 @@ class S3Storage(Storage):
             self.size(name)  # absent names still raise FileNotFoundError
             self.stats.add_read(0)
             return
-        step = self.options.read_part_size
-        if want <= step:
-            got = self._get_range(key, name, offset, mv)
+        if self.options.read_merge_gap is not None:
+            got = self._shared.reads.read(self, key, name, offset, mv)
         else:
-            pool = self._shared.pool
-            spans = [(lo, min(lo + step, want)) for lo in range(0, want, step)]
-            futs = [pool.submit(self._get_range, key, name, offset + lo, mv[lo:hi]) for lo, hi in spans]
-            wait(futs)
-            got = want
-            for (lo, hi), f in zip(spans, futs):
-                n = f.result()  # raises the first failure (in range order)
-                if n < hi - lo:
-                    got = min(got, lo + n)
+            got = self._read_alone(key, name, offset, mv)
         if got < want:
             raise self._short(name, offset, want, got)
         self.stats.add_read(want)
+
+    def _read_alone(self, key: str, name: str, offset: int, mv: memoryview) -> int:
+        """One read on its own (merging off): parallel GETs of at most ``read_part_size``."""
+        want, step = len(mv), self.options.read_part_size
+        if want <= step:
+            self._shared.count_gets(1)
+            return self._get_range(key, name, offset, mv)
+        pool = self._shared.pool
+        spans = [(lo, min(lo + step, want)) for lo in range(0, want, step)]
+        self._shared.count_gets(len(spans))
+        futs = [pool.submit(self._get_range, key, name, offset + lo, mv[lo:hi]) for lo, hi in spans]
+        wait(futs)
+        got = want
+        for (lo, hi), f in zip(spans, futs):
+            n = f.result()  # raises the first failure (in range order)
+            if n < hi - lo:
+                got = min(got, lo + n)
+        return got
+
+    @property
+    def get_requests(self) -> int:
+        """Ranged GETs that reads have started so far (shared with children; retries not counted)."""
+        return self._shared.gets
 
     def put_atomic(self, name: str, data: bytes) -> None:
         key, c = self._key(name), self._shared.client

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -255,3 +257,169 @@ def test_permanent_failure_is_typed_and_aborts(proxy, bucket):
         st.put_atomic("manifest.json", b"{}")
     assert ei.value.code == "AccessDenied"
     assert [r.op for r, _ in proxy.log] == ["PutObject"]
+
+
+# --- merged ranged reads ---------------------------------------------------------------------------
+
+
+def _read_in_thread(st: S3Storage, name: str, lo: int, hi: int, out: dict) -> threading.Thread:
+    def run():
+        buf = bytearray(hi - lo)
+        try:
+            st.readinto(name, lo, memoryview(buf))
+            out[(lo, hi)] = bytes(buf)
+        except Exception as e:  # noqa: BLE001 - checked by the test
+            out[(lo, hi)] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _wait_pending(st: S3Storage, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(st._shared.reads._pending) < n:
+        assert time.monotonic() < deadline, "reads did not queue up"
+        time.sleep(0.005)
+
+
+def _gets(proxy) -> int:
+    return sum(1 for r, _ in proxy.log if r.op == "GetObject")
+
+
+@pytest.fixture
+def held(proxy):
+    """Hold GETs at the proxy (the first one, or all while ``hold_all``) until ``release`` is set."""
+
+    class Held:
+        arrived = threading.Event()
+        release = threading.Event()
+        hold_all = False
+        error: tuple | None = None  # an action for GETs after the first
+
+    h = Held()
+    h.seen = []  # GETs as they arrive (the proxy logs a request only after its fault decision)
+
+    def faults(req):
+        if req.op != "GetObject":
+            return None
+        first = not h.seen
+        h.seen.append(req)
+        if first or h.hold_all:
+            h.arrived.set()
+            h.release.wait(10)
+            return None
+        return h.error
+
+    proxy.faults = faults
+    yield h
+    h.release.set()
+
+
+def test_waiting_reads_of_one_object_share_a_get(proxy, bucket, held):
+    st = S3Storage(f"s3://{bucket}/{uuid.uuid4().hex}",
+                   s3_options(proxy.endpoint, max_concurrency=1, read_merge_gap=64 << 10))
+    payload = os.urandom(3 << 20)
+    write_file(st, "a.bin", payload)
+    proxy.log.clear()
+    out: dict = {}
+    threads = [_read_in_thread(st, "a.bin", 0, 100_000, out)]
+    assert held.arrived.wait(10)  # the only GET slot is taken
+    spans = [(200_000, 300_000), (300_000, 300_050), (301_000, 900_000), (2_500_000, 2_600_000)]
+    threads += [_read_in_thread(st, "a.bin", lo, hi, out) for lo, hi in spans]
+    _wait_pending(st, len(spans))
+    held.release.set()
+    for t in threads:
+        t.join(10)
+    for (lo, hi), got in out.items():
+        assert got == payload[lo:hi], (lo, hi)
+    assert len(out) == 5
+    # The first read, one GET for the three neighbours (gaps 0 and 950 bytes), one for the far read.
+    assert _gets(proxy) == 3 and st.get_requests == 3
+
+
+def test_small_read_rides_along_with_a_neighbour(proxy, bucket, held):
+    st = S3Storage(f"s3://{bucket}/{uuid.uuid4().hex}", s3_options(proxy.endpoint, max_concurrency=4))
+    payload = os.urandom(4 << 20)
+    write_file(st, "a.bin", payload)
+    proxy.log.clear()
+    held.hold_all = True
+    out: dict = {}
+    big = _read_in_thread(st, "a.bin", 0, 2 << 20, out)  # two GETs, held
+    deadline = time.monotonic() + 10
+    while len(held.seen) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    small = _read_in_thread(st, "a.bin", (2 << 20) + 64, (2 << 20) + 1000, out)
+    _wait_pending(st, 1)
+    time.sleep(0.2)
+    assert len(held.seen) == 2, "a small read of a busy object waits for company"
+    held.hold_all = False
+    large = _read_in_thread(st, "a.bin", (2 << 20) + 2000, 3 << 20, out)
+    for t in (large, small):
+        t.join(10)
+    assert len(held.seen) == 3 and big.is_alive()  # done while the big read is still held
+    held.release.set()
+    big.join(10)
+    assert {k: v == payload[k[0] : k[1]] for k, v in out.items()} == {
+        (0, 2 << 20): True, ((2 << 20) + 64, (2 << 20) + 1000): True, ((2 << 20) + 2000, 3 << 20): True}
+    assert _gets(proxy) == 3  # the small read went with the large one
+    # With no neighbour coming, a held small read goes alone once the object is idle.
+    lone = _read_in_thread(st, "a.bin", 10, 20, out)
+    lone.join(10)
+    assert out[(10, 20)] == payload[10:20] and _gets(proxy) == 4
+
+
+def test_merged_get_failure_reaches_every_read(proxy, bucket, held):
+    st = S3Storage(f"s3://{bucket}/{uuid.uuid4().hex}",
+                   s3_options(proxy.endpoint, max_concurrency=1, retries=0, max_attempts=1))
+    payload = os.urandom(1 << 20)
+    write_file(st, "a.bin", payload)
+    held.error = ("status", 403, "AccessDenied")
+    out: dict = {}
+    threads = [_read_in_thread(st, "a.bin", 0, 1000, out)]
+    assert held.arrived.wait(10)
+    threads += [_read_in_thread(st, "a.bin", lo, hi, out) for lo, hi in [(5000, 6000), (6000, 9000)]]
+    _wait_pending(st, 2)
+    held.release.set()
+    for t in threads:
+        t.join(10)
+    assert out[(0, 1000)] == payload[:1000]
+    for k in [(5000, 6000), (6000, 9000)]:
+        assert isinstance(out[k], S3StorageError) and out[k].code == "AccessDenied", out[k]
+        assert "GetObject of a.bin failed" in str(out[k])
+    assert _gets(proxy) == 2
+
+
+def test_short_reads_inside_a_merged_get(proxy, bucket, held):
+    st = S3Storage(f"s3://{bucket}/{uuid.uuid4().hex}", s3_options(proxy.endpoint, max_concurrency=1))
+    payload = os.urandom(1000)
+    write_file(st, "s.bin", payload)
+    out: dict = {}
+    threads = [_read_in_thread(st, "s.bin", 0, 10, out)]
+    assert held.arrived.wait(10)
+    threads += [_read_in_thread(st, "s.bin", lo, hi, out) for lo, hi in [(100, 500), (900, 1100), (1200, 1300)]]
+    _wait_pending(st, 3)
+    held.release.set()
+    for t in threads:
+        t.join(10)
+    assert out[(0, 10)] == payload[:10] and out[(100, 500)] == payload[100:500]
+    assert isinstance(out[(900, 1100)], ShortReadError)
+    assert "short read of s.bin at 900: wanted 200 bytes, got 100" in str(out[(900, 1100)])
+    assert "short read of s.bin at 1200: wanted 100 bytes, got 0" in str(out[(1200, 1300)])
+    assert st.get_requests == 2
+
+
+def test_merging_off_splits_each_read_alone(s3_endpoint, bucket):
+    storage = S3Storage(f"s3://{bucket}/{uuid.uuid4().hex}", s3_options(s3_endpoint))
+    payload = os.urandom(int(2.2 * (1 << 20)))
+    write_file(storage, "a.bin", payload)
+    off = S3Storage(storage.url, storage.options, read_merge_gap=None)
+    assert off.read("a.bin", 0, len(payload)) == payload
+    assert off.get_requests == 3  # 1 + 1 + 0.2 MiB at read_part_size 1 MiB
+    assert storage.read("a.bin", 0, len(payload)) == payload
+    assert storage.get_requests == 2  # two equal GETs of 1.1 MiB (within 9/8 of a part)
+    # The load engine joins runs of one chunk closer than this; off means only touching ones.
+    assert storage.coalesce_bytes == 1 << 20 and off.coalesce_bytes == 0
+    with pytest.raises(ValueError, match="read_merge_gap must be >= 0 or None, got -1"):
+        S3Options(read_merge_gap=-1)
