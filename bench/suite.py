@@ -132,6 +132,8 @@ def _slim(part: str, res: dict) -> dict:
     """The result without its bulky per-round raw data (kept in the scripts' own JSONs)."""
     res = dict(res)
     res.pop("raw", None)
+    if isinstance(res.get("command"), str):  # name no temporary (machine) path
+        res["command"] = " ".join(os.path.basename(a) if a.startswith(os.sep) else a for a in res["command"].split())
     if part == "async":
         res["systems"] = [{k: v for k, v in s.items() if k != "windows"} for s in res.get("systems", [])]
     return res
