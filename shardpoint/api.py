@@ -212,6 +212,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     tensors: list[SaveTensor] = []
     values, layout = {}, {}
     lazy_ok: set[str] = set(ctx.param_names.values())
+    opt_parts: list = []
     for key, obj in state.items():
         part = parts.get(key, obj, ctx) if parts is not None else None
         if part is None:
@@ -223,10 +224,18 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
         values[key] = part.value
         layout[key] = part.framework
         if isinstance(obj, torch.optim.Optimizer):
-            # Optimizer state changes only inside step(): safe to copy lazily.
-            lazy_ok.update(t.fqn for t in part.tensors if ".state." in t.fqn)
+            opt_parts.append(part)
             if rules:
                 values[key] = optimizer_doc_to_logical(key, part.value, rules)
+    prev = cache.get("checked") if cache is not None and not rules else None
+    if prev is not None and len(prev[0]) == len(tensors) and all(a is b for a, b in zip(prev[0], tensors)):
+        # The very SaveTensor objects checked and planned last time: nothing to redo.
+        result.plan_cached = True
+        _mark(result, "plan", ta)
+        return _Prepared(tensors, [tensors[i] for i in prev[1]], values, layout, prev[2])
+    for part in opt_parts:
+        # Optimizer state changes only inside step(): safe to copy lazily.
+        lazy_ok.update(t.fqn for t in part.tensors if ".state." in t.fqn)
     if rules:
         tensors = apply_reduce(tensors, rules, comm)
         logical: list[SaveTensor] = []
@@ -237,12 +246,6 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
             if t.fqn in lazy_ok:
                 lazy_logical.update(x.fqn for x in pieces)
         tensors, lazy_ok = logical, lazy_ok | lazy_logical
-    prev = cache.get("checked") if cache is not None and not rules else None
-    if prev is not None and len(prev[0]) == len(tensors) and all(a is b for a, b in zip(prev[0], tensors)):
-        # The very SaveTensor objects checked and planned last time: nothing to redo.
-        result.plan_cached = True
-        _mark(result, "plan", ta)
-        return _Prepared(tensors, [tensors[i] for i in prev[1]], values, layout, lazy_ok)
     seen = set()
     for t in tensors:
         if dtype_name(t.data.dtype) not in DTYPE_SIZES:
@@ -275,7 +278,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     else:
         result.plan_cached = True
     if cache is not None and not rules:
-        cache["checked"] = (tuple(tensors), picked)
+        cache["checked"] = (tuple(tensors), picked, lazy_ok)
     mine = [tensors[i] for i in picked]
     _mark(result, "plan", ta)
     return _Prepared(tensors, mine, values, layout, lazy_ok)

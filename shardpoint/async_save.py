@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime
 import logging
+import os
 import threading
 import time
 import uuid
@@ -74,6 +75,7 @@ class AsyncSaveHandle:
         self._error: BaseException | None = None
         self._copy_error: BaseException | None = None
         self._futures: list[cf.Future] = []
+        self._futures_later: tuple | None = None
         self._hooks: list[Any] = []
         self._reported = False
         self._storage: Any = None
@@ -103,7 +105,14 @@ class AsyncSaveHandle:
         waits until the checkpoint is committed on that (slower) tier.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        _, pending = cf.wait(self._futures, timeout)
+        if self._futures_later is not None:  # the writer, submitted by the copier's thread
+            box, ready = self._futures_later
+            if not ready.wait(timeout):
+                raise TimeoutError(f"save to {self.path} still running after {timeout}s")
+            self._futures.extend(box)
+            self._futures_later = None
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        _, pending = cf.wait(self._futures, left)
         if pending:
             raise TimeoutError(f"save to {self.path} still running after {timeout}s")
         self._remove_hooks()
@@ -134,6 +143,10 @@ class AsyncSaver:
     previous one (and raises its error, if it failed). ``timeout`` bounds the
     background coordination collectives (a dead or stuck peer then raises
     instead of blocking for the process group's default timeout).
+    ``background_nice`` lowers the scheduling priority of the two worker
+    threads by that many nice levels (Linux; 0 leaves it alone), so that
+    when cores are oversubscribed the training threads, and other ranks
+    still inside their save call, run first.
     """
 
     def __init__(
@@ -142,8 +155,10 @@ class AsyncSaver:
         piece_bytes: int = 64 << 20,
         process_group: Any = None,
         timeout: float | None = None,
+        background_nice: int = 5,
     ):
         self.timeout = timeout
+        self.background_nice = int(background_nice)
         self.staging_bytes = int(staging_bytes)
         self.piece_bytes = max(1, min(int(piece_bytes), self.staging_bytes // 2 or 1))
         self._pg_arg = process_group
@@ -157,7 +172,9 @@ class AsyncSaver:
 
     def _workers(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardpoint-save")
+            self._pool = cf.ThreadPoolExecutor(
+                max_workers=2, thread_name_prefix="shardpoint-save", initializer=_lower_priority, initargs=(self.background_nice,)
+            )
         return self._pool
 
     def _coordination(self) -> Comm:
@@ -285,16 +302,40 @@ class AsyncSaver:
         _mark(result, "blocked", t0)
         # Workers are woken last: once running they compete for the GIL, and
         # nothing of the training thread's own work should be left by then.
-        if lazy_copy is not None:
-            handle._futures.insert(0, pool.submit(lazy_copy))
-        if split == 0:
-            handle._futures.append(pool.submit(finish))
+        if lazy_copy is not None and split == 0:
+            # One hand-off from the training thread: the copier's thread starts the writer.
+            box: list = []
+            ready = threading.Event()
+
+            def copier() -> None:
+                box.append(pool.submit(finish))
+                ready.set()
+                lazy_copy()
+
+            handle._futures.append(pool.submit(copier))
+            handle._futures_later = (box, ready)
+        else:
+            if lazy_copy is not None:
+                handle._futures.insert(0, pool.submit(lazy_copy))
+            if split == 0:
+                handle._futures.append(pool.submit(finish))
         if not prep_out.ok:
             # This rank cannot save; its writer thread still joins the commit so no rank hangs.
             err = prep_out.exc
             if isinstance(err, CheckpointError):
                 raise err
         return handle
+
+
+def _lower_priority(delta: int) -> None:
+    """Make the calling thread ``delta`` nice levels lower priority (Linux threads only)."""
+    if delta <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + delta))
+    except OSError as e:  # not permitted, or not a per-thread scheduler: run at normal priority
+        log.debug("could not lower the save workers' priority: %s", e)
 
 
 _default: AsyncSaver | None = None

@@ -41,7 +41,7 @@ def _tensor_fp(t: Any) -> tuple | None:
     x = local if isinstance(local, torch.Tensor) else t
     if x.is_sparse or x.layout != torch.strided:
         return None
-    return (id(t), id(local), x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device)
+    return (id(t), id(local), x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
 
 
 def _module_fp(m: nn.Module) -> tuple | None:
