@@ -14,8 +14,8 @@ and buffer objects (by identity), each tensor's storage pointer, shape,
 strides and dtype (a ``param.data = ...`` swap keeps the object but changes
 these), the optimizer's parameter list and the identity of every state
 tensor. Anything else (a non-tensor optimizer state value, tensors inside
-hyper-parameters, extra state, state-dict hooks, FSDP1/DeepSpeed/Megatron
-views) is not reused: those entries go through their adapter every time.
+hyper-parameters, extra state, state-dict hooks other than FSDP2's
+reshard hook, FSDP1/DeepSpeed/Megatron views) is not reused: those entries go through their adapter every time.
 Optimizer hyper-parameters (``lr`` changes every step under a scheduler) are
 always encoded afresh.
 """
@@ -44,10 +44,27 @@ def _tensor_fp(t: Any) -> tuple | None:
     return (id(t), id(local), x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
 
 
+def _known_hooks(sub: nn.Module) -> bool:
+    """Only FSDP2's hook, which reshards parameters before ``state_dict``.
+
+    When the parameters are sharded (always so after a full training step)
+    the hook changes nothing; when they are not, the registered parameter
+    objects differ from the sharded ones cached, so the fingerprint misses
+    and the full walk runs through ``state_dict`` and its hook.
+    """
+    if sub._state_dict_hooks:
+        return False
+    for h in sub._state_dict_pre_hooks.values():
+        name = getattr(h, "__qualname__", "")
+        if not (name.endswith("to_sharded_hook") and "FSDP" in name):
+            return False
+    return True
+
+
 def _module_fp(m: nn.Module) -> tuple | None:
     out = []
     for sub in m.modules():
-        if sub._state_dict_hooks or sub._state_dict_pre_hooks or type(sub).get_extra_state is not nn.Module.get_extra_state:
+        if not _known_hooks(sub) or type(sub).get_extra_state is not nn.Module.get_extra_state:
             return None
         ps = tuple((n, _tensor_fp(p)) for n, p in sub._parameters.items())
         bs = tuple((n, _tensor_fp(b)) for n, b in sub._buffers.items())
