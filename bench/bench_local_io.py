@@ -46,6 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from shardpoint.storage.local import fsync_path
 import shardpoint as sp  # noqa: E402
 from shardpoint.storage import LocalStorage  # noqa: E402
 from shardpoint.testing import GPTConfig, TinyGPT, train_step  # noqa: E402
@@ -75,14 +76,6 @@ def drop_caches() -> None:
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def build_state(cfg: dict) -> dict:
@@ -126,7 +119,7 @@ def raw_sequential(folder: str, blobs: list[memoryview]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    fsync_dir(folder)
+    fsync_path(folder)
 
 
 def raw_storage(folder: str, blobs: list[memoryview], **opts) -> None:

@@ -52,14 +52,6 @@ DESCRIPTION = {
 }
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _flat(model, opt) -> tuple[dict, dict]:
     """safetensors needs one flat dict of tensors: model.<name> and opt.<index>.<key>."""
     sd = opt.state_dict()
@@ -100,7 +92,9 @@ def save_with(system: str, model, opt, path: str) -> None:
 
         flat, meta = _flat(model, opt)
         save_file(flat, path, metadata=meta)
-        _fsync(path)
+        from shardpoint.storage.local import fsync_path
+
+        fsync_path(path)
     else:
         import shardpoint as sp
 

@@ -38,10 +38,13 @@ def _tensor_fp(t: Any) -> tuple | None:
     if not isinstance(t, torch.Tensor):
         return None
     local = getattr(t, "_local_tensor", None)  # a DTensor's shard
-    x = local if isinstance(local, torch.Tensor) else t
-    if x.is_sparse or x.layout != torch.strided:
+    x = local if local is not None else t
+    if x.layout is not _STRIDED:  # sparse and other layouts have no single storage to compare
         return None
     return (id(t), id(local), x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
+
+
+_STRIDED = torch.strided
 
 
 def _known_hooks(sub: nn.Module) -> bool:

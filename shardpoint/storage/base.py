@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import abc
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ..errors import StorageError
 
@@ -160,3 +161,14 @@ class Storage(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+def merged_options(options: Any, overrides: dict, default: Any, what: str) -> Any:
+    """``options`` (or ``default``) with keyword ``overrides`` applied; unknown names raise TypeError."""
+    opts = options or default
+    if overrides:
+        try:
+            opts = replace(opts, **overrides)
+        except TypeError as e:
+            raise TypeError(f"unknown {what} option: {e}; see shardpoint.storage.{type(opts).__name__}") from None
+    return opts

@@ -26,13 +26,13 @@ import os
 import queue
 import threading
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import StorageError
-from .base import Storage, Writer
+from .base import Storage, Writer, merged_options
 
 __all__ = ["LocalOptions", "LocalStorage"]
 
@@ -85,7 +85,8 @@ class LocalOptions:
             raise ValueError(f"LocalOptions.direct_buffers must be at least 1, got {self.direct_buffers}")
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a folder by path (a folder's fsync makes its entries durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -111,7 +112,7 @@ def _makedirs_durable(path: str) -> None:
         p = parent
     os.makedirs(path, exist_ok=True)
     for d in reversed(missing):
-        _fsync_dir(os.path.dirname(d))
+        fsync_path(os.path.dirname(d))
 
 
 def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
@@ -182,7 +183,7 @@ class _LocalWriter(Writer):
         finally:
             os.close(self._fd)
             self._closed = True
-        _fsync_dir(os.path.dirname(self._path))
+        fsync_path(os.path.dirname(self._path))
 
     def abort(self) -> None:
         if not self._closed:
@@ -334,7 +335,7 @@ class _DirectWriter(Writer):
             raise
         self._closed = True
         self._close_fds()
-        _fsync_dir(os.path.dirname(self._path))
+        fsync_path(os.path.dirname(self._path))
 
     def abort(self) -> None:
         if self._closed:
@@ -371,12 +372,7 @@ class LocalStorage(Storage):
             root = root[len("file://"):]
         self.root = os.path.abspath(root)
         self.url = root
-        opts = options or LocalOptions()
-        if overrides:
-            try:
-                opts = replace(opts, **overrides)
-            except TypeError as e:
-                raise TypeError(f"unknown local storage option: {e}; see shardpoint.storage.LocalOptions") from None
+        opts = merged_options(options, overrides, LocalOptions(), "local storage")
         self.options = opts
         self._direct = _DirectState()
 
@@ -438,7 +434,7 @@ class LocalStorage(Storage):
             raise
         os.close(fd)
         os.replace(tmp, path)
-        _fsync_dir(d)
+        fsync_path(d)
         self.stats.add_write(len(data))
 
     def get(self, name: str) -> bytes:

@@ -69,11 +69,11 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import StorageError
-from .base import MissingDependencyError, Storage, Writer
+from .base import MissingDependencyError, Storage, Writer, merged_options
 
 __all__ = ["S3Options", "S3Storage", "S3StorageError"]
 
@@ -769,12 +769,7 @@ class S3Storage(Storage):
         prefix = prefix.strip("/")
         if ".." in prefix.split("/") or "//" in prefix:
             raise StorageError(f"refusing unsafe S3 prefix in {url!r}")
-        opts = options or S3Options()
-        if overrides:
-            try:
-                opts = replace(opts, **overrides)
-            except TypeError as e:
-                raise TypeError(f"unknown S3 option: {e}; see shardpoint.storage.S3Options") from None
+        opts = merged_options(options, overrides, S3Options(), "S3")
         self.bucket = bucket
         self.prefix = prefix
         self._root = f"{prefix}/" if prefix else ""
