@@ -247,6 +247,35 @@ def replica_items(draw, same_count=False):
     ]
 
 
+def _assign_by_scan(items):
+    """The definition: largest first, each onto its least-loaded copy index (lowest on ties)."""
+    ordered = sorted(items, key=lambda it: (-it.cost, it.fqn))
+    load = [0.0] * max((it.count for it in ordered), default=1)
+    out = {}
+    for it in ordered:
+        if it.count <= 1:
+            out[it.fqn] = 0
+            continue
+        best = min(range(it.count), key=lambda i: (load[i], i))
+        load[best] += it.cost
+        out[it.fqn] = best
+    return out
+
+
+@SETTINGS
+@given(replica_items())
+def test_assign_writers_matches_the_linear_scan(items):
+    assert assign_writers(items) == _assign_by_scan(items)
+
+
+def test_assign_writers_with_many_copies():
+    items = [ReplicaItem(f"s{i}", 1024, 4.0) for i in range(723)] + [ReplicaItem(f"w{i}", 8, 1e6 + i) for i in range(2000)]
+    got = assign_writers(items)
+    assert got == _assign_by_scan(items)
+    # 723 equal scalars over 1,024 copies after the big items filled copies 0..7: all distinct.
+    assert len({got[f"s{i}"] for i in range(723)}) == 723
+
+
 @SETTINGS
 @given(replica_items(), st.randoms(use_true_random=False))
 def test_assign_writers_valid_and_order_independent(items, rnd):
