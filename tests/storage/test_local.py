@@ -196,17 +196,23 @@ def test_first_direct_write_refused_falls_back(tmp_path, direct_ok, monkeypatch,
     assert "O_DIRECT refused" in caplog.text
 
 
-@pytest.mark.parametrize("buffers", [1, 2])
-def test_later_direct_write_error_is_raised_not_hidden(tmp_path, direct_ok, monkeypatch, buffers):
-    """EINVAL after O_DIRECT writes succeeded is a real failure: the writer raises and removes the file."""
+def _fail_direct_writes(monkeypatch, err: int, message: str):
+    """Make O_DIRECT writes from the third buffer on fail with ``err``; returns the real pwrite."""
     real = os.pwrite
 
     def pwrite(fd, data, offset):
         if is_direct(fd) and offset >= 2 * BUF:
-            raise OSError(errno.EIO, "Input/output error (injected)")
+            raise OSError(err, message)
         return real(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
+    return real
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_later_direct_write_error_is_raised_not_hidden(tmp_path, direct_ok, monkeypatch, buffers):
+    """EINVAL after O_DIRECT writes succeeded is a real failure: the writer raises and removes the file."""
+    _fail_direct_writes(monkeypatch, errno.EIO, "Input/output error (injected)")
     st = LocalStorage(str(tmp_path / "c"), direct=True, direct_buffer_size=BUF, direct_buffers=buffers)
     with pytest.raises(OSError, match=r"Input/output error \(injected\)") as ei:
         with st.open_writer("data/a.bin") as w:
@@ -339,14 +345,7 @@ def test_failed_direct_save_keeps_the_previous_checkpoint(tmp_path, direct_ok, m
     sp.save(LocalStorage(path, direct=True, direct_buffer_size=BUF, direct_buffers=buffers), old)
     manifest = open(os.path.join(path, "manifest.json"), "rb").read()
     files = sorted(os.listdir(os.path.join(path, "data")))
-    real = os.pwrite
-
-    def pwrite(fd, data, offset):
-        if is_direct(fd) and offset >= 2 * BUF:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        return real(fd, data, offset)
-
-    monkeypatch.setattr(os, "pwrite", pwrite)
+    real = _fail_direct_writes(monkeypatch, errno.ENOSPC, "No space left on device (injected)")
     with pytest.raises(StorageError, match=r"No space left on device \(injected\)"):
         sp.save(LocalStorage(path, direct=True, direct_buffer_size=BUF, direct_buffers=buffers), _state(2))
     monkeypatch.setattr(os, "pwrite", real)

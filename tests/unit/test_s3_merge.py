@@ -82,6 +82,15 @@ def test_scatter_plan_gaps_and_overlaps():
     assert _simulate(obj, 10, 60, [(10, 30), (20, 40), (50, 60)]) == [obj[10:30], obj[20:40], obj[50:60]]
 
 
+def _serve(obj: bytes, lo: int, hi: int, fed) -> None:
+    """Stream ``obj[lo:hi]`` into the buffers as one GET's body would, following scatter_plan."""
+    pos = lo
+    for n, views in scatter_plan(lo, hi, fed):
+        for v in views:
+            v[:] = obj[pos : pos + n]
+        pos += n
+
+
 def test_scatter_plan_get_covers_part_of_each_want():
     """A run cut into several GETs: each GET fills only its slice of the wants it crosses."""
     obj = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8).tobytes()
@@ -89,11 +98,7 @@ def test_scatter_plan_get_covers_part_of_each_want():
     bufs = [bytearray(b - a) for a, b in wants]
     for lo, hi in split_run(0, 990, 300):
         fed = [(a, b, memoryview(buf)) for (a, b), buf in zip(wants, bufs) if a < hi and b > lo]
-        pos = lo
-        for n, views in scatter_plan(lo, hi, fed):
-            for v in views:
-                v[:] = obj[pos : pos + n]
-            pos += n
+        _serve(obj, lo, hi, fed)
     assert [bytes(b) for b in bufs] == [obj[a:b] for a, b in wants]
 
 
@@ -114,11 +119,7 @@ def test_merged_reads_are_bit_exact(raw, gap, part):
             gets += 1
             fed = [m for m in members if m[0] < hi and m[1] > lo]
             assert fed, "every GET feeds some read"
-            pos = lo
-            for n, views in scatter_plan(lo, hi, fed):
-                for v in views:
-                    v[:] = obj[pos : pos + n]
-                pos += n
+            _serve(obj, lo, hi, fed)
     assert [bytes(b) for b in bufs] == [obj[a:b] for a, b in wants]
     unmerged = sum(max(1, -(-(b - a) // get_limit(part))) for a, b in wants)
     assert gets <= unmerged  # merging never costs more requests than reading apart
