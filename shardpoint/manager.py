@@ -1104,15 +1104,21 @@ class CheckpointManager:
         if isinstance(st, LocalStorage):
             os.makedirs(st.root, exist_ok=True)
             path = os.path.join(st.root, LOCK_NAME)
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                return False
+            # Write the body to a private file, then link it into place: the lock appears
+            # whole or not at all, so a racing save never reads an empty lock and breaks it.
+            tmp = os.path.join(st.root, f".{LOCK_NAME}.{uuid.uuid4().hex}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 os.write(fd, body)
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
             _fsync_dir(st.root)
             return True
         if isinstance(st, MemoryStorage):
