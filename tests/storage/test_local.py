@@ -414,3 +414,43 @@ def test_killed_direct_save_is_atomic(tmp_path, direct_ok):
     assert os.listdir(os.path.join(fresh, "data")) and not os.path.exists(os.path.join(fresh, "manifest.json"))
     with pytest.raises(IncompleteCheckpointError):
         sp.load(fresh, _fresh())
+
+
+def test_data_files_stay_open_for_reads_and_close_on_delete(tmp_path):
+    import pickle
+
+    st = LocalStorage(str(tmp_path / "k"))
+    with st.open_writer("data/a.bin") as w:
+        w.write(b"0123456789")
+    buf = bytearray(4)
+    st.readinto("data/a.bin", 3, memoryview(buf))
+    assert bytes(buf) == b"3456"
+    path = os.path.join(st.root, "data", "a.bin")
+    assert list(st._reads.fds) == [path]
+    fd = st._reads.fds[path]
+    os.fstat(fd)  # open
+    # A pickled copy (sent to another process) carries no descriptors.
+    assert pickle.loads(pickle.dumps(st))._reads.fds == {}
+    st.delete("data/a.bin")
+    assert st._reads.fds == {}
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_replaced_files_are_read_afresh(tmp_path):
+    st = LocalStorage(str(tmp_path / "k"))
+    st.put_atomic("manifest.json", b"old!")
+    buf = bytearray(4)
+    st.readinto("manifest.json", 0, memoryview(buf))
+    st.put_atomic("manifest.json", b"new!")  # a rename over the old file
+    st.readinto("manifest.json", 0, memoryview(buf))
+    assert bytes(buf) == b"new!" and st._reads.fds == {}
+    # A data file rewritten through the storage is read afresh too.
+    for body in (b"first", b"again"):
+        with st.open_writer("data/b.bin") as w:
+            w.write(body)
+        got = bytearray(5)
+        st.readinto("data/b.bin", 0, memoryview(got))
+        assert bytes(got) == body
+    st.close()
+    assert st._reads.fds == {}
