@@ -295,7 +295,7 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
 
 def _span_id(r: ChunkRead) -> int:
     """A 63-bit name for a span, the same on every rank that plans it."""
-    return xxhash.xxh3_64_intdigest(f"{r.fqn}\0{r.ci}\0{r.lo}\0{r.hi}".encode()) >> 1
+    return xxhash.xxh3_64_intdigest("\0".join(map(str, r.key)).encode()) >> 1
 
 
 @dataclass
@@ -325,13 +325,13 @@ def plan_sharing(tables: Sequence[np.ndarray], world: int) -> list[SharedSpan]:
     ids = allr[:, 0]
     starts = np.concatenate(([0], np.nonzero(ids[1:] != ids[:-1])[0] + 1))
     counts = np.diff(np.concatenate((starts, [len(ids)])))
-    multi = starts[counts > 1]
-    if len(multi) == 0:
+    shared = counts > 1
+    spans = [
+        (int(allr[i, 2]), int(allr[i, 3]), int(ids[i]), int(allr[i, 1]), tuple(int(q) for q in owner[i : i + n]))
+        for i, n in zip(starts[shared], counts[shared])
+    ]
+    if not spans:
         return []
-    spans = []
-    for i in multi:
-        j = i + int(counts[np.searchsorted(starts, i)])
-        spans.append((int(allr[i, 2]), int(allr[i, 3]), int(ids[i]), int(allr[i, 1]), tuple(int(q) for q in owner[i:j])))
     # Greedy balance, largest first: each span goes to its least-loaded needer.
     load = [0] * world
     reader = {}
@@ -389,9 +389,7 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
     def fetch_whole(r: ChunkRead, buf: torch.Tensor) -> None:
         whole = ChunkRead(r.fqn, r.ci, r.chunk, r.lo, r.hi, r.dtype, r.itemsize)  # other needers may need other runs
         _fetch(storage, whole, block, verify, where, buf[:-1], rec)
-        stats.chunks_read += 1
-        stats.bytes_read += whole.hi - whole.lo
-        stats.per_file[r.chunk.file] += whole.hi - whole.lo
+        _count(stats, whole)
 
     # Per span: ("read", future, buf) or ("recv", work, buf). Posted ahead in plan order.
     posted: list = []
@@ -467,17 +465,6 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
         raise errors[0]
 
 
-def _page_cached(storage) -> bool:
-    """Whether re-reading ``storage`` on one host is a memory copy (local files, memory)."""
-    v = getattr(storage, "page_cached", None)
-    if v is not None:
-        return bool(v)
-    from ..storage.local import LocalStorage
-    from ..storage.memory import MemoryStorage
-
-    return isinstance(storage, (LocalStorage, MemoryStorage))
-
-
 def _exchange_only(comm) -> None:
     """Join the span exchange with an empty table after a local failure.
 
@@ -502,14 +489,14 @@ def execute_reads(
     """Fill every target. ``share`` reads spans needed by several ranks only once.
 
     ``share="auto"`` shares unless every rank is on one host and the storage
-    is page-cached (``storage.page_cached``). With sharing and a process
+    is page-cached (``Storage.page_cached``). With sharing and a process
     group, this is a collective: every rank of ``comm`` must call it, even
     with no targets.
     """
     if share not in (True, False, "auto"):
         raise ValueError(f"share_reads must be True, False or 'auto', got {share!r}")
     auto = share == "auto"
-    if auto and not _page_cached(storage):
+    if auto and not getattr(storage, "page_cached", False):
         share, auto = True, False
     stats = LoadStats()
     # Backends with high per-request latency (object stores) ask for more reads in flight

@@ -97,6 +97,9 @@ class Storage(abc.ABC):
     """A checkpoint location. Subclasses implement the abstract primitives."""
 
     url: str
+    # Whether a second read of the same bytes on one host is a memory copy (local
+    # files through the page cache, memory): loads then re-read instead of sharing.
+    page_cached: bool = False
 
     def __init__(self) -> None:
         self.stats = IOStats()

@@ -434,6 +434,8 @@ class LocalStorage(Storage):
         fast = LocalStorage("ckpt/step_100", direct=True)  # O_DIRECT data files
     """
 
+    page_cached = True
+
     def __init__(self, root: str, options: LocalOptions | None = None, **overrides: Any):
         super().__init__()
         if root.startswith("file://"):

@@ -39,6 +39,8 @@ class MemoryStorage(Storage):
         sp.save(mem, {"w": torch.ones(3)})
     """
 
+    page_cached = True
+
     def __init__(self, _objects: dict | None = None, _prefix: str = ""):
         super().__init__()
         self._objects: dict[str, bytes] = {} if _objects is None else _objects
