@@ -126,8 +126,8 @@ class PartCache:
         ctx = c[3]
         for key, obj in state.items():
             if isinstance(obj, nn.Module):
-                hit = self._parts.get(key)
-                if hit is None or hit[0] is not obj or hit[2] != "module" or _module_fp(unwrap_module(obj)) != hit[3]:
+                hit = self._matching(key, obj, ctx)
+                if hit is None or hit[2] != "module":
                     return None
                 self._checked[key] = hit[4]
             elif isinstance(obj, torch.optim.Optimizer) and key not in self._parts:
@@ -143,17 +143,13 @@ class PartCache:
         if key in self._checked:
             self.hits += 1
             return self._checked.pop(key)
-        hit = self._parts.get(key)
-        if hit is None or hit[0] is not obj or hit[1] != _ctx_key(ctx):
+        hit = self._matching(key, obj, ctx)
+        if hit is None:
             return None
-        kind, fp, part = hit[2], hit[3], hit[4]
+        kind, part = hit[2], hit[4]
         if kind == "module":
-            if _module_fp(unwrap_module(obj)) != fp:
-                return None
             self.hits += 1
             return part
-        if _optimizer_fp(obj, ctx) != fp:
-            return None
         groups = []
         for gi, g in enumerate(obj.param_groups):
             hyper = {k: v for k, v in g.items() if k != "params"}
@@ -169,6 +165,14 @@ class PartCache:
         value = dict(part.value)
         value["groups"] = groups
         return SavePart(part.tensors, value, part.framework)
+
+    def _matching(self, key: str, obj: Any, ctx: AdapterContext) -> tuple | None:
+        """The cache entry of ``state[key]`` if it was built from ``obj`` as it is now."""
+        hit = self._parts.get(key)
+        if hit is None or hit[0] is not obj or hit[1] != _ctx_key(ctx):
+            return None
+        fp = _module_fp(unwrap_module(obj)) if hit[2] == "module" else _optimizer_fp(obj, ctx)
+        return hit if fp == hit[3] else None
 
     def put(self, key: str, obj: Any, adapter: Any, part: SavePart, ctx: AdapterContext) -> None:
         """Remember ``part`` for ``state[key]`` when the entry is of a reusable kind."""
@@ -186,11 +190,6 @@ class PartCache:
             return
         if fp is not None:
             self._parts[key] = (obj, _ctx_key(ctx), kind, fp, part)
-
-    def clear(self) -> None:
-        self._parts.clear()
-        self._ctx = None
-        self._checked = {}
 
 
 class _NotReusable(Exception):
