@@ -46,7 +46,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shardpoint.storage.local import fsync_path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+from shardpoint.storage.local import fsync_path  # noqa: E402
 import shardpoint as sp  # noqa: E402
 from shardpoint.storage import LocalStorage  # noqa: E402
 from shardpoint.testing import GPTConfig, TinyGPT, train_step  # noqa: E402
@@ -70,12 +72,6 @@ def fs_type(path: str) -> str:
     except OSError:
         pass
     return kind
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def build_state(cfg: dict) -> dict:
@@ -159,10 +155,8 @@ def main() -> None:
     cfg = QUICK_CFG if args.quick else DEFAULT_CFG
     reps = 3 if args.quick else args.reps
     if args.drop_caches:
-        try:
-            drop_caches()
-        except OSError as e:
-            raise SystemExit(f"--drop-caches needs root ({e})")
+        if not C.drop_caches():
+            raise SystemExit("--drop-caches needs root")
 
     torch.set_num_threads(1)
     state = build_state(cfg)
@@ -198,7 +192,7 @@ def main() -> None:
             for n in order:
                 p = os.path.join(root, f"r{rep}")
                 if args.drop_caches:
-                    drop_caches()
+                    C.drop_caches()
                 c0, t0 = time.process_time(), time.perf_counter()
                 saves[n](p)
                 t1, c1 = time.perf_counter(), time.process_time()
@@ -209,7 +203,7 @@ def main() -> None:
                     # Right after the save: buffered writes left the file in the page cache, O_DIRECT did not.
                     for kind in ("load_after", "load_cold") if args.drop_caches else ("load_after",):
                         if kind == "load_cold":
-                            drop_caches()
+                            C.drop_caches()
                         for t in target["model"].state_dict().values():
                             t.zero_()
                         target["optimizer"] = torch.optim.AdamW(target["model"].parameters(), lr=1e-3)

@@ -42,6 +42,9 @@ import tempfile
 import time
 from typing import Any, Callable
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("shardpoint", "dcp")
 LABEL = {"shardpoint": "shardpoint", "dcp": "DCP"}
@@ -63,17 +66,6 @@ def proc_io() -> dict[str, int]:
     except OSError:
         pass
     return out
-
-
-def drop_caches() -> bool:
-    """Flush dirty pages and drop the page cache; False where that is not allowed (not root)."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def cpu_stat() -> tuple[float, float]:
@@ -354,7 +346,7 @@ def _cold_and_warm_loads(system, path, rank, layout, cfg, expected, drop, timer,
         model, opt = _fresh(layout, cfg)
         dist.barrier()
         if kind == "cold" and drop and rank == 0:
-            drop_caches()
+            C.drop_caches()
         r = timer(lambda m=model, o=opt: load_with(system, m, o, path))
         check_exact(model, opt, expected, f"{what} {kind} load with {system}")
         r["cache"] = "dropped" if (kind == "cold" and drop) else "warm"
@@ -546,7 +538,7 @@ def _probe_once(root: str, nbytes: int, drop: bool) -> dict:
     os.fsync(fd)
     os.close(fd)
     tw = time.perf_counter() - t0
-    cold = drop and drop_caches()
+    cold = drop and C.drop_caches()
     buf = bytearray(len(block))
     t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
@@ -775,7 +767,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still remove the checkpoints
 
     root = _pick_root(args.dir)
-    drop = not args.no_drop_caches and drop_caches()
+    drop = not args.no_drop_caches and C.drop_caches()
     t_start = time.perf_counter()
     result: dict[str, Any] = {
         "benchmark": "bench_sync",
