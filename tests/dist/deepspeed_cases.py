@@ -34,6 +34,7 @@ from shardpoint.testing import (
     loss_of,
     train_step,
 )
+from tests.dist.checks import check_continued_losses
 
 # Odd sizes, so that ZeRO partitions cut parameters in the middle of rows.
 CFG = GPTConfig(vocab=61, dim=24, heads=4, layers=4, seq=8)
@@ -223,11 +224,8 @@ def load_job(rank: int, world: int, root: str, cases: list[list[str]]) -> dict:
         assert sorted(got) == sorted(ref), sorted(set(got) ^ set(ref))
         bad = [k for k in ref if got[k].dtype != ref[k].dtype or got[k].shape != ref[k].shape or not torch.equal(got[k], ref[k])]
         assert not bad, f"{src} -> {layout}{world}: not bit-exact: {bad[:5]}"
-        with open(os.path.join(root, f"{base}.losses.json")) as f:
-            want = json.load(f)
         losses = [step(layout, model, opt, TRAIN_STEPS + i) for i in range(NEXT_STEPS)]
-        for a, b in zip(losses, want):
-            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"{src} -> {layout}{world}: losses {losses} vs {want}"
+        check_continued_losses(root, base, losses, f"{src} -> {layout}{world}")
         out[f"{src}->{layout}{world}"] = {
             "losses": losses,
             "bytes_read": report.bytes_read,

@@ -7,7 +7,6 @@ import random
 import time
 
 import torch
-import torch.distributed as dist
 
 import shardpoint as sp
 from shardpoint.manager import (

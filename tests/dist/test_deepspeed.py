@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from shardpoint.testing import launch
+from tests.dist.checks import check_ranks_agree
 
 # Only the launched ranks import DeepSpeed (it takes seconds and touches global torch state).
 pytestmark = [
@@ -95,12 +96,7 @@ def test_deepspeed_reshard(saved, world, cases):
     root, _ = saved
     cases = _cases(cases)
     results = launch(world, "tests.dist.deepspeed_cases:load_job", {"root": root, "cases": cases})
-    for r in results:
-        assert sorted(r) == sorted(f"{s}->{l}{world}" for s, l in cases)
-    first = results[0]
-    for k, v in first.items():
-        for other in results[1:]:
-            assert other[k]["losses"] == pytest.approx(v["losses"], rel=1e-5)
+    check_ranks_agree(results, cases, world)
 
 
 @pytest.mark.skipif(not FP16, reason="this CPU has no mkldnn fp16 support, so DeepSpeed refuses fp16 configs on it")

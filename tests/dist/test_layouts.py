@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from shardpoint.testing import launch
+from tests.dist.checks import check_ranks_agree
 
 pytestmark = pytest.mark.dist
 
@@ -47,12 +48,7 @@ def test_saves_are_flat_slices_without_gather(saved):
 def test_layout_reshard(saved, world, cases):
     root, _ = saved
     results = launch(world, "tests.dist.layout_cases:load_job", {"root": root, "cases": cases})
-    for r in results:
-        assert sorted(r) == sorted(f"{s}->{l}{world}" for s, l in cases)
-    first = results[0]
-    for k, v in first.items():
-        for other in results[1:]:
-            assert other[k]["losses"] == pytest.approx(v["losses"], rel=1e-5)
+    check_ranks_agree(results, cases, world)
 
 
 def test_pipeline_save_without_replica_groups_fails_loudly(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from shardpoint.testing import launch
+from tests.dist.checks import check_ranks_agree
 
 pytestmark = pytest.mark.dist
 
@@ -34,13 +35,7 @@ def saved(tmp_path_factory):
 )
 def test_reshard_matrix(saved, world, cases):
     results = launch(world, "tests.dist.cases:load_job", {"root": saved, "cases": cases})
-    for r in results:
-        assert sorted(r) == sorted(f"{s}->{l}{world}" for s, l in cases)
-    # Every rank saw the same losses (the layout reproduces the computation).
-    first = results[0]
-    for k, v in first.items():
-        for other in results[1:]:
-            assert other[k]["losses"] == pytest.approx(v["losses"], rel=1e-5)
+    check_ranks_agree(results, cases, world)
 
 
 def test_errors_reach_every_rank(tmp_path):
