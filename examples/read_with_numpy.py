@@ -1,9 +1,12 @@
 """Read one tensor from a shardpoint checkpoint with only json and numpy.
 
-This is the proof that the format (docs/format.md, version 1) needs no
-shardpoint and no torch to read: it parses manifest.json, reads each chunk's
-bytes, places them by their box (and flat range), and prints the result.
-With --verify it also checks the xxh3_64 block checksums (needs ``xxhash``).
+This is the proof that the format (docs/format.md, versions 1 and 2) needs no
+shardpoint and no torch to read: it parses manifest.json, finds each chunk
+(listed in the manifest in version 1; in the writers' index files in version 2,
+located by the tensor's grid or holders), reads its bytes, places them by
+their box (and flat range), and prints the result. With --verify it also
+checks the xxh3_64 block checksums and, for version 2, the index digests
+(needs ``xxhash``).
 
     python examples/read_with_numpy.py CHECKPOINT_DIR TENSOR_NAME [--verify]
 """
@@ -21,15 +24,62 @@ NUMPY = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "bfloat16": "<u2"
          "complex128": "<c16"}
 
 
+ROW = np.dtype([("key", "<u8"), ("offset", "<u8"), ("nbytes", "<u8"), ("flat_start", "<u8"),
+                ("flat_stop", "<u8"), ("nsum", "<u8"), ("ndim", "<u4"), ("flags", "<u4")])
+
+
+def _safe(folder, name):
+    if name.startswith("/") or ".." in name.split("/"):
+        raise ValueError(f"unsafe file name {name!r}")
+    return os.path.join(folder, name)
+
+
+def _chunks_v2(folder, m, name, verify):
+    """Version 2: every chunk of ``name`` from the index files of the ranks that may hold it."""
+    import xxhash
+
+    t = m["tensors"][name]
+    if "grid" in t:  # every mesh rank may have written a shard (the arithmetic of section 14.3 narrows it)
+        ranks = m["meshes"][t["grid"]["mesh"]]["ranks"]
+    else:
+        ranks = [r for a, b in t["holders"] for r in range(a, b)]
+    key = xxhash.xxh3_64_intdigest(name.encode("utf-8"))
+    for r in sorted(set(ranks)):
+        if m["ranks"][r] is None:
+            continue
+        data_file, index_file, digest = m["ranks"][r]
+        with open(_safe(folder, index_file), "rb") as f:
+            raw = f.read()
+        if verify and xxhash.xxh3_128_hexdigest(raw) != digest:
+            raise ValueError(f"{index_file}: digest differs from the manifest")
+        n, nd, ns = (int(v) for v in np.frombuffer(raw, "<u8", 3, 8))
+        rows = np.frombuffer(raw, ROW, n, 32)
+        dims = np.frombuffer(raw, "<u8", nd, 32 + ROW.itemsize * n)
+        sums = np.frombuffer(raw, "<u8", ns, 32 + ROW.itemsize * n + 8 * nd)
+        d = s = 0
+        for row in rows:
+            k = int(row["ndim"])
+            if int(row["key"]) == key:
+                box = [int(v) for v in dims[d:d + 2 * k]]
+                c = {"file": data_file, "offset": int(row["offset"]), "nbytes": int(row["nbytes"]),
+                     "offsets": box[:k], "sizes": box[k:],
+                     "checksums": [format(int(v), "016x") for v in sums[s:s + int(row["nsum"])]]}
+                if int(row["flags"]) & 1:
+                    c["flat"] = [int(row["flat_start"]), int(row["flat_stop"])]
+                yield c
+            d, s = d + 2 * k, s + int(row["nsum"])
+
+
 def read_tensor(folder, name, verify=False):
     with open(os.path.join(folder, "manifest.json"), "rb") as f:
         m = json.load(f)
-    if m.get("format") != "shardpoint" or m.get("format_version") != 1:
-        raise ValueError(f"{folder}: not a shardpoint format version 1 checkpoint")
+    if m.get("format") != "shardpoint" or m.get("format_version") not in (1, 2):
+        raise ValueError(f"{folder}: not a shardpoint format version 1 or 2 checkpoint")
     t = m["tensors"][name]
     dtype = np.dtype(NUMPY[t["dtype"]])
     out = np.zeros(t["shape"], dtype=dtype)
-    for c in t["chunks"]:
+    chunks = t["chunks"] if m["format_version"] == 1 else _chunks_v2(folder, m, name, verify)
+    for c in chunks:
         if c["file"].startswith("/") or ".." in c["file"].split("/"):
             raise ValueError(f"unsafe file name {c['file']!r}")
         with open(os.path.join(folder, c["file"]), "rb") as f:

@@ -9,6 +9,7 @@ process group is initialised, so the same path runs everywhere.
 from __future__ import annotations
 
 import fnmatch
+import json
 import logging
 import math
 import time
@@ -17,11 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, MutableMapping, Sequence
 
 import torch
+import xxhash
 from torch import nn
 
 from .adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters, unwrap_module
 from .dist import Comm, Outcome, raise_if_failed, run_guarded
 from .engine.io import DEFAULT_BLOCK_SIZE, write_chunks
+from .engine.indexes import IndexReader, resolve, resolve_all, wanted_box
 from .engine.load import execute_reads
 from .errors import (
     CheckpointNotFoundError,
@@ -36,7 +39,9 @@ from .adapters.reuse import PartCache
 from .adapters.megatron import is_megatron, megatron_global_shapes
 from .geometry import Box
 from .errors import StorageError
-from .format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, ChunkMeta, Manifest, TensorMeta
+from .format.index import encode_index, fqn_key, index_digest
+from .format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, Manifest, RankFiles, TensorMeta, rank_runs
+from .grid import Grid
 from .planning.save_plan import ReplicaItem, assign_writers
 from .layouts import LayoutView, Rule, apply_load, apply_reduce, apply_save, optimizer_doc_to_logical, optimizer_doc_to_physical
 from .monitor import Recorder, format_summary
@@ -61,10 +66,15 @@ class SaveResult:
 
 @dataclass
 class LoadResult:
-    """What a load did on this rank; ``missing``/``unexpected`` are filled under ``strict=False``."""
+    """What a load did on this rank; ``missing``/``unexpected`` are filled under ``strict=False``.
+
+    ``bytes_read`` counts tensor data; ``index_bytes`` the index files
+    (format version 2) this rank read to find it.
+    """
 
     path: str = ""
     bytes_read: int = 0
+    index_bytes: int = 0
     bytes_needed: int = 0
     bytes_received: int = 0
     missing: list[str] = field(default_factory=list)
@@ -159,7 +169,9 @@ def save(
             files[name] = size
             result.bytes_written = size
         _mark(result, "data_file", tb)  # whole file incl. fsync; per-chunk spans are "write"
-        return prep.summary(records, files)
+        local = prep.summary(storage, records, files, comm)
+        result.bytes_written = sum(local.status["files"].values())
+        return local
 
     out = run_guarded(local)
     if comm.world == 1 and not out.ok:
@@ -183,17 +195,141 @@ def _data_file(save_id: str, rank: int) -> str:
 
 @dataclass
 class _Prepared:
-    """The local half of a save: what this rank writes, plus its metadata."""
+    """The local half of a save: what this rank writes, plus its metadata.
+
+    ``writers`` maps a replicated tensor's writer key to the copy index that
+    writes it; ``ctx`` is the adapter context (replica groups of plain tensors).
+    """
 
     tensors: list[SaveTensor]
     mine: list[SaveTensor]
     values: dict
     layout: dict
     lazy_ok: set
+    writers: dict = field(default_factory=dict)
+    ctx: Any = None
+    described: Any = None  # (tensors doc, digest, listed coverage), reused by repeated saves
 
-    def summary(self, records, files) -> dict:
-        meta = {t.fqn: (str(t.data.dtype).removeprefix("torch."), t.shape, t.layout) for t in self.tensors}
-        return {"records": records, "files": files, "values": self.values, "layout": self.layout, "meta": meta}
+    def summary(self, storage: Storage, records, files: dict, comm: Comm) -> "_Local":
+        """Write this rank's index file next to its data file; return what the commit needs.
+
+        Runs after the data file is written (in the background for async saves).
+        """
+        ranks = None
+        if files:
+            (data, _size), = files.items()
+            index = data[: -len(".bin")] + ".idx"
+            blob = encode_index(records)
+            try:
+                with storage.open_writer(index) as w:
+                    w.write(blob)
+            except OSError as e:
+                raise StorageError(f"{storage.url}: writing {index} failed: {e}") from e
+            files = {**files, index: len(blob)}
+            ranks = (data, index, index_digest(blob))
+        if self.described is None:
+            self.described = _describe(self, comm)
+        tdoc, tdig, listed = self.described
+        mine_listed = {}
+        for t in self.mine:
+            if t.fqn in listed:
+                mine_listed[t.fqn] = mine_listed.get(t.fqn, 0) + (t.box.numel if t.flat is None else t.flat[1] - t.flat[0])
+        vdoc = {"values": self.values, "layout": self.layout}
+        vdig = xxhash.xxh3_128_hexdigest(json.dumps(vdoc, separators=(",", ":"), default=repr).encode("utf-8"))
+        status = {"files": files, "ranks": ranks, "tdig": tdig, "vdig": vdig, "cover": mine_listed}
+        return _Local(status, tdoc, vdoc)
+
+
+@dataclass
+class _Local:
+    """One rank's save outcome: a fixed-size ``status`` for the first gather, and the two
+    descriptor documents, sent only when rank 0 asks (one rank per distinct digest)."""
+
+    status: dict
+    tensors_doc: dict
+    values_doc: dict
+
+
+def _describe(prep: _Prepared, comm: Comm) -> tuple[dict, str, set]:
+    """This rank's tensor descriptor: what it holds, and each tensor's grid where one applies.
+
+    Ranks with equal descriptors (every data-parallel rank of a stage, say)
+    produce equal bytes, so the commit fetches one per distinct digest and the
+    gather stays O(ranks + tensors) instead of O(ranks x tensors).
+    """
+    meshes: dict[tuple, int] = {}
+    held: dict[str, list] = {}
+    mine = {id(t) for t in prep.mine}
+    for t in prep.tensors:
+        held.setdefault(t.fqn, []).append(t)
+    entries: dict[str, list] = {}
+    listed: set[str] = set()
+    for fqn, ts in held.items():
+        t = ts[0]
+        dt = dtype_name(t.data.dtype)
+        grid = _checked_grid(t, prep, comm, id(t) in mine) if len(ts) == 1 else None
+        if grid is None:
+            listed.add(fqn)
+            entries[fqn] = [dt, list(t.shape), t.layout, None, None, any(id(x) in mine for x in ts)]
+            continue
+        m = meshes.setdefault((grid.mesh_shape, grid.ranks), len(meshes))
+        copy = prep.writers.get(_wkey_of(prep, t), 0) if t.replica_count > 1 else 0
+        entries[fqn] = [dt, list(t.shape), t.layout, m, [list(x) for x in grid.splits], copy]
+    doc = {
+        "meshes": [[list(k[0]), list(k[1])] for k in sorted(meshes, key=meshes.get)],
+        "tensors": entries,
+    }
+    digest = xxhash.xxh3_128_hexdigest(json.dumps(doc, separators=(",", ":")).encode("utf-8"))
+    return doc, digest, listed
+
+
+def _wkey_of(prep: _Prepared, t: SaveTensor) -> str:
+    return t.fqn if t.fqn in prep.writers else f"{t.fqn}@{t.box.offsets}"
+
+
+def _group_grid(grid: Grid | None, comm: Comm) -> Grid | None:
+    """The grid in this process group's ranks (DTensor meshes and ``replicated_over`` use global ranks)."""
+    if grid is None or comm.group is None:
+        return grid
+    import torch.distributed as dist
+
+    try:
+        ranks = tuple(dist.get_group_rank(comm.group, r) for r in grid.ranks)
+    except (ValueError, RuntimeError):
+        return None  # a mesh reaching outside the group: list the chunks instead
+    return Grid(grid.mesh_shape, ranks, grid.splits)
+
+
+def _checked_grid(t: SaveTensor, prep: _Prepared, comm: Comm, picked: bool) -> Grid | None:
+    """``t``'s grid, if it reproduces this rank's box, copy index and writer choice; else ``None``.
+
+    A grid the loader would derive wrongly must never reach the manifest:
+    any disagreement here makes the tensor's chunks listed instead.
+    """
+    if t.flat is not None:
+        return None
+    if t.grid is not None:
+        grid = _group_grid(t.grid, comm)
+    elif t.layout in ("replicated", "local"):
+        ranks = prep.ctx.replica_ranks(t.fqn) if prep.ctx is not None else None
+        if ranks is None:
+            grid = Grid((comm.world,), tuple(range(comm.world)), ((),) * len(t.shape))
+        else:
+            grid = _group_grid(Grid((len(ranks),), tuple(sorted(ranks)), ((),) * len(t.shape)), comm)
+    else:
+        return None
+    if grid is None or grid.copies != max(1, t.replica_count) or len(grid.splits) != len(t.shape):
+        return None
+    coord = grid.coord_of(comm.rank)
+    if coord is None or grid.replica_index(coord) != t.replica_index:
+        return None
+    box = grid.box(t.shape, coord)
+    if box != t.box and not (box.numel == 0 and t.box.numel == 0):
+        return None
+    copy = prep.writers.get(_wkey_of(prep, t), 0) if t.replica_count > 1 else 0
+    if picked != (t.replica_index == copy):
+        return None
+    return grid
 
 
 def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=(), cache: dict | None = None, replicated_over: Any = None) -> _Prepared:
@@ -231,8 +367,10 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     if prev is not None and len(prev[0]) == len(tensors) and all(a is b for a, b in zip(prev[0], tensors)):
         # The very SaveTensor objects checked and planned last time: nothing to redo.
         result.plan_cached = True
+        prep = _Prepared(tensors, [tensors[i] for i in prev[1]], values, layout, prev[2], prev[3], ctx, prev[4].described)
+        cache["checked"] = prev[:4] + (prep,)
         _mark(result, "plan", ta)
-        return _Prepared(tensors, [tensors[i] for i in prev[1]], values, layout, prev[2])
+        return prep
     for part in opt_parts:
         # Optimizer state changes only inside step(): safe to copy lazily.
         lazy_ok.update(t.fqn for t in part.tensors if ".state." in t.fqn)
@@ -258,13 +396,20 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
             raise UnsupportedStateError(f"{where}: tensor name {t.fqn!r} appears twice in the state")
         seen.add(key)
 
+    # Writers are keyed by name, so every shard of a tensor is written by the same copy
+    # index and the manifest can record that one index (format version 2). A name a rank
+    # holds several pieces of keeps one key per piece.
+    counts: dict[str, int] = {}
+    for t in tensors:
+        counts[t.fqn] = counts.get(t.fqn, 0) + 1
+
     def wkey(t: SaveTensor) -> str:
-        return f"{t.fqn}@{t.box.offsets}"
+        return t.fqn if counts[t.fqn] == 1 else f"{t.fqn}@{t.box.offsets}"
 
     # Plan cache: the same names, shapes, dtypes and geometry give the same writers.
     sig = tuple((t.fqn, t.shape, t.data.dtype, t.box, t.flat, t.replica_index, t.replica_count, t.replica_group) for t in tensors)
     hit = cache.get("plan") if cache is not None else None
-    picked = hit[1] if hit is not None and hit[0] == sig else None
+    picked, writers = (hit[1], hit[2]) if hit is not None and hit[0] == sig else (None, None)
     if picked is None:
         # Balance within each replica group: its ranks all list the same replicated tensors.
         groups: dict[str, list[ReplicaItem]] = {}
@@ -274,68 +419,148 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
         writers = {k: w for items in groups.values() for k, w in assign_writers(items).items()}
         picked = tuple(i for i, t in enumerate(tensors) if t.replica_count <= 1 or writers[wkey(t)] == t.replica_index)
         if cache is not None:
-            cache["plan"] = (sig, picked)  # one layout: a changed layout never reuses stale choices
+            cache["plan"] = (sig, picked, writers)  # one layout: a changed layout never reuses stale choices
     else:
         result.plan_cached = True
-    if cache is not None and not rules:
-        cache["checked"] = (tuple(tensors), picked, lazy_ok)
     mine = [tensors[i] for i in picked]
+    prep = _Prepared(tensors, mine, values, layout, lazy_ok, writers, ctx)
+    if cache is not None and not rules:
+        cache["checked"] = (tuple(tensors), picked, lazy_ok, writers, prep)
     _mark(result, "plan", ta)
-    return _Prepared(tensors, mine, values, layout, lazy_ok)
+    return prep
 
 
 def _finish_save(comm: Comm, storage: Storage, save_id: str, block_size: int, out: Outcome, result: SaveResult, where: str) -> None:
-    """Gather every rank's records, commit on rank 0, and raise the same error everywhere."""
-    gathered = comm.gather(out.sendable())
-    final: list[Outcome] | None = None
+    """Commit on rank 0 from two small gathers, and raise the same error everywhere.
+
+    First every rank's fixed-size status (its files, index digest and the
+    digests of its two descriptors); then only the ranks rank 0 asks for, one
+    per distinct descriptor, send it. Chunk records never travel: each rank
+    wrote its own index file.
+    """
+    status = Outcome(True, out.value.status) if out.ok else out.sendable(with_value=False)
+    gathered = comm.gather(status)
+    tc = time.monotonic()
+    decision: tuple = ()
     if comm.rank == 0:
         assert gathered is not None
-        tc = time.monotonic()
         if all(o.ok for o in gathered):
-            commit = run_guarded(lambda: _commit(storage, save_id, comm.world, block_size, gathered, where))
-            if comm.world == 1 and not commit.ok:
-                raise commit.exc
-            final = [commit.sendable()]
+            want_t: dict[str, int] = {}
+            want_v: dict[str, int] = {}
+            for r, o in enumerate(gathered):
+                want_t.setdefault(o.value["tdig"], r)
+                want_v.setdefault(o.value["vdig"], r)
+            decision = ("ask", set(want_t.values()), set(want_v.values()))
         else:
-            final = [o.sendable(with_value=False) for o in gathered]
+            decision = ("failed", [o.sendable(with_value=False) for o in gathered])
+    decision = comm.broadcast(decision)
+    if decision[0] == "failed":
         _mark(result, "commit", tc)
+        raise_if_failed(decision[1], f"save to {where}")
+    _, ask_t, ask_v = decision
+    local: _Local = out.value
+    docs = comm.gather((
+        local.tensors_doc if comm.rank in ask_t else None,
+        local.values_doc if comm.rank in ask_v else None,
+    ))
+    final: list[Outcome] | None = None
+    if comm.rank == 0:
+        assert gathered is not None and docs is not None
+        statuses = [o.value for o in gathered]
+        commit = run_guarded(lambda: _commit(storage, save_id, comm.world, block_size, statuses, docs, where))
+        if comm.world == 1 and not commit.ok:
+            raise commit.exc
+        final = [commit.sendable()]
     final = comm.broadcast(final)
+    _mark(result, "commit", tc)
     raise_if_failed(final, f"save to {where}")
     result.save_id = final[0].value  # the manifest's id (rank 0's)
 
 
-def _commit(storage: Storage, save_id: str, world: int, block: int, gathered: list[Outcome], where: str) -> None:
-    chunks: dict[str, list[ChunkMeta]] = {}
-    meta: dict[str, tuple] = {}
+def _commit(storage: Storage, save_id: str, world: int, block: int, statuses: list[dict], docs: list[tuple], where: str) -> str:
+    """Rank 0: merge the distinct descriptors into a version-2 manifest and write it.
+
+    Work and memory are O(ranks + distinct descriptors x tensors): chunk
+    records stay in the ranks' index files.
+    """
     files: dict[str, int] = {}
-    values: dict[str, Any] = {}
-    layout: dict[str, Any] = {}
+    ranks: list[RankFiles | None] = []
+    by_tdig: dict[str, list[int]] = {}
+    for r, st in enumerate(statuses):
+        files.update(st["files"])
+        ranks.append(None if st["ranks"] is None else RankFiles(*st["ranks"]))
+        by_tdig.setdefault(st["tdig"], []).append(r)
+    meta: dict[str, tuple] = {}
+    grids: dict[str, set] = {}
+    holders: dict[str, set[int]] = {}
+    mentions: dict[str, int] = {}  # ranks describing each tensor with a grid
     placements: dict[str, str] = {}
-    for o in gathered:
-        v = o.value
-        for fqn, c in v["records"]:
-            chunks.setdefault(fqn, []).append(c)
-        files.update(v["files"])
-        for fqn, (dt, shape, lay) in v["meta"].items():
+    made: dict[tuple, Grid] = {}  # one Grid per (mesh, splits): building one validates its ranks
+    for tdig, members in by_tdig.items():
+        doc = next(d[0] for d in (docs[r] for r in members) if d[0] is not None)
+        meshes = [(tuple(m[0]), tuple(m[1])) for m in doc["meshes"]]
+        for fqn, (dt, shape, lay, mesh, splits, extra) in doc["tensors"].items():
             prev = meta.setdefault(fqn, (dt, tuple(shape)))
             if prev != (dt, tuple(shape)):
                 raise ShapeMismatchError(f"{where}: ranks disagree on tensor {fqn!r}: {prev} vs {(dt, tuple(shape))}")
             placements.setdefault(fqn, lay)
-        for k, doc in v["values"].items():
-            values[k] = _merge(values[k], doc) if k in values else doc
-        for k, fw in v["layout"].items():
-            layout.setdefault(k, fw)
-    tensors = {}
+            if mesh is None:
+                grids.setdefault(fqn, set()).add(None)
+                if extra:
+                    holders.setdefault(fqn, set()).update(members)
+            else:
+                key = (meshes[mesh], tuple(tuple(x) for x in splits))
+                grid = made.get(key)
+                if grid is None:
+                    grid = made[key] = Grid(key[0][0], key[0][1], key[1])
+                grids.setdefault(fqn, set()).add((grid, extra))
+                mentions[fqn] = mentions.get(fqn, 0) + len(members)
+    values: dict[str, Any] = {}
+    layout: dict[str, Any] = {}
+    for r, d in enumerate(docs):
+        if d[1] is not None:
+            for k, doc in d[1]["values"].items():
+                values[k] = _merge(values[k], doc) if k in values else doc
+            for k, fw in d[1]["layout"].items():
+                layout.setdefault(k, fw)
+    cover: dict[str, int] = {}
+    for st in statuses:
+        for fqn, n in st["cover"].items():
+            cover[fqn] = cover.get(fqn, 0) + n
+    tensors: dict[str, TensorMeta] = {}
+    keys: dict[int, str] = {}
     for fqn, (dt, shape) in meta.items():
-        cs = sorted(chunks.get(fqn, []), key=lambda c: (c.box.offsets, c.flat or (0, 0)))
-        covered = sum(c.numel for c in cs)
-        if covered != math.prod(shape):
+        other = keys.setdefault(fqn_key(fqn), fqn)
+        if other != fqn:
+            raise UnsupportedStateError(f"{where}: tensor names {other!r} and {fqn!r} share a 64-bit key; rename one")
+        g = grids[fqn]
+        if len(g) == 1 and None not in g:
+            grid, copy = next(iter(g))
+            # Every rank that describes it lies on its mesh (checked locally), so equal
+            # counts mean every mesh rank holds it, the writer chosen for it included.
+            if mentions[fqn] != len(grid.ranks):
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {fqn!r} is held by {mentions[fqn]} rank(s), but its layout spans "
+                    f"{len(grid.ranks)}; two ranks disagree on its sharding, or only some ranks hold it "
+                    "(pipeline stages: pass replicated_over to save)"
+                )
+            tensors[fqn] = TensorMeta(dt, shape, None, grid, copy)
+            continue
+        if len(g) > 1:
+            # Without one layout rank 0 cannot check coverage, and a checkpoint that
+            # commits must load: refuse, as version 1's coverage check would have.
             raise CorruptCheckpointError(
-                f"{where}: saved chunks of {fqn!r} cover {covered} of {math.prod(shape)} elements; "
+                f"{where}: ranks describe tensor {fqn!r} with {len(g)} different layouts; two ranks disagree "
+                "on its sharding, or ranks hold different data under one name (pipeline stages: pass "
+                "replicated_over to save)"
+            )
+        if cover.get(fqn, 0) != math.prod(shape):
+            raise CorruptCheckpointError(
+                f"{where}: saved chunks of {fqn!r} cover {cover.get(fqn, 0)} of {math.prod(shape)} elements; "
                 "two ranks disagree on its sharding, or only some ranks hold it (pipeline stages: "
                 "pass replicated_over to save)"
             )
-        tensors[fqn] = TensorMeta(dt, tuple(shape), tuple(cs))
+        tensors[fqn] = TensorMeta(dt, shape, None, holders=rank_runs(holders.get(fqn, ())))
     manifest = Manifest(
         save_id=save_id,
         world_size=world,
@@ -345,6 +570,8 @@ def _commit(storage: Storage, save_id: str, world: int, block: int, gathered: li
         files=files,
         layout={"world_size": world, "entries": layout, "placements": placements},
         created=time.time(),
+        format_version=FORMAT_VERSION,
+        ranks=tuple(ranks),
     )
     try:
         storage.put_atomic(MANIFEST_NAME, manifest.to_json())
@@ -420,19 +647,25 @@ def read_tensor(path: str | Storage, name: str, index: tuple | None = None, *, v
         box = Box(tuple(offs), tuple(sizes))
     dest = torch.empty(box.sizes, dtype=torch_dtype(meta.dtype))
     target = LoadTarget(name, dest, tuple(meta.shape), box)
+    manifest = resolve(storage, manifest, {name: [box]}, storage.url)
     execute_reads(storage, manifest, [target], storage.url, verify)
     return dest
 
 
-def read_manifest(path: str | Storage) -> Manifest:
+def read_manifest(path: str | Storage, *, chunks: bool = True) -> Manifest:
     """Read and validate the manifest of a committed checkpoint (no process group needed).
+
+    With ``chunks=True`` every tensor's chunks are listed, which for a
+    format-version-2 checkpoint reads every rank's index file (checked
+    against the manifest's digests); ``chunks=False`` reads the manifest only.
 
     Example::
 
         m = sp.read_manifest("ckpt/step_100"); print(sorted(m.tensors))
     """
     storage = storage_for(path)
-    return Manifest.from_json(_manifest_bytes(storage), storage.url)
+    manifest = Manifest.from_json(_manifest_bytes(storage), storage.url)
+    return resolve_all(storage, manifest, storage.url) if chunks else manifest
 
 
 def _manifest_bytes(storage: Storage) -> bytes:
@@ -577,7 +810,15 @@ def load(
     def read() -> dict:
         tr = time.monotonic()
         targets = [t for p in parts.values() for t in p.targets]
-        stats = execute_reads(storage, manifest, targets, where, verify, comm=comm, share=share_reads, recorder=result.recorder)
+        wants: dict[str, list[Box]] = {}
+        for t in targets:
+            wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
+        ti = time.monotonic()
+        reader = IndexReader(storage, manifest, where)
+        resolved = resolve(storage, manifest, wants, where, reader)
+        result.index_bytes = reader.bytes_read
+        _mark(result, "index", ti, reader.bytes_read)
+        stats = execute_reads(storage, resolved, targets, where, verify, comm=comm, share=share_reads, recorder=result.recorder)
         result.bytes_read, result.bytes_needed = stats.bytes_read, stats.bytes_needed
         result.bytes_received = stats.bytes_received
         _mark(result, "read", tr)
@@ -590,7 +831,7 @@ def load(
     result.timings = result.recorder.summary()
     result.recorder.emit(trace_dir, on_metrics)
     if report is not None:
-        for f in ("path", "bytes_read", "bytes_needed", "bytes_received", "missing", "unexpected", "timings", "recorder"):
+        for f in ("path", "bytes_read", "index_bytes", "bytes_needed", "bytes_received", "missing", "unexpected", "timings", "recorder"):
             setattr(report, f, getattr(result, f))
     log.info("rank %s read %s bytes from %s: %s", comm.rank, result.bytes_read, where, format_summary(result.timings))
     return state

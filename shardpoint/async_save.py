@@ -254,7 +254,9 @@ class AsyncSaver:
                         files[staged.file] = staged.size
                         result.bytes_written = staged.size
                     _mark(result, "data_file", tb)
-                    return prep_out.value.summary(staged.records if staged else [], files)
+                    local = prep_out.value.summary(storage, staged.records if staged else [], files, comm)
+                    result.bytes_written = sum(local.status["files"].values())
+                    return local
 
                 out = run_guarded(write)
             handle._written.set()

@@ -666,7 +666,7 @@ class CheckpointManager:
         """
         for s in reversed(self.steps()):
             try:
-                read_manifest(self.storage.child(step_folder(s)))
+                read_manifest(self.storage.child(step_folder(s)), chunks=False)
                 return s
             except CheckpointError as e:
                 log.warning("skipping %s: %s", step_folder(s), e)

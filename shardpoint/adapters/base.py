@@ -56,7 +56,9 @@ class SaveTensor:
     ``replica_group`` names the group whose ranks all list the same replicated
     tensors (``""``: the whole process group); writers are balanced within
     each group separately, since ranks of different pipeline stages hold
-    different tensors.
+    different tensors. ``grid`` describes the whole tensor's split over a mesh
+    of ranks (format version 2 records it instead of every chunk); the save
+    checks it against ``box`` and the copy index before trusting it.
     """
 
     fqn: str
@@ -69,6 +71,7 @@ class SaveTensor:
     cost: float = 0.0
     layout: str = ""
     replica_group: str = ""
+    grid: Any = None  # a shardpoint.grid.Grid in global ranks, when the layout has one (DTensors)
 
     @property
     def nbytes(self) -> int:

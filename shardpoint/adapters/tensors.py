@@ -70,7 +70,8 @@ _GEOMETRY_CACHE: dict = {}
 _GEOMETRY_CACHE_MAX = 65536
 
 
-def _dtensor_geometry(dt, allowed: frozenset[int] | None = None) -> tuple[Box, int, int, int] | None:
+def _dtensor_geometry(dt, allowed: frozenset[int] | None = None) -> tuple | None:
+    """(box, replica index, replica count, root mesh size, grid or None) of this rank's shard."""
     mesh = dt.device_mesh
     try:
         # The rank and coordinate guard against a re-created process group in the same process.
@@ -94,7 +95,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _compute_dtensor_geometry(dt, mesh, allowed: frozenset[int] | None) -> tuple[Box, int, int, int] | None:
+def _compute_dtensor_geometry(dt, mesh, allowed: frozenset[int] | None) -> tuple | None:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     coord = mesh.get_coordinate()
@@ -107,11 +108,34 @@ def _compute_dtensor_geometry(dt, mesh, allowed: frozenset[int] | None) -> tuple
             )
     shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
     index, count, root_size = _replication_outside(mesh, allowed)
+    # Copies outside the mesh cannot be located from the mesh alone: no grid then.
+    grid = _grid(mesh, dt.placements, tuple(int(x) for x in dt.shape)) if count == 1 else None
     for d, p in enumerate(dt.placements):
         if p.is_replicate():
             index = index * mesh.size(d) + coord[d]
             count *= mesh.size(d)
-    return Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape)), index, count, root_size
+    return Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape)), index, count, root_size, grid
+
+
+def _grid(mesh, placements, shape: tuple[int, ...]):
+    """The DTensor's grid, or ``None`` where torch's offsets may not follow it.
+
+    With a ``_StridedShard`` on a dim the mesh does not split evenly, torch
+    reports rows that differ from the nested split, sometimes on ranks whose
+    own box still looks right; such tensors keep listed chunks.
+    """
+    from ..grid import grid_of_placements
+
+    grid_ranks = mesh.mesh
+    mesh_shape = tuple(int(s) for s in grid_ranks.shape)
+    dims = [getattr(p, "dim", None) for p in placements]
+    dims = [d + len(shape) if isinstance(d, int) and d < 0 else d for d in dims]
+    for p, d in zip(placements, dims):
+        if type(p).__name__ == "_StridedShard" and 0 <= d < len(shape):
+            parts = math.prod(mesh_shape[m] for m, e in enumerate(dims) if e == d)
+            if shape[d] % parts:
+                return None
+    return grid_of_placements(mesh_shape, tuple(int(r) for r in grid_ranks.flatten().tolist()), placements, len(shape))
 
 
 def save_tensor(fqn: str, t: torch.Tensor, ctx: AdapterContext) -> SaveTensor | None:
@@ -120,7 +144,7 @@ def save_tensor(fqn: str, t: torch.Tensor, ctx: AdapterContext) -> SaveTensor | 
         geo = _dtensor_geometry(t, ctx.replica_ranks(fqn))
         if geo is None:
             return None
-        box, index, count, mesh_size = geo
+        box, index, count, mesh_size, grid = geo
         local = _local_view(t)
         if tuple(local.shape) != box.sizes:
             raise UnsupportedStateError(
@@ -130,7 +154,7 @@ def save_tensor(fqn: str, t: torch.Tensor, ctx: AdapterContext) -> SaveTensor | 
         return SaveTensor(
             fqn, local, shape, box, None, index, count,
             global_cost(shape, local.element_size(), count, mesh_size), f"dtensor{tuple(t.placements)}",
-            ctx.replica_group(fqn),
+            ctx.replica_group(fqn), grid,
         )
     t = t.detach()
     if t.is_sparse or t.layout != torch.strided:

@@ -71,7 +71,9 @@ class ChunkRead:
 
     @property
     def key(self) -> tuple[str, int, int, int]:
-        return (self.fqn, self.ci, self.lo, self.hi)
+        # The chunk's file and offset, not its index: ranks may resolve different
+        # subsets of a tensor's chunks (format version 2), so indexes differ.
+        return (self.chunk.file, self.chunk.offset, self.lo, self.hi)
 
     @property
     def nread(self) -> int:

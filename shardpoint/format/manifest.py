@@ -1,10 +1,18 @@
 """The manifest: the versioned, JSON-encoded description of one checkpoint.
 
-The manifest is the commit record. Data files hold raw bytes; everything
-needed to find and check them is here. ``Manifest.from_json`` treats its input
-as untrusted: every name, size, offset and box is validated before any read is
-planned from it, so a tampered manifest cannot point outside the checkpoint or
-make the loader allocate absurd memory. See ``docs/format.md``.
+The manifest is the commit record. Version 1 lists every saved chunk in it.
+Version 2 (what :func:`shardpoint.save` writes) keeps it O(tensors + ranks):
+a tensor records its *grid* (how it is split over a mesh of ranks, see
+:mod:`shardpoint.grid`) or the ranks *holding* its chunks, and each rank's
+chunk records live in that rank's binary index file
+(:mod:`shardpoint.format.index`), whose digest the manifest records.
+``TensorMeta.chunks`` of a parsed version-2 manifest is ``None`` until the
+loader resolves the chunks it needs (:mod:`shardpoint.engine.indexes`).
+
+``Manifest.from_json`` treats its input as untrusted: every name, size,
+offset, box, mesh and rank is validated before any read is planned from it,
+so a tampered manifest cannot point outside the checkpoint or make the loader
+allocate absurd memory. See ``docs/format.md``.
 """
 
 from __future__ import annotations
@@ -17,21 +25,26 @@ from typing import Any, Mapping
 
 from ..errors import FormatError
 from ..geometry import Box
+from ..grid import Grid
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "READ_VERSIONS",
+    "RankFiles",
     "MANIFEST_NAME",
     "DTYPE_SIZES",
     "ChunkMeta",
     "TensorMeta",
     "Manifest",
     "check_file_name",
+    "rank_runs",
     "MAX_ELEMENTS",
 ]
 
 FORMAT_NAME = "shardpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what save writes
+READ_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 # Upper bound on any single logical tensor: 2**48 elements (256 TiB of bytes at fp8).
 MAX_ELEMENTS = 1 << 48
@@ -105,11 +118,21 @@ class ChunkMeta:
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """A logical tensor: dtype name, global shape, and its saved chunks."""
+    """A logical tensor: dtype name, global shape, and its saved chunks.
+
+    Version 2 adds where the chunks are, without listing them: ``grid`` (the
+    split over a mesh; rank ``grid.writer(coord, copy)`` wrote each shard) or
+    ``holders`` (``[start, stop)`` runs of the ranks whose index files hold
+    its chunks). ``chunks`` is then
+    ``None`` until resolved, or the resolved subset a load needs.
+    """
 
     dtype: str
     shape: tuple[int, ...]
-    chunks: tuple[ChunkMeta, ...]
+    chunks: tuple[ChunkMeta, ...] | None
+    grid: Grid | None = None
+    copy: int = 0
+    holders: tuple[tuple[int, int], ...] | None = None
 
     @property
     def itemsize(self) -> int:
@@ -124,12 +147,28 @@ class TensorMeta:
         return self.numel * self.itemsize
 
     def to_json(self) -> dict:
+        """The version-1 entry (chunks listed)."""
+        if self.chunks is None:
+            raise ValueError("chunks are not resolved; a version-1 entry needs them")
         return {"dtype": self.dtype, "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
 
 
 @dataclass(frozen=True)
+class RankFiles:
+    """Version 2: one rank's data file and index file, and the index's xxh3_128 digest."""
+
+    data: str
+    index: str
+    digest: str
+
+
+@dataclass(frozen=True)
 class Manifest:
-    """The whole checkpoint description. Frozen: derive variants with ``dataclasses.replace``."""
+    """The whole checkpoint description. Frozen: derive variants with ``dataclasses.replace``.
+
+    ``ranks`` (version 2) has one entry per saving rank: its files, or
+    ``None`` for a rank that wrote nothing.
+    """
 
     save_id: str
     world_size: int
@@ -140,11 +179,17 @@ class Manifest:
     layout: Mapping[str, Any] = field(default_factory=dict)
     created: float = 0.0
     checksum_algorithm: str = "xxh3_64"
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
+    ranks: tuple[RankFiles | None, ...] = ()
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def resolved(self) -> bool:
+        """Whether every tensor's chunks are listed (always, in version 1)."""
+        return all(t.chunks is not None for t in self.tensors.values())
 
     def to_json(self) -> bytes:
         doc = {
@@ -156,10 +201,14 @@ class Manifest:
             "checksum_algorithm": self.checksum_algorithm,
             "block_size": self.block_size,
             "files": dict(sorted(self.files.items())),
-            "tensors": {k: v.to_json() for k, v in sorted(self.tensors.items())},
-            "values": dict(self.values),
-            "layout": dict(self.layout),
         }
+        if self.format_version == 1:
+            doc["tensors"] = {k: v.to_json() for k, v in sorted(self.tensors.items())}
+        else:
+            doc["ranks"] = [None if r is None else [r.data, r.index, r.digest] for r in self.ranks]
+            doc["meshes"], doc["tensors"] = _tensors_v2(self.tensors)
+        doc["values"] = dict(self.values)
+        doc["layout"] = dict(self.layout)
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
     @staticmethod
@@ -173,8 +222,46 @@ class Manifest:
             return _parse(doc, where)
         except FormatError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             raise FormatError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
+
+
+def rank_runs(ranks) -> tuple[tuple[int, int], ...]:
+    """Ranks as sorted ``[start, stop)`` runs: holders are usually contiguous.
+
+    Example::
+
+        >>> rank_runs([0, 1, 2, 5])
+        ((0, 3), (5, 6))
+    """
+    out: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1][1] == r:
+            out[-1][1] = r + 1
+        else:
+            out.append([r, r + 1])
+    return tuple((a, b) for a, b in out)
+
+
+def _tensors_v2(tensors: Mapping[str, TensorMeta]) -> tuple[list, dict]:
+    meshes: list[dict] = []
+    mesh_ids: dict[tuple, int] = {}
+    out: dict[str, dict] = {}
+    for fqn, t in sorted(tensors.items()):
+        e: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape)}
+        if t.grid is not None:
+            key = (t.grid.mesh_shape, t.grid.ranks)
+            i = mesh_ids.get(key)
+            if i is None:
+                i = mesh_ids[key] = len(meshes)
+                meshes.append({"shape": list(t.grid.mesh_shape), "ranks": list(t.grid.ranks)})
+            e["grid"] = {"mesh": i, "splits": [list(s) for s in t.grid.splits], "copy": t.copy}
+        elif t.holders is not None:
+            e["holders"] = [list(r) for r in t.holders]
+        else:
+            raise ValueError(f"tensor {fqn!r} has neither a grid nor holders")
+        out[fqn] = e
+    return meshes, out
 
 
 def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -187,10 +274,10 @@ def _parse(doc: Any, where: str) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise FormatError(f"{where}: not a shardpoint manifest")
     version = doc.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS or isinstance(version, bool):
         raise FormatError(
             f"{where}: format_version {version!r} is not supported by this shardpoint "
-            f"(reads version {FORMAT_VERSION}); upgrade shardpoint to read it"
+            f"(reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade shardpoint to read it"
         )
     algo = doc.get("checksum_algorithm")
     if algo != "xxh3_64":
@@ -203,12 +290,16 @@ def _parse(doc: Any, where: str) -> Manifest:
     if not isinstance(files_doc, dict):
         raise FormatError(f"{where}: 'files' must be an object")
     files = {check_file_name(k, where): _int(v, f"{where}: size of {k}") for k, v in files_doc.items()}
-    tensors: dict[str, TensorMeta] = {}
     tdoc = doc["tensors"]
     if not isinstance(tdoc, dict):
         raise FormatError(f"{where}: 'tensors' must be an object")
-    for fqn, t in tdoc.items():
-        tensors[fqn] = _parse_tensor(fqn, t, files, block, world, where)
+    ranks: tuple[RankFiles | None, ...] = ()
+    if version == 1:
+        tensors = {fqn: _parse_tensor(fqn, t, files, block, world, where) for fqn, t in tdoc.items()}
+    else:
+        ranks = _parse_ranks(doc["ranks"], files, world, where)
+        grids = _GridParser(doc["meshes"], world, where)
+        tensors = {fqn: _parse_tensor_v2(fqn, t, grids, world, where) for fqn, t in tdoc.items()}
     values = doc.get("values", {})
     layout = doc.get("layout", {})
     if not isinstance(values, dict) or not isinstance(layout, dict):
@@ -230,11 +321,69 @@ def _parse(doc: Any, where: str) -> Manifest:
         created=float(created),
         checksum_algorithm=algo,
         format_version=version,
+        ranks=ranks,
     )
 
 
-def _parse_tensor(fqn: str, t: Any, files: Mapping[str, int], block: int, world: int, where: str) -> TensorMeta:
-    what = f"{where}: tensor {fqn!r}"
+_DIGEST_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def _parse_ranks(doc: Any, files: Mapping[str, int], world: int, where: str) -> tuple[RankFiles | None, ...]:
+    if not isinstance(doc, list) or len(doc) != world:
+        raise FormatError(f"{where}: 'ranks' must list one entry per rank ({world})")
+    out: list[RankFiles | None] = []
+    for r, e in enumerate(doc):
+        if e is None:
+            out.append(None)
+            continue
+        if not isinstance(e, list) or len(e) != 3:
+            raise FormatError(f"{where}: rank {r}'s entry must be [data file, index file, digest]")
+        data, index = check_file_name(e[0], where), check_file_name(e[1], where)
+        for name in (data, index):
+            if name not in files:
+                raise FormatError(f"{where}: rank {r} names unlisted file {name!r}")
+        if not isinstance(e[2], str) or not _DIGEST_RE.fullmatch(e[2]):
+            raise FormatError(f"{where}: rank {r}'s index digest {e[2]!r} is malformed")
+        out.append(RankFiles(data, index, e[2]))
+    return tuple(out)
+
+
+class _GridParser:
+    """Meshes are validated once; tensors on the same mesh and splits share one ``Grid``."""
+
+    def __init__(self, doc: Any, world: int, where: str):
+        if not isinstance(doc, list) or len(doc) > world * 4 + 64:
+            raise FormatError(f"{where}: 'meshes' must be a list of at most {world * 4 + 64} meshes")
+        self.meshes = doc
+        self.world, self.where = world, where
+        self.total = 0
+        self._grids: dict[tuple[int, tuple], Grid] = {}
+        self._checked: set[int] = set()
+
+    def grid(self, mesh: Any, splits: Any, ndim: int, what: str) -> Grid:
+        i = _int(mesh, f"{what}: grid mesh", 0, len(self.meshes) - 1)
+        if not isinstance(splits, list) or len(splits) != ndim:
+            raise FormatError(f"{what}: grid splits must list one entry per dimension ({ndim})")
+        if not all(isinstance(s, list) and len(s) <= MAX_NDIM for s in splits):
+            raise FormatError(f"{what}: malformed grid splits {splits!r}")
+        key = (i, tuple(tuple(s) for s in splits))
+        g = self._grids.get(key)
+        if g is None:
+            m = self.meshes[i]
+            if not isinstance(m, dict):
+                raise FormatError(f"{what}: mesh {i} must be an object")
+            if i not in self._checked:
+                self.total += len(m.get("ranks", ())) if isinstance(m.get("ranks"), list) else 0
+                if self.total > self.world * 64:  # bounds the work a tampered manifest can cause
+                    raise FormatError(f"{self.where}: meshes list more than {self.world * 64} ranks in all")
+                self._checked.add(i)
+            g = self._grids[key] = Grid.from_json(
+                {"shape": m.get("shape"), "ranks": m.get("ranks"), "splits": splits}, self.world, ndim, what
+            )
+        return g
+
+
+def _parse_shape(t: Any, what: str) -> tuple[str, tuple[int, ...]]:
     if not isinstance(t, dict):
         raise FormatError(f"{what}: entry must be an object")
     dtype = t["dtype"]
@@ -246,6 +395,37 @@ def _parse_tensor(fqn: str, t: Any, files: Mapping[str, int], block: int, world:
     shape = tuple(_int(s, f"{what}: shape") for s in shape_doc)
     if math.prod(shape) > MAX_ELEMENTS:
         raise FormatError(f"{what}: shape {shape} exceeds {MAX_ELEMENTS} elements")
+    return dtype, shape
+
+
+def _parse_tensor_v2(fqn: str, t: Any, grids: _GridParser, world: int, where: str) -> TensorMeta:
+    what = f"{where}: tensor {fqn!r}"
+    dtype, shape = _parse_shape(t, what)
+    if "grid" in t:
+        g = t["grid"]
+        if not isinstance(g, dict):
+            raise FormatError(f"{what}: 'grid' must be an object")
+        grid = grids.grid(g["mesh"], g["splits"], len(shape), what)
+        copy = _int(g.get("copy", 0), f"{what}: grid copy", 0, grid.copies - 1)
+        return TensorMeta(dtype, shape, None, grid, copy)
+    runs = t["holders"]
+    if not isinstance(runs, list) or len(runs) > world:
+        raise FormatError(f"{what}: 'holders' must be a list of at most {world} [start, stop) runs")
+    holders: list[tuple[int, int]] = []
+    last = 0
+    for run in runs:
+        if not isinstance(run, list) or len(run) != 2:
+            raise FormatError(f"{what}: malformed holders run {run!r}")
+        a = _int(run[0], f"{what}: holders start", last, world - 1)
+        b = _int(run[1], f"{what}: holders stop", a + 1, world)
+        holders.append((a, b))
+        last = b
+    return TensorMeta(dtype, shape, None, None, 0, tuple(holders))
+
+
+def _parse_tensor(fqn: str, t: Any, files: Mapping[str, int], block: int, world: int, where: str) -> TensorMeta:
+    what = f"{where}: tensor {fqn!r}"
+    dtype, shape = _parse_shape(t, what)
     itemsize = DTYPE_SIZES[dtype]
     chunks = []
     for c in t["chunks"]:

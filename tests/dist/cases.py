@@ -130,6 +130,7 @@ def read_once_job(rank: int, world: int, root: str, src: str, layout: str) -> di
         assert all(torch.equal(got[k], ref[k]) for k in ref), f"share={share}: not bit-exact"
         out[str(share)] = {
             "storage_bytes": storage.stats.bytes_read,
+            "index_bytes": report.index_bytes,
             "needed": report.bytes_needed,
             "received": report.bytes_received,
         }

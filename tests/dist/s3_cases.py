@@ -50,7 +50,7 @@ def save_then_replicated_load(rank: int, world: int, url: str, endpoint: str, ro
         sp.load(reader, state, share_reads=share, report=report)
         assert state["extra"] == {"step": STEPS}
         _same(ref, full_state(m, o), f"fsdp2{world} -> ddp{world} share={share}")
-        out[str(share)] = {"storage_bytes": reader.stats.bytes_read, "received": report.bytes_received}
+        out[str(share)] = {"storage_bytes": reader.stats.bytes_read - report.index_bytes, "received": report.bytes_received}
     out["checkpoint_bytes"] = sp.read_manifest(st).total_bytes
     out["manifest_bytes"] = len(st.get("manifest.json"))
     return out

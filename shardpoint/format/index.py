@@ -1,0 +1,328 @@
+"""Per-rank binary chunk index (format version 2).
+
+Format version 1 lists every chunk record in the JSON manifest. Version 2
+moves them into one small binary index per rank, written next to that rank's
+data file (``data/<save_id>-rNNNNN.bin`` gets ``data/<save_id>-rNNNNN.idx``).
+The manifest records each index file's size and :func:`index_digest`, so a
+loader checks the digest before parsing; :meth:`ChunkIndex.parse` still treats
+the bytes as untrusted. A bad index raises ``FormatError``: parsing never reads
+out of bounds, allocates more than O(len(data)) memory, or runs code.
+
+All records of one index belong to one data file and one writer rank, so
+neither is stored: the reader supplies both from the manifest.
+
+Tensors are found by :func:`fqn_key`, a 64-bit hash of the fully qualified
+name. Two different names with the same key in one checkpoint must be rejected
+at save time by the caller; :meth:`ChunkIndex.chunks` returns every row with
+the key and checks each against the tensor asked for.
+
+Byte layout (integers little-endian, no padding; every array starts 8-aligned)::
+
+    offset  size  field
+    0       8     magic  b"SPIDX\\x00\\x02\\x00"  (bytes 6-7: index version, u16 = 2)
+    8       8     nrows  u64  number of rows
+    16      8     ndims  u64  length of the dims array (sum of 2*ndim over rows)
+    24      8     nsums  u64  length of the checksum array (sum of nsum over rows)
+    32      56*nrows        rows, ROW_DTYPE below
+    ...     8*ndims         dims: u64
+    ...     8*nsums         checksums: u64
+
+    The file is exactly 32 + 56*nrows + 8*ndims + 8*nsums bytes.
+
+    ROW_DTYPE (56 bytes):
+    0   key         u64  fqn_key(fqn) = xxh3_64 of the UTF-8 name
+    8   offset      u64  byte offset of the chunk in the data file
+    16  nbytes      u64  stored byte count
+    24  flat_start  u64  flat range start (0 without the flat flag)
+    32  flat_stop   u64  flat range stop (0 without the flat flag)
+    40  nsum        u64  block checksums = max(1, ceil(nbytes / block_size))
+    48  ndim        u32  box rank, at most 16
+    52  flags       u32  bit 0: the flat range is set; other bits 0
+
+Rows are sorted by key; the writer breaks ties by box offsets, box sizes,
+flat flag, flat range and byte offset, so its output is deterministic.
+Each row's dims are ``ndim`` box offsets then ``ndim`` box sizes, and its
+checksums are ``nsum`` xxh3_64 digests; both arrays are in row order, so row
+i's slices start at the running sums over rows before it. A checksum is the
+integer value of the 16-hex-digit digest (``format(v, "016x")`` restores it).
+Reading it with numpy alone::
+
+    n, nd, ns = (int(v) for v in np.frombuffer(data, "<u8", 3, 8))
+    rows = np.frombuffer(data, ROW_DTYPE, n, 32)
+    dims = np.frombuffer(data, "<u8", nd, 32 + 56 * n)
+    sums = np.frombuffer(data, "<u8", ns, 32 + 56 * n + 8 * nd)
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from ..errors import FormatError
+from ..geometry import Box
+from .manifest import MAX_ELEMENTS, MAX_NDIM, ChunkMeta
+
+__all__ = [
+    "INDEX_MAGIC",
+    "INDEX_VERSION",
+    "ROW_DTYPE",
+    "HEADER_SIZE",
+    "fqn_key",
+    "index_digest",
+    "encode_index",
+    "ChunkIndex",
+]
+
+# Index layout version, stored in bytes 6-7 of the magic (matches manifest format version 2).
+INDEX_VERSION = 2
+# First 8 bytes of every index file.
+INDEX_MAGIC = b"SPIDX\x00" + INDEX_VERSION.to_bytes(2, "little")
+_MAGIC_PREFIX = INDEX_MAGIC[:6]
+# Magic plus the three u64 counts (nrows, ndims, nsums).
+HEADER_SIZE = 32
+# One row per chunk; see the module docstring for the field meanings.
+ROW_DTYPE = np.dtype(
+    [
+        ("key", "<u8"),
+        ("offset", "<u8"),
+        ("nbytes", "<u8"),
+        ("flat_start", "<u8"),
+        ("flat_stop", "<u8"),
+        ("nsum", "<u8"),
+        ("ndim", "<u4"),
+        ("flags", "<u4"),
+    ]
+)
+assert ROW_DTYPE.itemsize == 56
+_FLAT = 1
+# Same bound as the manifest's _int: box offsets and sizes stay far from u64 overflow.
+_MAX_DIM = 1 << 62
+_HEX = re.compile(r"[0-9a-f]*")
+_U64 = np.uint64
+
+
+def fqn_key(fqn: str) -> int:
+    """The 64-bit lookup key of a tensor name: xxh3_64 of its UTF-8 bytes."""
+    return xxhash.xxh3_64_intdigest(fqn.encode("utf-8"))
+
+
+def index_digest(data: bytes | memoryview) -> str:
+    """The digest the manifest records for an index file: xxh3_128, 32 hex digits."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def encode_index(records: Sequence[tuple[str, ChunkMeta]]) -> bytes:
+    """Encode ``(fqn, chunk)`` records of one rank's one data file as index bytes.
+
+    ``ChunkMeta.file`` and ``.rank`` are not stored (the reader supplies them).
+    Raises ``ValueError`` on records no reader would accept: more than
+    ``MAX_NDIM`` dims, a flat range outside its box, or malformed checksums.
+    """
+    items = []
+    for fqn, c in records:
+        box = c.box
+        if box.ndim > MAX_NDIM:
+            raise ValueError(f"{fqn!r}: chunk box has {box.ndim} dims, the index allows {MAX_NDIM}")
+        if c.flat is None:
+            flat, flags = (0, 0), 0
+        else:
+            flat, flags = c.flat, _FLAT
+            if not 0 <= flat[0] <= flat[1] <= box.numel:
+                raise ValueError(f"{fqn!r}: flat range {flat} outside its box of {box.numel} elements")
+        # Sort fields first; the input position breaks ties so ChunkMeta is never compared.
+        items.append((fqn_key(fqn), box.offsets, box.sizes, flags, flat, c.offset, len(items), c))
+    items.sort(key=lambda t: t[:7])
+
+    rows, dims, sums = [], [], []
+    for key, offs, sizes, flags, flat, offset, _, c in items:
+        rows.append((key, offset, c.nbytes, flat[0], flat[1], len(c.checksums), len(offs), flags))
+        dims += offs
+        dims += sizes
+        sums += c.checksums
+    if sums and not (min(map(len, sums)) == max(map(len, sums)) == 16):
+        raise ValueError("block checksums must be 16-hex-digit strings")
+    joined = "".join(sums)
+    if not _HEX.fullmatch(joined):
+        raise ValueError("block checksums must be lowercase hex digits")
+    row_arr = np.array(rows, dtype=ROW_DTYPE)
+    dim_arr = np.array(dims, dtype="<u8")
+    # A hex digest is the big-endian spelling of the integer.
+    sum_arr = np.frombuffer(bytes.fromhex(joined), dtype=">u8").astype("<u8")
+    header = struct.pack("<3Q", len(rows), len(dims), len(sums))
+    return INDEX_MAGIC + header + row_arr.tobytes() + dim_arr.tobytes() + sum_arr.tobytes()
+
+
+class ChunkIndex:
+    """A parsed, validated chunk index of one data file.
+
+    Build with :meth:`parse`. Lookups by tensor name are a binary search over
+    the sorted keys. ``file`` and ``rank`` are the data file and writer rank
+    the reader supplied; they go into every returned ``ChunkMeta``.
+    """
+
+    __slots__ = ("file", "rank", "_rows", "_keys", "_dims", "_sums", "_dstart", "_sstart")
+
+    def __init__(self, *args, **kwargs):  # pragma: no cover - guard only
+        raise TypeError("build a ChunkIndex with ChunkIndex.parse")
+
+    @staticmethod
+    def parse(
+        data: bytes | memoryview, *, file: str, file_size: int, rank: int, block: int, where: str
+    ) -> "ChunkIndex":
+        """Parse and validate untrusted index bytes of data file ``file``.
+
+        ``file_size`` is the data file's size and ``block`` the checksum block
+        size, both from the (already validated) manifest. Checks, vectorised and
+        O(rows): magic and version, header counts against ``len(data)``
+        exactly, keys sorted, ``ndim <= MAX_NDIM``, known flags, every chunk's
+        bytes inside ``file_size``, ``nsum == max(1, ceil(nbytes / block))``,
+        dims and checksum totals, box values at most 2**62, box numel at most
+        ``MAX_ELEMENTS``, and flat ranges inside their box. Checks against the
+        tensor (rank, shape, dtype size) happen in :meth:`chunks`.
+        """
+        if not isinstance(block, int) or block < 1:
+            raise ValueError(f"block must be a positive int, got {block!r}")
+        if not isinstance(file_size, int) or not 0 <= file_size < 1 << 64:
+            raise ValueError(f"file_size must be an int in [0, 2**64), got {file_size!r}")
+        # A private immutable copy: the arrays below are views into it.
+        data = data if isinstance(data, bytes) else bytes(data)
+        pre = f"{where}: index of {file}"
+        if len(data) < HEADER_SIZE:
+            raise FormatError(f"{pre}: {len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
+        magic = data[:8]
+        if magic != INDEX_MAGIC:
+            if magic[:6] == _MAGIC_PREFIX:
+                v = int.from_bytes(magic[6:], "little")
+                raise FormatError(f"{pre}: index format version {v} is not supported (reads version {INDEX_VERSION})")
+            raise FormatError(f"{pre}: bad magic {magic!r}, not a shardpoint chunk index")
+        # Python ints: a lying count cannot overflow the size check or allocate.
+        n, nd, ns = (int.from_bytes(data[i : i + 8], "little") for i in (8, 16, 24))
+        want = HEADER_SIZE + ROW_DTYPE.itemsize * n + 8 * nd + 8 * ns
+        if want != len(data):
+            raise FormatError(
+                f"{pre}: header claims {n} rows, {nd} dims and {ns} checksums ({want} bytes) "
+                f"but the index is {len(data)} bytes"
+            )
+        rows = np.frombuffer(data, ROW_DTYPE, n, HEADER_SIZE)
+        dims = np.frombuffer(data, "<u8", nd, HEADER_SIZE + ROW_DTYPE.itemsize * n)
+        sums = np.frombuffer(data, "<u8", ns, HEADER_SIZE + ROW_DTYPE.itemsize * n + 8 * nd)
+
+        def bad(mask: np.ndarray, msg) -> None:
+            if mask.any():
+                i = int(np.flatnonzero(mask)[0])
+                raise FormatError(f"{pre}: row {i}: {msg(i)}")
+
+        keys = rows["key"]
+        unsorted = np.r_[False, keys[1:] < keys[:-1]]
+        bad(unsorted, lambda i: f"key {keys[i]:#x} is out of order (rows must be sorted by key)")
+        ndim, flags = rows["ndim"], rows["flags"]
+        bad(ndim > MAX_NDIM, lambda i: f"ndim {ndim[i]} exceeds {MAX_NDIM}")
+        bad(flags & ~np.uint32(_FLAT) != 0, lambda i: f"unknown flags {int(flags[i]):#x}")
+        ndim64 = ndim.astype(np.int64)
+        dend = np.cumsum(2 * ndim64)  # ndim <= 16: cannot overflow int64
+        used = int(dend[-1]) if n else 0
+        if used != nd:
+            raise FormatError(f"{pre}: rows use {used} dims but the header says {nd}")
+
+        off, nb = rows["offset"], rows["nbytes"]
+        fs = _U64(file_size)
+        bad(
+            (nb > fs) | (off > fs - np.minimum(nb, fs)),
+            lambda i: f"chunk bytes [{off[i]}, {int(off[i]) + int(nb[i])}) "
+            f"run past the end of {file} ({file_size} bytes)",
+        )
+        blk = _U64(block)
+        expect = np.maximum(nb // blk + (nb % blk != 0).astype(_U64), _U64(1))
+        nsum = rows["nsum"]
+        bad(
+            nsum != expect,
+            lambda i: f"{nsum[i]} block checksums, expected {expect[i]} for {nb[i]} bytes in blocks of {block}",
+        )
+        send = np.cumsum(nsum, dtype=_U64)
+        # A u64 wrap leaves a running sum below its own last term.
+        wrapped = bool((send < nsum).any())
+        if wrapped or (int(send[-1]) if n else 0) != ns:
+            raise FormatError(f"{pre}: rows use more or fewer block checksums than the header's {ns}")
+
+        bad_dim = dims > _U64(_MAX_DIM)
+        if bad_dim.any():
+            j = int(np.flatnonzero(bad_dim)[0])
+            i = int(np.searchsorted(dend, j, "right"))
+            raise FormatError(f"{pre}: row {i}: box offset or size {dims[j]} exceeds 2**62")
+        # Box numels, one pass per dim position. float64 is exact up to 2**53 > MAX_ELEMENTS,
+        # and a product of 16 sizes <= 2**62 stays finite, so the bound check below is exact.
+        dstart = dend - 2 * ndim64
+        numel_f = np.ones(n)
+        for d in range(int(ndim64.max()) if n else 0):
+            has = ndim64 > d
+            numel_f[has] *= dims[dstart[has] + ndim64[has] + d]
+        bad(numel_f > MAX_ELEMENTS, lambda i: f"box of more than {MAX_ELEMENTS} elements")
+        numel = numel_f.astype(_U64)
+        fa, fb = rows["flat_start"], rows["flat_stop"]
+        has_flat = (flags & np.uint32(_FLAT)) != 0
+        bad(~has_flat & ((fa != 0) | (fb != 0)), lambda i: "flat range fields set without the flat flag")
+        bad(
+            has_flat & ((fa > fb) | (fb > numel)),
+            lambda i: f"flat range [{fa[i]}, {fb[i]}) outside its box of {numel[i]} elements",
+        )
+
+        self = object.__new__(ChunkIndex)
+        self.file, self.rank = file, rank
+        self._rows, self._keys, self._dims, self._sums = rows, keys, dims, sums
+        self._dstart = dstart
+        self._sstart = (send - nsum).astype(np.int64)  # <= ns, fits
+        return self
+
+    def __len__(self) -> int:
+        """Number of rows (chunks) in the index."""
+        return len(self._rows)
+
+    def keys(self) -> np.ndarray:
+        """The distinct fqn keys present, as a sorted read-only ``uint64`` array."""
+        k = self._keys
+        out = k[np.r_[True, k[1:] != k[:-1]]] if len(k) else k.copy()
+        out.flags.writeable = False
+        return out
+
+    def _span(self, fqn: str) -> tuple[int, int]:
+        key = _U64(fqn_key(fqn))
+        return int(np.searchsorted(self._keys, key, "left")), int(np.searchsorted(self._keys, key, "right"))
+
+    def rows_for(self, fqn: str) -> int:
+        """Number of rows whose key is ``fqn_key(fqn)`` (O(log rows))."""
+        lo, hi = self._span(fqn)
+        return hi - lo
+
+    def chunks(self, fqn: str, shape: Sequence[int], itemsize: int, what: str) -> list[ChunkMeta]:
+        """All chunks of tensor ``fqn`` (global ``shape``, ``itemsize`` bytes per element) here.
+
+        Returns an empty list when the index has none. Each row is checked
+        against the tensor: box rank equals ``len(shape)``, the box lies inside
+        ``shape``, and ``nbytes`` equals its element count times ``itemsize``;
+        otherwise ``FormatError(f"{what}: ...")``. O(log rows + rows returned).
+        """
+        lo, hi = self._span(fqn)
+        out: list[ChunkMeta] = []
+        for i, row in zip(range(lo, hi), self._rows[lo:hi].tolist()):
+            _, offset, nbytes, fa, fb, nsum, ndim, flags = row
+            where = f"{what}: chunk at row {i} of the index of {self.file}"
+            if ndim != len(shape):
+                raise FormatError(f"{where} has rank {ndim}, the tensor has shape {tuple(shape)}")
+            ds = int(self._dstart[i])
+            d = self._dims[ds : ds + 2 * ndim].tolist()
+            box = Box(tuple(d[:ndim]), tuple(d[ndim:]))
+            if not box.within(shape):
+                raise FormatError(f"{where}: {box.offsets}+{box.sizes} lies outside shape {tuple(shape)}")
+            flat = (fa, fb) if flags & _FLAT else None
+            numel = box.numel if flat is None else fb - fa
+            if nbytes != numel * itemsize:
+                raise FormatError(f"{where}: nbytes {nbytes} != {numel} elements x {itemsize} bytes")
+            ss = int(self._sstart[i])
+            hx = self._sums[ss : ss + nsum].astype(">u8").tobytes().hex()
+            sums = tuple(hx[k : k + 16] for k in range(0, len(hx), 16))
+            out.append(ChunkMeta(box, self.file, offset, nbytes, sums, flat, self.rank))
+        return out
