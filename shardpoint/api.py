@@ -184,6 +184,10 @@ def save(
     return result
 
 
+# Replicated tensors up to this size are written by copy 0 rather than balanced.
+SMALL_REPLICA_BYTES = 4096
+
+
 def _check_block(block_size: int) -> None:
     if block_size < 16 or block_size % 16:
         raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
@@ -258,6 +262,8 @@ def _describe(prep: _Prepared, comm: Comm) -> tuple[dict, str, set]:
     gather stays O(ranks + tensors) instead of O(ranks x tensors).
     """
     meshes: dict[tuple, int] = {}
+    mesh_of: dict[int, tuple[int, tuple]] = {}  # id(ranks tuple) -> (mesh index, the tuple, kept alive)
+    memo: dict = {}
     held: dict[str, list] = {}
     mine = {id(t) for t in prep.mine}
     for t in prep.tensors:
@@ -267,12 +273,16 @@ def _describe(prep: _Prepared, comm: Comm) -> tuple[dict, str, set]:
     for fqn, ts in held.items():
         t = ts[0]
         dt = dtype_name(t.data.dtype)
-        grid = _checked_grid(t, prep, comm, id(t) in mine) if len(ts) == 1 else None
+        grid = _checked_grid(t, prep, comm, id(t) in mine, memo) if len(ts) == 1 else None
         if grid is None:
             listed.add(fqn)
             entries[fqn] = [dt, list(t.shape), t.layout, None, None, any(id(x) in mine for x in ts)]
             continue
-        m = meshes.setdefault((grid.mesh_shape, grid.ranks), len(meshes))
+        # Tuples do not cache their hash: hash each distinct rank tuple once, not per tensor.
+        hit = mesh_of.get(id(grid.ranks))
+        if hit is None:
+            hit = mesh_of[id(grid.ranks)] = (meshes.setdefault((grid.mesh_shape, grid.ranks), len(meshes)), grid.ranks)
+        m = hit[0]
         copy = prep.writers.get(_wkey_of(prep, t), 0) if t.replica_count > 1 else 0
         entries[fqn] = [dt, list(t.shape), t.layout, m, [list(x) for x in grid.splits], copy]
     doc = {
@@ -300,7 +310,7 @@ def _group_grid(grid: Grid | None, comm: Comm) -> Grid | None:
     return Grid(grid.mesh_shape, ranks, grid.splits)
 
 
-def _checked_grid(t: SaveTensor, prep: _Prepared, comm: Comm, picked: bool) -> Grid | None:
+def _checked_grid(t: SaveTensor, prep: _Prepared, comm: Comm, picked: bool, memo: dict | None = None) -> Grid | None:
     """``t``'s grid, if it reproduces this rank's box, copy index and writer choice; else ``None``.
 
     A grid the loader would derive wrongly must never reach the manifest:
@@ -308,14 +318,22 @@ def _checked_grid(t: SaveTensor, prep: _Prepared, comm: Comm, picked: bool) -> G
     """
     if t.flat is not None:
         return None
+    memo = {} if memo is None else memo  # grids are O(mesh) to build: one per mesh, not per tensor
     if t.grid is not None:
-        grid = _group_grid(t.grid, comm)
+        key = ("group", id(t.grid))
+        if key not in memo:
+            memo[key] = (_group_grid(t.grid, comm), t.grid)
+        grid = memo[key][0]
     elif t.layout in ("replicated", "local"):
         ranks = prep.ctx.replica_ranks(t.fqn) if prep.ctx is not None else None
-        if ranks is None:
-            grid = Grid((comm.world,), tuple(range(comm.world)), ((),) * len(t.shape))
-        else:
-            grid = _group_grid(Grid((len(ranks),), tuple(sorted(ranks)), ((),) * len(t.shape)), comm)
+        key = ("plain", id(ranks), len(t.shape))
+        if key not in memo:
+            if ranks is None:
+                g = Grid((comm.world,), tuple(range(comm.world)), ((),) * len(t.shape))
+            else:
+                g = _group_grid(Grid((len(ranks),), tuple(sorted(ranks)), ((),) * len(t.shape)), comm)
+            memo[key] = (g, ranks)
+        grid = memo[key][0]
     else:
         return None
     if grid is None or grid.copies != max(1, t.replica_count) or len(grid.splits) != len(t.shape):
@@ -396,28 +414,12 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
             raise UnsupportedStateError(f"{where}: tensor name {t.fqn!r} appears twice in the state")
         seen.add(key)
 
-    # Writers are keyed by name, so every shard of a tensor is written by the same copy
-    # index and the manifest can record that one index (format version 2). A name a rank
-    # holds several pieces of keeps one key per piece.
-    counts: dict[str, int] = {}
-    for t in tensors:
-        counts[t.fqn] = counts.get(t.fqn, 0) + 1
-
-    def wkey(t: SaveTensor) -> str:
-        return t.fqn if counts[t.fqn] == 1 else f"{t.fqn}@{t.box.offsets}"
-
     # Plan cache: the same names, shapes, dtypes and geometry give the same writers.
     sig = tuple((t.fqn, t.shape, t.data.dtype, t.box, t.flat, t.replica_index, t.replica_count, t.replica_group) for t in tensors)
     hit = cache.get("plan") if cache is not None else None
     picked, writers = (hit[1], hit[2]) if hit is not None and hit[0] == sig else (None, None)
     if picked is None:
-        # Balance within each replica group: its ranks all list the same replicated tensors.
-        groups: dict[str, list[ReplicaItem]] = {}
-        for t in tensors:
-            if t.replica_count > 1:
-                groups.setdefault(t.replica_group, []).append(ReplicaItem(wkey(t), t.replica_count, t.cost))
-        writers = {k: w for items in groups.values() for k, w in assign_writers(items).items()}
-        picked = tuple(i for i, t in enumerate(tensors) if t.replica_count <= 1 or writers[wkey(t)] == t.replica_index)
+        picked, writers = choose_writers(tensors)
         if cache is not None:
             cache["plan"] = (sig, picked, writers)  # one layout: a changed layout never reuses stale choices
     else:
@@ -428,6 +430,38 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
         cache["checked"] = (tuple(tensors), picked, lazy_ok, writers, prep)
     _mark(result, "plan", ta)
     return prep
+
+
+def choose_writers(tensors: Sequence[SaveTensor], assign=assign_writers) -> tuple[tuple[int, ...], dict[str, int]]:
+    """Which of ``tensors`` this rank writes (indices), and the copy index writing each replicated one.
+
+    Pure and local: every rank holding a replicated tensor computes the same
+    choice. Writers are keyed by name, so every shard of a tensor is written
+    by the same copy index and the manifest records that one index (format
+    version 2); a name a rank holds several pieces of keeps one key per
+    piece. Balancing runs within each replica group, whose ranks all list
+    the same replicated tensors. Small tensors (optimizer steps, norms,
+    biases) gain nothing from balancing: copy 0 writes them all, so a loader
+    needs few index files to find them.
+    """
+    counts: dict[str, int] = {}
+    for t in tensors:
+        counts[t.fqn] = counts.get(t.fqn, 0) + 1
+
+    def wkey(t: SaveTensor) -> str:
+        return t.fqn if counts[t.fqn] == 1 else f"{t.fqn}@{t.box.offsets}"
+
+    groups: dict[str, list[ReplicaItem]] = {}
+    writers: dict[str, int] = {}
+    for t in tensors:
+        if t.replica_count > 1:
+            if t.nbytes <= SMALL_REPLICA_BYTES:
+                writers[wkey(t)] = 0
+            else:
+                groups.setdefault(t.replica_group, []).append(ReplicaItem(wkey(t), t.replica_count, t.cost))
+    writers.update({k: w for items in groups.values() for k, w in assign(items).items()})
+    picked = tuple(i for i, t in enumerate(tensors) if t.replica_count <= 1 or writers[wkey(t)] == t.replica_index)
+    return picked, writers
 
 
 def _finish_save(comm: Comm, storage: Storage, save_id: str, block_size: int, out: Outcome, result: SaveResult, where: str) -> None:

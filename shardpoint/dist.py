@@ -123,6 +123,24 @@ class Comm:
         dist.all_gather(out, padded, group=self.group)
         return [o[: int(c)] for o, c in zip(out, counts)]
 
+    def all_to_all_rows(self, parts: "list[torch.Tensor]", k: int) -> list["torch.Tensor"]:
+        """Send ``parts[q]`` (an int64 ``[n_q, k]`` table) to rank ``q``; return what each rank sent here.
+
+        Two ``all_to_all_single`` calls (the row counts, then the rows), so a
+        rank receives only the rows addressed to it: unlike
+        :meth:`all_gather_rows`, nothing grows with world size x rows per rank.
+        """
+        if not self.active or self.world == 1:
+            return [parts[0].reshape(-1, k)]
+        send_counts = torch.tensor([int(p.shape[0]) for p in parts], dtype=torch.int64)
+        recv_counts = torch.empty(self.world, dtype=torch.int64)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        flat_in = torch.cat([p.reshape(-1, k) for p in parts]).reshape(-1).contiguous()
+        rc = [int(c) * k for c in recv_counts]
+        flat_out = torch.empty(sum(rc), dtype=torch.int64)
+        dist.all_to_all_single(flat_out, flat_in, rc, [int(c) * k for c in send_counts], group=self.group)
+        return list(flat_out.reshape(-1, k).split([c // k for c in rc]))
+
     def barrier(self) -> None:
         if self.active and self.world > 1:
             dist.barrier(group=self.group)

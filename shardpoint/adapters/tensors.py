@@ -68,6 +68,9 @@ def _replication_outside(mesh, allowed: frozenset[int] | None = None) -> tuple[i
 # torch's computation costs ~0.1 ms per tensor, on the async save's blocking path.
 _GEOMETRY_CACHE: dict = {}
 _GEOMETRY_CACHE_MAX = 65536
+# A mesh's (shape, ranks) and its grids, shared by every tensor on it (format version 2).
+_MESH_RANKS: dict = {}
+_GRIDS: dict = {}
 
 
 def _dtensor_geometry(dt, allowed: frozenset[int] | None = None) -> tuple | None:
@@ -126,8 +129,18 @@ def _grid(mesh, placements, shape: tuple[int, ...]):
     """
     from ..grid import grid_of_placements
 
-    grid_ranks = mesh.mesh
-    mesh_shape = tuple(int(s) for s in grid_ranks.shape)
+    try:
+        hit = _MESH_RANKS.get(mesh)
+    except TypeError:  # an unhashable mesh: no sharing
+        mesh, hit = None, None
+    if hit is None:
+        grid_ranks = mesh.mesh
+        hit = (tuple(int(s) for s in grid_ranks.shape), tuple(int(r) for r in grid_ranks.flatten().tolist()))
+        if mesh is not None:
+            if len(_MESH_RANKS) >= 1024:
+                _MESH_RANKS.clear()
+            _MESH_RANKS[mesh] = hit
+    mesh_shape, ranks = hit
     dims = [getattr(p, "dim", None) for p in placements]
     dims = [d + len(shape) if isinstance(d, int) and d < 0 else d for d in dims]
     for p, d in zip(placements, dims):
@@ -135,7 +148,19 @@ def _grid(mesh, placements, shape: tuple[int, ...]):
             parts = math.prod(mesh_shape[m] for m, e in enumerate(dims) if e == d)
             if shape[d] % parts:
                 return None
-    return grid_of_placements(mesh_shape, tuple(int(r) for r in grid_ranks.flatten().tolist()), placements, len(shape))
+    key = (mesh, tuple(placements), len(shape))
+    try:
+        grid = _GRIDS.get(key) if mesh is not None else None
+    except TypeError:  # an unhashable placement
+        key, grid = None, None
+    if grid is None:
+        # Shared Grid objects: each builds its rank -> coordinate map once.
+        grid = grid_of_placements(mesh_shape, ranks, placements, len(shape))
+        if key is not None and mesh is not None:
+            if len(_GRIDS) >= 4096:
+                _GRIDS.clear()
+            _GRIDS[key] = grid
+    return grid
 
 
 def save_tensor(fqn: str, t: torch.Tensor, ctx: AdapterContext) -> SaveTensor | None:

@@ -36,7 +36,7 @@ from ..planning.load_plan import ReadOp, SourceIndex, coverage_gaps, plan_reads
 from ..storage.base import Storage
 from .io import _dst_view, _readinto, _verify
 
-__all__ = ["LoadStats", "ChunkRead", "SharedSpan", "plan_chunk_reads", "plan_segments", "plan_sharing", "execute_reads"]
+__all__ = ["LoadStats", "ChunkRead", "SharedSpan", "plan_chunk_reads", "plan_segments", "plan_sharing", "route_sharing", "route_rows", "owner_replies", "collect_replies", "execute_reads"]
 
 
 @dataclass
@@ -310,12 +310,14 @@ class SharedSpan:
     needers: tuple[int, ...]
 
 
-def plan_sharing(tables: Sequence[np.ndarray], world: int) -> list[SharedSpan]:
+def plan_sharing(tables: Sequence[np.ndarray], world: int, rotate: int = 0) -> list[SharedSpan]:
     """Pick one reader per span needed by several ranks, balancing bytes (pure, no I/O).
 
     ``tables[q]`` holds rank ``q``'s rows ``(span id, size, file index,
-    offset)``. Every rank runs this on the same input and gets the same
-    result, in the order the spans are processed (file, then offset).
+    offset)``. The same input gives the same result, in the order the spans
+    are processed (file, then offset). Ties between equally loaded needers
+    go to the lowest rank counted from ``rotate``, so that owners planning
+    disjoint sets of spans (:func:`route_sharing`) do not all pick rank 0.
     """
     rows = [np.asarray(t, dtype=np.int64).reshape(-1, 4) for t in tables]
     if not any(len(t) for t in rows):
@@ -338,11 +340,68 @@ def plan_sharing(tables: Sequence[np.ndarray], world: int) -> list[SharedSpan]:
     load = [0] * world
     reader = {}
     for f, off, sid, size, needers in sorted(spans, key=lambda x: (-x[3], x[2])):
-        best = min(needers, key=lambda q: (load[q], q))
+        best = min(needers, key=lambda q: (load[q], (q - rotate) % world))
         reader[sid] = best
         load[best] += size
     spans.sort(key=lambda x: (x[0], x[1], x[2]))
     return [SharedSpan(sid, size, reader[sid], needers) for _f, _o, sid, size, needers in spans]
+
+
+def route_sharing(rows: np.ndarray, comm, auto: bool) -> list[SharedSpan]:
+    """The shared spans this rank takes part in, planned by owners: no all-gather of plans.
+
+    ``rows`` are this rank's ``(span id, size, file index, offset)``. Span
+    ``s`` is planned by rank ``s % world``: each rank sends each row to its
+    owner (one all-to-all), the owner picks a reader among the needers it
+    heard from (:func:`plan_sharing`), and answers the reader with every
+    needer and each other needer with the reader (a second all-to-all). A
+    rank receives O(its own spans x their needers), never world x spans.
+    The spans come back in one global order (file, offset, id) that every
+    rank shares, which keeps the point-to-point transfers deadlock-free.
+    With ``auto``, nothing is shared when every rank runs on one host.
+    """
+    world, me = comm.world, comm.rank
+    hosts = comm.all_gather_rows(torch.tensor([[_host_id()]], dtype=torch.int64))
+    if auto and len({int(h[0, 0]) for h in hosts}) == 1:
+        return []  # re-reads on one host come from its page cache: cheaper than sending
+    got = comm.all_to_all_rows([torch.from_numpy(p) for p in route_rows(rows, world)], 4)
+    replies = owner_replies([g.numpy() for g in got], world, me)
+    back = comm.all_to_all_rows([torch.from_numpy(r) for r in replies], 6)
+    return collect_replies([b.numpy() for b in back])
+
+
+def route_rows(rows: np.ndarray, world: int) -> list[np.ndarray]:
+    """This rank's span rows split by owner (``span id % world``); pure."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+    owner = rows[:, 0] % world
+    return [np.ascontiguousarray(rows[owner == q]) for q in range(world)]
+
+
+def owner_replies(tables: Sequence[np.ndarray], world: int, me: int) -> list[np.ndarray]:
+    """An owner's answers: per rank, rows ``(span id, size, file, offset, reader, needer)``; pure.
+
+    The reader of a span gets one row per needer (it sends to all of them);
+    every other needer gets one row naming the reader.
+    """
+    plan = plan_sharing(tables, world, rotate=me)
+    where = {int(r[0]): (int(r[2]), int(r[3])) for t in tables for r in np.asarray(t).reshape(-1, 4)}
+    replies: list[list[list[int]]] = [[] for _ in range(world)]
+    for sp in plan:
+        f, off = where[sp.sid]
+        for q in sp.needers:
+            for n in (sp.needers if q == sp.reader else (q,)):
+                replies[q].append([sp.sid, sp.size, f, off, sp.reader, n])
+    return [np.array(r, dtype=np.int64).reshape(-1, 6) for r in replies]
+
+
+def collect_replies(back: Sequence[np.ndarray]) -> list[SharedSpan]:
+    """The shared spans of one rank from its owners' answers, in the global (file, offset, id) order; pure."""
+    spans: dict[int, list] = {}
+    for t in back:
+        for sid, size, f, off, reader, n in np.asarray(t).reshape(-1, 6).tolist():
+            spans.setdefault(sid, [f, off, size, reader, []])[4].append(n)
+    order = sorted(spans.items(), key=lambda kv: (kv[1][0], kv[1][1], kv[0]))
+    return [SharedSpan(sid, size, reader, tuple(sorted(set(ns) | {reader}))) for sid, (_f, _o, size, reader, ns) in order]
 
 
 def _host_id() -> int:
@@ -363,25 +422,18 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
     """
     file_index = file_index or {}
     by_id = {_span_id(r): r for r in reads}
-    # Row 0 names this rank's host; the others are its spans.
-    rows = torch.tensor(
-        [[_host_id(), 0, 0, 0]] + [[sid, r.hi - r.lo, file_index.get(r.chunk.file, 0), r.chunk.offset + r.lo] for sid, r in by_id.items()],
-        dtype=torch.int64,
+    rows = np.array(
+        [[sid, r.hi - r.lo, file_index.get(r.chunk.file, 0), r.chunk.offset + r.lo] for sid, r in by_id.items()],
+        dtype=np.int64,
     ).reshape(-1, 4)
     tc = time.monotonic()
-    tables = comm.all_gather_rows(rows)
+    mine = route_sharing(rows, comm, auto)
     if rec is not None:
         rec.add("communicate", tc, time.monotonic())
-    one_host = len({int(t[0, 0]) for t in tables if len(t)}) == 1
-    if auto and one_host:
-        plan = []  # re-reads on one host come from its page cache: cheaper than sending
-    else:
-        plan = plan_sharing([t[1:].numpy() for t in tables], comm.world)
-    shared_ids = {sp.sid for sp in plan}
+    shared_ids = {sp.sid for sp in mine}
     me = comm.rank
     local = [r for sid, r in by_id.items() if sid not in shared_ids]
     local.sort(key=lambda r: (r.chunk.file, r.chunk.offset + r.lo))
-    mine = [sp for sp in plan if me in sp.needers]
     errors: list[BaseException] = []
     # Unshared spans: the ordinary prefetching path, beside the exchange.
     local_pool = ThreadPoolExecutor(1, thread_name_prefix="shardpoint-local")
@@ -467,13 +519,13 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
         raise errors[0]
 
 
-def _exchange_only(comm) -> None:
-    """Join the span exchange with an empty table after a local failure.
+def _exchange_only(comm, auto: bool) -> None:
+    """Join the span exchange with no spans after a local failure.
 
     Peers then plan no sharing with this rank; the failure itself is reported
     by the collective check that follows the read phase.
     """
-    comm.all_gather_rows(torch.tensor([[_host_id(), 0, 0, 0]], dtype=torch.int64))
+    route_sharing(np.zeros((0, 4), dtype=np.int64), comm, auto)
 
 
 def execute_reads(
@@ -510,7 +562,7 @@ def execute_reads(
             reads = plan_chunk_reads(manifest, targets, where, verify, stats, coalesce)
         except Exception:
             # Still take part in the exchange (with nothing), so no peer waits for this rank.
-            _exchange_only(comm)
+            _exchange_only(comm, auto)
             raise
         files = {f: i for i, f in enumerate(sorted(manifest.files))}
         _execute_shared(storage, reads, comm, manifest.block_size, verify, where, stats, window, recorder, threads, files, auto)

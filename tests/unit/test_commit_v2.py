@@ -97,3 +97,33 @@ def test_colliding_keys_are_refused(monkeypatch):
     doc = {"meshes": [], "tensors": {"a": ["float32", [0], "x", None, None, False], "b": ["float32", [0], "x", None, None, False]}}
     with pytest.raises(UnsupportedStateError, match=r"tensor names 'a' and 'b' share a 64-bit key"):
         _commit_of([_status(0)], [(doc, {"values": {}, "layout": {}})])
+
+
+def _fake_comm(rank, world):
+    from shardpoint.dist import Comm
+
+    c = Comm.__new__(Comm)
+    c.group, c.active, c.rank, c.world = None, False, rank, world
+    return c
+
+
+def test_small_replicated_tensors_are_written_by_copy_zero_and_described_by_one_grid():
+    import torch
+
+    from shardpoint.api import SaveResult, _describe, _prepare
+
+    state = {"extra": {"step": torch.tensor(3.0), "norm": torch.ones(64), "big": torch.ones(4096), "big2": torch.ones(4096)}}
+    mine, digests = {}, set()
+    for r in range(4):
+        comm = _fake_comm(r, 4)
+        prep = _prepare(state, comm, False, "ck", SaveResult("ck", "x"))
+        mine[r] = sorted(t.fqn for t in prep.mine)
+        doc, digest, listed = _describe(prep, comm)
+        digests.add(digest)
+        assert not listed and doc["meshes"] == [[[4], [0, 1, 2, 3]]]
+        copies = {k: v[5] for k, v in doc["tensors"].items()}
+    # 4 bytes and 256 bytes: copy 0; the two 16 KiB tensors are balanced over copies 0 and 1.
+    assert copies["extra.step"] == copies["extra.norm"] == 0
+    assert sorted([copies["extra.big"], copies["extra.big2"]]) == [0, 1]
+    assert {"extra.step", "extra.norm"} <= set(mine[0]) and mine[2] == mine[3] == []
+    assert len(digests) == 1  # every rank describes the state identically
