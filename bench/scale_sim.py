@@ -1,35 +1,39 @@
-"""Scale on paper: shardpoint's planners and manifest for a 70B model at up to 16,384 ranks.
+"""Scale on paper: shardpoint's save, manifest and load planning for a 70B model at up to 16,384 ranks.
 
-No processes, no I/O besides the result files. For every rank of a layout this
-builds what the adapters would hand to ``_prepare`` (fqn, global shape, box,
-replica index/count, cost), runs the real writer assignment, turns what the
-rank writes into real ``ChunkMeta`` records (fake offsets laid out like
-``write_chunks`` does, fake fixed-size checksums), pickles the sampled
-ranks' save summaries as ``gather_object`` would, feeds every rank's
-outcome to the real
-``shardpoint.api._commit`` (over an in-memory storage), parses the manifest
-back with ``Manifest.from_json`` and runs the real load planner
-(``shardpoint.engine.load.plan_chunk_reads``: ``SourceIndex`` + ``plan_reads``
-+ coverage check) for sampled target ranks, same layout and resharded.
+No processes and no data I/O: only the library's metadata path runs, on an
+in-memory storage. For every rank of a layout this builds the ``SaveTensor``
+list the adapters would hand to ``_prepare`` (boxes, replica index/count,
+cost, replica group, and the ``grid`` a DTensor gets from
+``grid_of_placements``), runs ``_prepare``'s writer choice (fqn-keyed
+``assign_writers``), lays out chunk records as ``write_chunks`` does (fake
+offsets and checksums), and runs the real ``_Prepared.summary``: it encodes
+and stores the rank's binary index (``encode_index``), describes the rank's
+tensors (``_describe``) and returns the fixed-size status. Rank 0's side
+follows ``_finish_save``: gather every status, ask one rank per distinct
+descriptor digest for its descriptor, and run the real ``_commit``. Then
+``Manifest.from_json`` parses the version-2 manifest, and sampled target
+ranks plan their loads with the real ``resolve`` (``IndexReader``: only the
+writers' index files) and ``plan_chunk_reads``, same layout and resharded.
 
-Per-rank save planning is timed on a sample of ranks (it is the same code on
-every rank); every rank's chunk records are still generated, so the manifest
-lists every chunk. Pipeline-parallel layouts are saved as with
-``replicated_over=<the stage's ranks>`` (without it the adapters count other
-stages as copies; ``--pp-check`` shows what that does). A prototype of the proposed format change ("implicit
-geometry", see ``docs/scale.md``) runs on the same layouts and is checked
-against the real manifest chunk by chunk.
+Per-rank work is timed on sampled ranks (every rank runs the same code in
+parallel); every rank's index and status are still built, so the commit,
+manifest and indexes are full size. Pipeline layouts are saved as with
+``replicated_over=<the stage's ranks>``; ``--pp-check`` shows what happens
+without it. Format version 1's numbers (one JSON manifest listing every
+chunk) are kept in ``docs/scale.md`` as measured in session 2; that code
+path no longer exists.
 
 Usage::
 
-    python bench/scale_sim.py              # full run (about 5 min CPU, 4 GB), writes docs/scale.md and docs/scale.png
-    python bench/scale_sim.py --quick      # under a minute, smaller world sizes, prints the tables
+    python bench/scale_sim.py              # full run, writes docs/scale.md and docs/scale.png
+    python bench/scale_sim.py --quick      # smaller world sizes, prints the tables
     python bench/scale_sim.py --pp-check   # only the pipeline-parallel writer check
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import functools
 import gc
@@ -52,20 +56,24 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from shardpoint.adapters.base import LoadTarget, global_cost
-from shardpoint.api import _commit
+from shardpoint.adapters.base import AdapterContext, LoadTarget, Replicas, SaveTensor, global_cost
+from shardpoint.api import _commit, _describe, _Local, _Prepared, choose_writers
 from shardpoint.dist import Outcome
+from shardpoint.engine.indexes import IndexReader, resolve, wanted_box
 from shardpoint.engine.io import ALIGN, DEFAULT_BLOCK_SIZE
 from shardpoint.engine.load import LoadStats, plan_chunk_reads
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.format.manifest import MANIFEST_NAME, ChunkMeta, Manifest
 from shardpoint.format.values import _TAG
 from shardpoint.geometry import Box, even_chunks
-from shardpoint.planning import ReplicaItem, assign_writers
+from shardpoint.grid import Grid, grid_of_placements
+from shardpoint.planning import assign_writers
 from shardpoint.storage.memory import MemoryStorage
 
 SAVE_ID = "5ca1ab1e" * 4  # 32 hex digits, like uuid4().hex
 DTYPE, ITEMSIZE = "float32", 4  # FSDP2 keeps fp32 sharded params; AdamW state is fp32 too
+WHERE = "sim://scale"
+_DATA = torch.empty(0, dtype=torch.float32)  # the metadata path reads only dtype and element size
 
 
 # ----------------------------------------------------------------------------- model
@@ -154,10 +162,19 @@ class Layout:
             return f"FSDP2 {self.dp}"
         return f"TP{self.tp} PP{self.pp} DP{self.dp}"
 
+    @property
+    def mesh(self) -> tuple[int, ...]:
+        """The stage's DTensor mesh: (dp, tp), or (dp,) without TP."""
+        return (self.dp, self.tp) if self.tp > 1 else (self.dp,)
+
     def coords(self, rank: int) -> tuple[int, int, int]:
         p, rest = divmod(rank, self.dp * self.tp)
         d, t = divmod(rest, self.tp)
         return p, d, t
+
+    def stage_ranks(self, p: int) -> range:
+        n = self.dp * self.tp
+        return range(p * n, (p + 1) * n)
 
     def stage(self, layer: int, layers: int) -> int:
         if layer == -1:
@@ -185,8 +202,7 @@ def shard_box(shape: tuple[int, ...], style: str, lay: Layout, d: int, t: int) -
     """The box of the (dp=d, tp=t) shard, like ``compute_local_shape_and_global_offset``.
 
     Empty shards sit at offset ``shape[dim]``, as torch reports them. Cached:
-    equal boxes (a parameter and its AdamW states, equal layers) share one
-    frozen ``Box``, which keeps building every rank's records cheap.
+    equal boxes share one frozen ``Box``.
     """
     if style == "scalar":
         return Box((), ())
@@ -207,22 +223,53 @@ def shard_box(shape: tuple[int, ...], style: str, lay: Layout, d: int, t: int) -
 _TORCH_PLACEMENTS: dict = {}
 
 
-def torch_shard_box(shape: tuple[int, ...], style: str, lay: Layout, d: int, t: int) -> Box:
-    """The same box from torch's own ``_compute_local_shape_and_global_offset`` (what the adapter calls)."""
+def torch_placements(lay: Layout, style: str) -> list:
+    """Real torch placement objects for ``style`` (cached)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    if style == "scalar":
-        return Box((), ())
     key = (lay.placements(style), lay.tp)
     pl = _TORCH_PLACEMENTS.get(key)
     if pl is None:
         make = {"S0": lambda: Shard(0), "S1": lambda: Shard(1), "R": Replicate, "SS0": lambda: _StridedShard(0, split_factor=lay.tp)}
         pl = _TORCH_PLACEMENTS[key] = [make[p]() for p in key[0]]
-    mesh, coord = ((lay.dp, lay.tp), [d, t]) if lay.tp > 1 else ((lay.dp,), [d])
-    sizes, offs = _compute_local_shape_and_global_offset(shape, mesh, coord, pl)
+    return pl
+
+
+def torch_shard_box(shape: tuple[int, ...], style: str, lay: Layout, d: int, t: int) -> Box:
+    """The same box from torch's own ``_compute_local_shape_and_global_offset`` (what the adapter calls)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    if style == "scalar":
+        return Box((), ())
+    coord = [d, t] if lay.tp > 1 else [d]
+    sizes, offs = _compute_local_shape_and_global_offset(shape, lay.mesh, coord, torch_placements(lay, style))
     return Box(tuple(int(o) for o in offs), tuple(int(s) for s in sizes))
+
+
+_SPLITS = {"col": ((1, 0),), "row": ((0,), (1,)), "rep": ((0,),)}  # tensor dim -> mesh dims, outermost first
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_grid(lay: Layout, p: int, style: str, ndim: int) -> Grid:
+    """Closed form of ``grid_of_placements`` for a stage's DTensors (one shared ``Grid`` per stage and style)."""
+    base = ((0,),) if lay.tp == 1 else _SPLITS[style]
+    return Grid(lay.mesh, _stage_tuple(lay, p), base + ((),) * (ndim - len(base)))
+
+
+def torch_grid(lay: Layout, p: int, style: str, ndim: int) -> Grid | None:
+    """The grid the adapter builds: ``grid_of_placements`` over real torch placement objects."""
+    return grid_of_placements(lay.mesh, tuple(lay.stage_ranks(p)), torch_placements(lay, style), ndim)
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_tuple(lay: Layout, p: int) -> tuple[int, ...]:
+    return tuple(lay.stage_ranks(p))
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_set(lay: Layout, p: int) -> frozenset[int]:
+    return frozenset(lay.stage_ranks(p))
 
 
 def stage_specs(specs: list[TensorSpec], m: ModelSpec, lay: Layout) -> list[list[TensorSpec]]:
@@ -256,74 +303,139 @@ class _SpecsKey:
         return isinstance(other, _SpecsKey) and other.specs is self.specs
 
 
-class SimTensor(NamedTuple):
-    """What ``save_tensor`` hands to ``_prepare`` for one local tensor (minus the data)."""
-
-    fqn: str
-    shape: tuple[int, ...]
-    box: Box
-    replica_index: int
-    replica_count: int
-    cost: float
-    layout: str
+# ----------------------------------------------------------------------------- one rank's save
+def _replicated_over(lay: Layout, mode: str) -> bool:
+    """``mode="pp-aware"``: pipeline layouts pass ``replicated_over=<stage ranks>``; ``"adapters"``: nothing."""
+    return mode == "pp-aware" and lay.pp > 1
 
 
-def rank_tensors(specs: list[TensorSpec], m: ModelSpec, lay: Layout, rank: int, mode: str = "pp-aware", boxes: Callable = shard_box) -> list[SimTensor]:
-    """The SaveTensor geometry of one rank.
-
-    ``mode="adapters"`` reproduces today's adapters: a DTensor on the (dp, tp)
-    sub-mesh of a (pp, dp, tp) mesh counts the pp dim as replicas
-    (``_replication_outside``), and a plain tensor (AdamW ``step``) counts the
-    whole world as replicas (``plain_replica``). ``mode="pp-aware"`` counts
-    only the ranks that really hold the tensor: replicas over tp for norms,
-    the stage's ranks for ``step``.
-    """
-    p, d, t = lay.coords(rank)
-    out = []
-    for fqn, shape, style, scalar, rep, cost, label in _templates(_SpecsKey(specs), m, lay, p, mode):
-        box = boxes(shape, style, lay, d, t)
-        if scalar:
-            idx, cnt = (rank, lay.world) if mode == "adapters" else (d * lay.tp + t, lay.dp * lay.tp)
-            out.append(SimTensor(fqn, shape, box, idx, cnt, cost, "replicated" if cnt > 1 else "local"))
-            continue
-        idx, cnt = (p, lay.pp) if mode == "adapters" and lay.pp > 1 else (0, 1)
-        if rep:
-            idx, cnt = idx * lay.tp + t, cnt * lay.tp
-        out.append(SimTensor(fqn, shape, box, idx, cnt, cost, label))
-    return out
+def rank_context(lay: Layout, rank: int, mode: str) -> AdapterContext:
+    """The real ``AdapterContext``, as ``build_context`` makes it from ``replicated_over``."""
+    replicas = {}
+    if _replicated_over(lay, mode):
+        p, d, t = lay.coords(rank)
+        r = Replicas(d * lay.tp + t, lay.dp * lay.tp, _stage_set(lay, p))
+        replicas = {"model": r, "optim": r}
+    return AdapterContext(rank, lay.world, {}, replicas=replicas)
 
 
 @functools.lru_cache(maxsize=64)
 def _templates(specs_key, m: ModelSpec, lay: Layout, p: int, mode: str) -> tuple:
-    """Rank-independent facts of a stage's tensors: name, shape, style, replicated over tp, cost, label."""
+    """Rank-independent facts of a stage's tensors: fqn, shape, style, is scalar, replicated over tp, cost, label, grid."""
     out = []
+    outside = lay.pp if mode == "adapters" and lay.pp > 1 else 1  # _replication_outside's count
     for s in stage_specs(specs_key.specs, m, lay)[p]:
         if s.style == "scalar":
-            out.append((s.fqn, s.shape, s.style, True, False, float(ITEMSIZE), ""))
+            out.append((s.fqn, s.shape, s.style, True, False, float(ITEMSIZE), "", None))
             continue
         rep = s.style == "rep" and lay.tp > 1
-        cnt = (lay.pp if mode == "adapters" and lay.pp > 1 else 1) * (lay.tp if rep else 1)
-        cost = global_cost(s.shape, ITEMSIZE, cnt, lay.world)
-        out.append((s.fqn, s.shape, s.style, False, rep, cost, "dtensor(" + ", ".join(lay.placements(s.style)) + ")"))
+        cost = global_cost(s.shape, ITEMSIZE, outside * (lay.tp if rep else 1), lay.world)
+        label = f"dtensor{tuple(torch_placements(lay, s.style))}"
+        grid = stage_grid(lay, p, s.style, len(s.shape)) if outside == 1 else None  # adapter: no grid with copies outside the mesh
+        out.append((s.fqn, s.shape, s.style, False, rep, cost, label, grid))
     return tuple(out)
 
 
-def _wkey(t: SimTensor) -> str:
-    return f"{t.fqn}@{t.box.offsets}"
+def rank_tensors(specs, m: ModelSpec, lay: Layout, rank: int, mode: str = "pp-aware", exact: bool = False) -> list[SaveTensor]:
+    """The ``SaveTensor`` list of one rank, as the adapters build it (``data`` is an empty stand-in).
+
+    ``exact=True`` does what the adapter does: torch's box and the grid from
+    ``grid_of_placements`` over real placements (once per placements and
+    shape, as its geometry cache does), and the context's ``replica_group`` /
+    ``plain_replica`` per tensor; otherwise closed forms, cached.
+    ``mode="adapters"``: no ``replicated_over``, so a DTensor on a stage's
+    sub-mesh counts the pp dim as copies (``_replication_outside``) and gets no
+    grid, and ``step`` counts the whole world as copies.
+    """
+    p, d, t = lay.coords(rank)
+    rep_over = _replicated_over(lay, mode)
+    ctx = rank_context(lay, rank, mode) if exact else None
+    group = ",".join(map(str, _stage_tuple(lay, p))) if rep_over else ""
+    geo: dict = {}  # the adapter's geometry cache: one torch computation per (placements, shape) on a rank
+    out = []
+    for fqn, shape, style, scalar, rep, cost, label, grid in _templates(_SpecsKey(specs), m, lay, p, mode):
+        if exact:
+            group = ctx.replica_group(fqn)
+        if scalar:
+            idx, cnt = ctx.plain_replica(fqn) if exact else ((d * lay.tp + t, lay.dp * lay.tp) if rep_over else (rank, lay.world))
+            out.append(SaveTensor(fqn, _DATA, shape, Box((), ()), None, idx, cnt, cost, "replicated" if cnt > 1 else "local", group))
+            continue
+        idx, cnt = (p, lay.pp) if mode == "adapters" and lay.pp > 1 else (0, 1)
+        if rep:
+            idx, cnt = idx * lay.tp + t, cnt * lay.tp
+        if exact:
+            hit = geo.get((style, shape))
+            if hit is None:
+                g = torch_grid(lay, p, style, len(shape)) if grid is not None else None
+                hit = geo[(style, shape)] = (torch_shard_box(shape, style, lay, d, t), g)
+            box, grid = hit
+        else:
+            box = shard_box(shape, style, lay, d, t)
+        out.append(SaveTensor(fqn, _DATA, shape, box, None, idx, cnt, cost, label, group, grid))
+    return out
 
 
-def pick_mine(tensors: list[SimTensor], assign: Callable = assign_writers) -> list[SimTensor]:
-    """What this rank writes: the selection in ``shardpoint.api._prepare``, verbatim."""
-    writers = assign(ReplicaItem(_wkey(t), t.replica_count, t.cost) for t in tensors if t.replica_count > 1)
-    return [t for t in tensors if t.replica_count <= 1 or writers[_wkey(t)] == t.replica_index]
+def same_tensors(a: list[SaveTensor], b: list[SaveTensor]) -> bool:
+    """Field by field, ignoring the data stand-in."""
+    key = lambda t: (t.fqn, t.shape, t.box, t.flat, t.replica_index, t.replica_count, t.cost, t.layout, t.replica_group, t.grid)
+    return [key(t) for t in a] == [key(t) for t in b]
+
+
+def pick_mine(tensors: list[SaveTensor], assign: Callable = assign_writers) -> tuple[list[SaveTensor], dict]:
+    """``_prepare``'s writer choice: the library's own ``choose_writers``."""
+    picked, writers = choose_writers(tensors, assign)
+    return [tensors[i] for i in picked], writers
+
+
+def _memo_assign(memo: dict) -> Callable:
+    """``assign_writers`` memoised on its input: ranks of one replica group see the same items."""
+
+    def assign(items):
+        items = tuple(items)
+        got = memo.get(items)
+        if got is None:
+            got = memo[items] = assign_writers(items)
+        return got
+
+    return assign
+
+
+class _GridMemo:
+    """Stands in for ``shardpoint.api.Grid`` in the bulk: equal arguments give one shared (immutable) ``Grid``.
+
+    ``_checked_grid`` builds a new replica grid per plain tensor, O(group size)
+    each; sampled ranks are timed without this, every other rank with it.
+    """
+
+    def __init__(self):
+        self.cache: dict = {}
+
+    def __call__(self, mesh_shape, ranks, splits):
+        key = (tuple(mesh_shape), tuple(ranks), tuple(splits))
+        g = self.cache.get(key)
+        if g is None:
+            g = self.cache[key] = Grid(mesh_shape, ranks, splits)
+        return g
+
+
+@contextlib.contextmanager
+def memo_grids():
+    import shardpoint.api as api
+
+    orig = api.Grid
+    api.Grid = _GridMemo()
+    try:
+        yield
+    finally:
+        api.Grid = orig
 
 
 def data_file(rank: int) -> str:
     return f"data/{SAVE_ID}-r{rank:05d}.bin"
 
 
-def fake_records(rank: int, mine: list[SimTensor], block: int) -> tuple[list[tuple[str, ChunkMeta]], int]:
-    """Chunk records as ``write_chunks`` makes them: 64-byte aligned offsets, one checksum per block."""
+def fake_records(rank: int, mine: list[SaveTensor], block: int) -> tuple[list[tuple[str, ChunkMeta]], int]:
+    """Chunk records as ``write_chunks`` makes them: 64-byte aligned offsets, one fake checksum per block."""
     name = data_file(rank)
     pos, recs = 0, []
     for k, t in enumerate(mine):
@@ -342,24 +454,52 @@ def _ref(path: str) -> dict:
     return {_TAG: "tensor", "key": path}
 
 
-def rank_summary(rank: int, tensors: list[SimTensor], mine: list[SimTensor], block: int) -> dict:
-    """The dict ``_Prepared.summary`` returns: what each rank sends to rank 0."""
+_VALUES: dict = {}
+
+
+def stage_values(specs, m: ModelSpec, lay: Layout, p: int) -> tuple[dict, dict]:
+    """The values and layout documents of a stage's ranks (AdamW's state_dict skeleton), built once per stage."""
+    key = (id(specs), m, lay, p)
+    got = _VALUES.get(key)
+    if got is None:
+        params = [s.fqn for s in stage_specs(specs, m, lay)[p] if s.fqn.startswith("model.")]
+        hyper = {
+            "lr": 3e-4, "betas": {_TAG: "tuple", "v": [0.9, 0.95]}, "eps": 1e-8, "weight_decay": 0.1,
+            "amsgrad": False, "foreach": None, "maximize": False, "capturable": False,
+            "differentiable": False, "fused": None, "decoupled_weight_decay": True,
+        }
+        state = {q: {k: _ref(f"optim.state.{q}.{k}") for k in ("step", "exp_avg", "exp_avg_sq")} for q in params}
+        values = {"model": {}, "optim": {"groups": [hyper], "group_of": {q: 0 for q in params}, "state": state}}
+        got = (values, {"model": "fsdp2", "optim": "optimizer:AdamW"})
+        if len(_VALUES) > 64:
+            _VALUES.clear()
+        _VALUES[key] = got
+    return got
+
+
+class SimComm:
+    """What ``_describe`` and ``summary`` read from a ``Comm``: rank, world, group (``None``: global ranks)."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world, self.group = rank, world, None
+
+
+def plan_rank(specs, m: ModelSpec, lay: Layout, rank: int, mode: str = "pp-aware", assign: Callable = assign_writers,
+              exact: bool = False) -> _Prepared:
+    """One rank's ``_prepare``: its tensors, what it writes, and its documents."""
+    tensors = rank_tensors(specs, m, lay, rank, mode, exact)
+    mine, writers = pick_mine(tensors, assign)
+    values, layout = stage_values(specs, m, lay, lay.coords(rank)[0])
+    return _Prepared(tensors, mine, values, layout, set(), writers, rank_context(lay, rank, mode))
+
+
+def finish_rank(storage, prep: _Prepared, rank: int, world: int, block: int) -> tuple[_Local, list]:
+    """After the (simulated) data file: the real ``summary`` writes the index and describes the rank."""
     records, files = [], {}
-    if mine:
-        records, size = fake_records(rank, mine, block)
+    if prep.mine:
+        records, size = fake_records(rank, prep.mine, block)
         files[data_file(rank)] = size
-    params = [t.fqn for t in tensors if t.fqn.startswith("model.")]
-    hyper = {
-        "lr": 3e-4, "betas": {_TAG: "tuple", "v": [0.9, 0.95]}, "eps": 1e-8, "weight_decay": 0.1,
-        "amsgrad": False, "foreach": None, "maximize": False, "capturable": False,
-        "differentiable": False, "fused": None, "decoupled_weight_decay": True,
-    }
-    state = {
-        p: {k: _ref(f"optim.state.{p}.{k}") for k in ("step", "exp_avg", "exp_avg_sq")} for p in params
-    }
-    values = {"model": {}, "optim": {"groups": [hyper], "group_of": {p: 0 for p in params}, "state": state}}
-    meta = {t.fqn: (DTYPE, t.shape, t.layout) for t in tensors}
-    return {"records": records, "files": files, "values": values, "layout": {"model": "fsdp2", "optim": "optimizer:AdamW"}, "meta": meta}
+    return prep.summary(storage, records, files, SimComm(rank, world)), records
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -371,24 +511,9 @@ class Cost:
     wall: float = 0.0
     peak: int | None = None
 
-    def __add__(self, o: Cost) -> Cost:
-        peak = None if self.peak is None and o.peak is None else max(self.peak or 0, o.peak or 0)
-        return Cost(self.cpu + o.cpu, self.wall + o.wall, peak)
-
-
-def best_of(fn: Callable[[], Any], n: int = 3) -> tuple[Any, Cost]:
-    """The fastest of ``n`` runs, for millisecond steps where one garbage collection would dominate."""
-    runs = [measure(fn) for _ in range(n)]
-    return runs[0][0], min((c for _, c in runs), key=lambda c: c.cpu)
-
 
 def measure(fn: Callable[[], Any], trace: bool = False) -> tuple[Any, Cost]:
-    """Run ``fn`` once; with ``trace`` also record its tracemalloc peak (slower).
-
-    The garbage collector stays on while timing (the library pays for it too);
-    a full collection first is only worth it before tracing (it costs seconds
-    once a big manifest is alive).
-    """
+    """Run ``fn`` once; with ``trace`` also record its tracemalloc peak (slower)."""
     if trace:
         gc.collect()
         tracemalloc.start()
@@ -403,6 +528,12 @@ def measure(fn: Callable[[], Any], trace: bool = False) -> tuple[Any, Cost]:
             peak = tracemalloc.get_traced_memory()[1] - base
             tracemalloc.stop()
     return out, Cost(c1 - c0, w1 - w0, peak)
+
+
+def best_of(fn: Callable[[], Any], n: int = 3) -> tuple[Any, Cost]:
+    """The fastest of ``n`` runs, for millisecond steps where one garbage collection would dominate."""
+    runs = [measure(fn) for _ in range(n)]
+    return runs[0][0], min((c for _, c in runs), key=lambda c: c.cpu)
 
 
 def profile_top(fn: Callable[[], Any], n: int = 8) -> tuple[Any, list[tuple[str, float, int]]]:
@@ -435,34 +566,80 @@ def sample_ranks(lay: Layout, n: int, rng: random.Random) -> list[int]:
     return sorted(set(out))
 
 
-def _memo_assign(memo: dict) -> Callable:
-    """``assign_writers`` memoised on its input: ranks of one replica group see the same items."""
-
-    def assign(items):
-        items = tuple(items)
-        got = memo.get(items)
-        if got is None:
-            got = memo[items] = assign_writers(items)
-        return got
-
-    return assign
+def _mean(xs: list) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
 
 
-# ----------------------------------------------------------------------------- save side (v1, today's format)
-_STAGE_DOCS: dict = {}
+# ----------------------------------------------------------------------------- save
+@dataclass
+class Saved:
+    """Everything rank 0 holds after the gathers, and what the simulation keeps for checks."""
+
+    storage: MemoryStorage
+    statuses: list[dict]
+    docs: list[tuple]
+    status_blobs: list[bytes]
+    doc_blobs: list[bytes]
+    chunks: int = 0
+    index_bytes: int = 0
+    index_max: int = 0
+    tdigs: int = 0
+    vdigs: int = 0
+    written: dict = field(default_factory=dict)  # fqn -> elements written, over all ranks
+    records: dict = field(default_factory=dict)  # fqn -> its v1 records, for the checked tensors
 
 
-def _stage_docs(tensors: list[SimTensor], key: tuple) -> tuple[dict, dict]:
-    """values and meta of a rank's summary; identical across a stage, so built once per stage.
+def save_all(specs, m: ModelSpec, lay: Layout, block: int, mode: str = "pp-aware", check: set[str] | frozenset = frozenset(),
+             storage: MemoryStorage | None = None) -> Saved:
+    """Every rank: plan, records, real ``summary``; then rank 0's two gathers as ``_finish_save`` runs them."""
+    storage = MemoryStorage() if storage is None else storage
+    assign = _memo_assign({})
+    out = Saved(storage, [], [], [], [])
+    want_t: dict[str, int] = {}
+    want_v: dict[str, int] = {}
+    with memo_grids():  # simulation speed only; see _GridMemo
+        for r in range(lay.world):
+            prep = plan_rank(specs, m, lay, r, mode, assign)
+            local, records = finish_rank(storage, prep, r, lay.world, block)
+            st = local.status
+            out.statuses.append(st)
+            out.status_blobs.append(pickle.dumps(Outcome(True, st)))
+            first_t = want_t.setdefault(st["tdig"], r) == r
+            first_v = want_v.setdefault(st["vdig"], r) == r
+            doc = (local.tensors_doc if first_t else None, local.values_doc if first_v else None)
+            out.docs.append(doc)
+            out.doc_blobs.append(pickle.dumps(doc))
+            out.chunks += len(records)
+            if st["ranks"] is not None:
+                n = st["files"][st["ranks"][1]]
+                out.index_bytes += n
+                out.index_max = max(out.index_max, n)
+            for t in prep.mine:
+                out.written[t.fqn] = out.written.get(t.fqn, 0) + t.box.numel
+            for fqn, c in records:
+                if fqn in check:
+                    out.records.setdefault(fqn, []).append(c)
+    out.tdigs, out.vdigs = len(want_t), len(want_v)
+    return out
 
-    Rank 0 really holds one unpickled copy per rank; that memory is measured
-    on sampled payloads and scaled, not by keeping 16,384 copies here.
-    """
-    got = _STAGE_DOCS.get(key)
-    if got is None:
-        full = rank_summary(0, tensors, [], DEFAULT_BLOCK_SIZE)
-        got = _STAGE_DOCS[key] = (full["values"], full["meta"])
-    return got
+
+def decision_blob(saved: Saved) -> bytes:
+    """What rank 0 broadcasts between the gathers: which ranks send their descriptors."""
+    ask_t = {r for r, d in enumerate(saved.docs) if d[0] is not None}
+    ask_v = {r for r, d in enumerate(saved.docs) if d[1] is not None}
+    return pickle.dumps(("ask", ask_t, ask_v))
+
+
+def rank0_unpickle(saved: Saved) -> None:
+    """Rank 0's side of the two ``gather_object`` calls."""
+    for b in saved.status_blobs:
+        pickle.loads(b)
+    for b in saved.doc_blobs:
+        pickle.loads(b)
+
+
+def commit(saved: Saved, lay: Layout, block: int, storage=None, where: str = WHERE) -> str:
+    return _commit(saved.storage if storage is None else storage, SAVE_ID, lay.world, block, saved.statuses, saved.docs, where)
 
 
 @dataclass
@@ -471,168 +648,119 @@ class SaveResult:
     sampled: list[int]
     tensors_per_rank: float = 0.0
     chunks_per_rank: float = 0.0
-    geometry: list[Cost] = field(default_factory=list)  # per sampled rank: torch geometry, as the adapter runs it
-    assign: list[Cost] = field(default_factory=list)  # writer assignment (real assign_writers + _prepare's selection)
-    assign_default: list[Cost] = field(default_factory=list)  # the same without replicated_over (pp > 1 only)
-    records: list[Cost] = field(default_factory=list)  # chunk records + summary dict
-    plan_peak: int = 0  # tracemalloc peak of one rank's geometry + assignment (first sampled rank)
-    payload: list[int] = field(default_factory=list)  # pickled summary bytes per sampled rank
-    dumps: list[Cost] = field(default_factory=list)
-    loads: list[Cost] = field(default_factory=list)  # rank 0 unpickling one payload (average of a batch, see _unpickle_many)
-    loads_batch: int = 0
-    unpickled: list[int] = field(default_factory=list)  # bytes one payload takes on rank 0
-    chunks: int = 0
-    tensors: int = 0
-    files: int = 0
-    bulk: Cost = field(default_factory=Cost)  # simulation overhead: building every rank's records
-    commit: Cost = field(default_factory=Cost)  # real _commit (merge, sort, checks, Manifest, to_json, put)
-    to_json: float = 0.0  # CPU seconds of Manifest.to_json inside the commit
+    geometry: list[Cost] = field(default_factory=list)  # per sampled rank: torch boxes and grids, as the adapter computes them
+    assign: list[Cost] = field(default_factory=list)  # _prepare's writer choice
+    summary: list[Cost] = field(default_factory=list)  # real summary: encode_index + store + _describe + digests
+    describe: list[Cost] = field(default_factory=list)  # of which _describe
+    describe_fixed: list[Cost] = field(default_factory=list)  # _describe with replica grids built once (_GridMemo)
+    bulk: Cost = field(default_factory=Cost)  # simulation: every rank's plan + summary
+    saved: Saved | None = None
+    gather_bytes: int = 0  # statuses + descriptors, pickled, over all ranks
+    status_bytes: int = 0
+    doc_bytes: int = 0
+    decision_bytes: int = 0
+    unpickle: Cost = field(default_factory=Cost)
+    commit: Cost = field(default_factory=Cost)
     manifest_bytes: int = 0
     parse: Cost = field(default_factory=Cost)
-    parsed_peak_live: int | None = None
+    tensors: int = 0
+    grids: int = 0
+    chunks_checked: int = 0
     profiles: dict = field(default_factory=dict)
 
-    def mean(self, xs: list) -> float:
-        vals = [x.cpu if isinstance(x, Cost) else x for x in xs]
-        return sum(vals) / len(vals) if vals else 0.0
 
-    def worst(self, xs: list) -> float:
-        vals = [x.cpu if isinstance(x, Cost) else x for x in xs]
-        return max(vals) if vals else 0.0
-
-    @property
-    def plan_per_rank(self) -> list[float]:
-        return [g.cpu + a.cpu for g, a in zip(self.geometry, self.assign)]
-
-    @property
-    def gather_bytes(self) -> float:
-        """Extrapolated: mean sampled payload x world (every rank sends one)."""
-        return self.mean(self.payload) * self.layout.world
-
-    @property
-    def gather_loads(self) -> float:
-        """Extrapolated: rank 0 unpickles every payload in turn."""
-        return self.mean(self.loads) * self.layout.world
-
-    @property
-    def gather_objects(self) -> float:
-        return self.mean(self.unpickled) * self.layout.world
+def time_rank(specs, m: ModelSpec, lay: Layout, r: int, block: int) -> tuple[dict, list, list]:
+    """One rank's save work, timed step by step: adapter geometry, writer choice, ``_describe``, the whole ``summary``."""
+    tensors, c_geo = measure(partial(rank_tensors, specs, m, lay, r, "pp-aware", True))
+    assert same_tensors(tensors, rank_tensors(specs, m, lay, r)), f"closed-form geometry differs from torch's on rank {r}"
+    (mine, writers), c_asg = measure(partial(pick_mine, tensors))
+    values, layout = stage_values(specs, m, lay, lay.coords(r)[0])
+    prep = _Prepared(tensors, mine, values, layout, set(), writers, rank_context(lay, r, "pp-aware"))
+    desc, c_desc = best_of(partial(_describe, prep, SimComm(r, lay.world)))
+    desc2, c_fix = best_of(partial(_describe_memo, prep, SimComm(r, lay.world)))
+    assert desc[1] == desc2[1], "the grid memo changed a descriptor"
+    records, size = fake_records(r, mine, block)  # write_chunks' records, outside the timing
+    _, c_sum = best_of(partial(_fresh_summary, prep, records, {data_file(r): size} if mine else {}, SimComm(r, lay.world)))
+    costs = {"geometry": c_geo, "assign": c_asg, "describe": c_desc, "describe_fixed": c_fix, "summary": c_sum}
+    return costs, tensors, mine
 
 
-def run_save(specs, m: ModelSpec, lay: Layout, block: int, sample: list[int], trace: bool, profile: bool, v2: V2Store | None = None) -> tuple[SaveResult, bytes]:
-    """Plan every rank, gather, commit with the real ``_commit``; returns the manifest bytes."""
+def _fresh_summary(prep: _Prepared, records: list, files: dict, comm: SimComm) -> _Local:
+    prep.described = None  # summary caches the descriptor for repeated saves: time a first save
+    return prep.summary(MemoryStorage(), records, files, comm)
+
+
+def probe(specs, m: ModelSpec, lay: Layout, rng: random.Random) -> dict:
+    """Per-rank save work only (no bulk, commit or load), for world sizes too big to build every rank of."""
+    r = sample_ranks(lay, 1, rng)[0]
+    c, tensors, mine = time_rank(specs, m, lay, r, DEFAULT_BLOCK_SIZE)
+    return {"layout": lay.name, "ranks": lay.world, "rank": r, "tensors_per_rank": len(tensors), "chunks_per_rank": len(mine),
+            **{f"{k}_s": v.cpu for k, v in c.items()}}
+
+
+def run_save(specs, m: ModelSpec, lay: Layout, block: int, sample: list[int], check: set[str], profile: bool) -> tuple[SaveResult, Manifest]:
+    """Sampled ranks timed, every rank built, then the real commit and parse (timed and traced)."""
     res = SaveResult(lay, sample)
-    blobs: list[bytes] = []
-    # 1. Sampled ranks: the per-rank work, timed and traced one rank at a time.
-    for i, r in enumerate(sample):
-        tensors, c_geo = measure(partial(rank_tensors, specs, m, lay, r, boxes=torch_shard_box))
-        assert tensors == rank_tensors(specs, m, lay, r), f"fast geometry differs from torch's on rank {r}"
-        mine, c_asg = measure(partial(pick_mine, tensors))
-        if i == 0:
-            _, c_peak = measure(partial(_plan_one, specs, m, lay, r), trace=True)
-            res.plan_peak = c_peak.peak or 0
-        if lay.pp > 1:
-            dflt = rank_tensors(specs, m, lay, r, mode="adapters")
-            res.assign_default.append(measure(partial(pick_mine, dflt))[1])
-        summary, c_rec = measure(partial(rank_summary, r, tensors, mine, block))
-        blob, c_dump = best_of(partial(pickle.dumps, Outcome(True, summary)))
-        c_load = measure(partial(pickle.loads, blob), trace=True)[1]  # peak = one payload's objects on rank 0
-        blobs.append(blob)
-        res.geometry.append(c_geo)
-        res.assign.append(c_asg)
-        res.records.append(c_rec)
-        res.payload.append(len(blob))
-        res.dumps.append(c_dump)
-        res.unpickled.append(c_load.peak or 0)
+    # 1. Sampled ranks: the per-rank work, timed one rank at a time.
+    for r in sample:
+        c, tensors, mine = time_rank(specs, m, lay, r, block)
+        res.geometry.append(c["geometry"])
+        res.assign.append(c["assign"])
+        res.describe.append(c["describe"])
+        res.describe_fixed.append(c["describe_fixed"])
+        res.summary.append(c["summary"])
         res.tensors_per_rank += len(tensors) / len(sample)
         res.chunks_per_rank += len(mine) / len(sample)
-    n = res.loads_batch = _unpickle_batch(res.mean(res.unpickled))
-    batch = measure(partial(_unpickle_many, blobs, n))[1]
-    res.loads = [Cost(batch.cpu / n, batch.wall / n)]
 
-    # 2. Every rank's records (fast geometry, assign_writers memoised per replica group).
-    def bulk() -> list[Outcome]:
-        memo: dict = {}
-        assign = _memo_assign(memo)
-        gathered = []
-        for r in range(lay.world):
-            tensors = rank_tensors(specs, m, lay, r)
-            mine = pick_mine(tensors, assign)
-            records, files = [], {}
-            if mine:
-                records, size = fake_records(r, mine, block)
-                files[data_file(r)] = size
-                if v2 is not None:
-                    v2.add_rank(r, records, size)
-            values, meta = _stage_docs(tensors, (id(specs), lay, lay.coords(r)[0]))
-            gathered.append(Outcome(True, {"records": records, "files": files, "values": values,
-                                           "layout": {"model": "fsdp2", "optim": "optimizer:AdamW"}, "meta": meta}))
-        return gathered
+    # 2. Every rank (closed-form geometry, assign_writers memoised per replica group).
+    saved, res.bulk = measure(partial(save_all, specs, m, lay, block, "pp-aware", check))
+    res.saved = saved
+    want = {s.fqn: math.prod(s.shape) for s in specs}
+    assert saved.written == want, "some tensor is not written exactly once"
+    res.status_bytes = sum(map(len, saved.status_blobs))
+    res.doc_bytes = sum(map(len, saved.doc_blobs))
+    res.decision_bytes = len(decision_blob(saved))
+    res.gather_bytes = res.status_bytes + res.doc_bytes
+    _, res.unpickle = best_of(partial(rank0_unpickle, saved))
 
-    _STAGE_DOCS.clear()
-    gathered, res.bulk = measure(bulk)
-    res.chunks = sum(len(o.value["records"]) for o in gathered)
-    res.files = sum(len(o.value["files"]) for o in gathered)
-
-    # 3. The coordinator: the real _commit, with Manifest.to_json timed inside it.
-    storage = MemoryStorage()
-    spent = [0.0]
-    orig = Manifest.to_json
-
-    def timed_to_json(self):
-        c0 = time.process_time()
-        try:
-            return orig(self)
-        finally:
-            spent[0] += time.process_time() - c0
-
-    Manifest.to_json = timed_to_json  # type: ignore[method-assign]
-    try:
-        run = partial(_commit, save_id=SAVE_ID, world=lay.world, block=block, gathered=gathered, where="sim://scale")
-        if profile:
-            _, res.profiles["commit"] = profile_top(partial(run, MemoryStorage()))
-            spent[0] = 0.0
-        _, res.commit = measure(partial(run, storage))
-        res.to_json = spent[0]
-        if trace:  # memory, in a second (slower) traced run
-            res.commit.peak = measure(partial(run, MemoryStorage()), trace=True)[1].peak
-    finally:
-        Manifest.to_json = orig  # type: ignore[method-assign]
-    data = storage.get(MANIFEST_NAME)
+    # 3. The coordinator: the real _commit (on the storage holding every index, so its cleanup lists them all).
+    if profile:
+        _, res.profiles["commit"] = profile_top(partial(commit, saved, lay, block, MemoryStorage()))
+    _, res.commit = best_of(partial(commit, saved, lay, block))
+    res.commit.peak = measure(partial(commit, saved, lay, block, MemoryStorage()), trace=True)[1].peak
+    data = saved.storage.get(MANIFEST_NAME)
     res.manifest_bytes = len(data)
-    _STAGE_DOCS.clear()
-    return res, data
 
-
-def _unpickle_batch(object_bytes: float) -> int:
-    """How many payloads to unpickle in a row: enough to see the collector's work, at most ~64 MB of objects."""
-    return max(16, min(512, int(64e6 // max(1.0, object_bytes))))
-
-
-def _unpickle_many(blobs: list[bytes], n: int) -> list:
-    """Rank 0's side of ``gather_object``: unpickle payloads one after another and keep them all.
-
-    Timing a batch into a growing heap includes the garbage collector's
-    passes, which a single ``loads`` misses (or, by bad luck, takes whole).
-    """
-    return [pickle.loads(blobs[k % len(blobs)]) for k in range(n)]
-
-
-def _plan_one(specs, m: ModelSpec, lay: Layout, rank: int) -> list[SimTensor]:
-    """One rank's save planning as the adapters and ``_prepare`` run it: torch geometry, then writers."""
-    return pick_mine(rank_tensors(specs, m, lay, rank, boxes=torch_shard_box))
-
-
-def parse_manifest(res: SaveResult, data: bytes, trace: bool, profile: bool) -> Manifest:
+    # 4. Every rank parses the manifest.
     if profile:
         _, res.profiles["parse"] = profile_top(lambda: Manifest.from_json(data))
-    man, res.parse = measure(lambda: Manifest.from_json(data), trace=trace)
+    man, res.parse = best_of(lambda: Manifest.from_json(data))
+    res.parse.peak = measure(lambda: Manifest.from_json(data), trace=True)[1].peak
     res.tensors = len(man.tensors)
-    assert sum(len(t.chunks) for t in man.tensors.values()) == res.chunks
-    return man
+    res.grids = sum(1 for t in man.tensors.values() if t.grid is not None)
+
+    # 5. v2 chunks, resolved from the indexes, equal the records the ranks wrote (format version 1's chunk list).
+    reader = IndexReader(saved.storage, man, WHERE)
+    for fqn in sorted(check):
+        shape = man.tensors[fqn].shape
+        got = sorted(reader.chunks(fqn), key=_chunk_key)
+        want_c = sorted((c for c in saved.records[fqn] if c.numel > 0 or not shape), key=_chunk_key)
+        if got != want_c:
+            raise AssertionError(f"{fqn}: chunks resolved from the indexes differ from the written records")
+        res.chunks_checked += len(got)
+    return res, man
 
 
-# ----------------------------------------------------------------------------- load side (v1)
+def _describe_memo(prep: _Prepared, comm: SimComm) -> tuple:
+    with memo_grids():  # a fresh memo: what a per-process cache would cost on a first save
+        return _describe(prep, comm)
+
+
+def _chunk_key(c: ChunkMeta) -> tuple:
+    return (c.box.offsets, c.box.sizes, c.rank, c.offset)
+
+
+# ----------------------------------------------------------------------------- load
 _DEST = {DTYPE: torch.empty(0, dtype=torch.float32)}  # plan_chunk_reads only looks at dest.dtype
 
 
@@ -641,278 +769,161 @@ def load_targets(specs, m: ModelSpec, lay: Layout, rank: int) -> list[LoadTarget
     return [LoadTarget(s.fqn, _DEST[DTYPE], s.shape, shard_box(s.shape, s.style, lay, d, t)) for s in stage_specs(specs, m, lay)[p]]
 
 
+class CountingStorage:
+    """Forwards ``get`` (all ``IndexReader`` calls) and counts the index files and bytes read."""
+
+    def __init__(self, base):
+        self.base, self.files, self.bytes = base, 0, 0
+
+    def get(self, name: str) -> bytes:
+        data = self.base.get(name)
+        self.files += 1
+        self.bytes += len(data)
+        return data
+
+
+def plan_load(storage, man: Manifest, targets: list[LoadTarget]) -> tuple[Manifest, list, CountingStorage]:
+    """One rank's load planning, as ``load``'s read step runs it: ``resolve`` then ``plan_chunk_reads``."""
+    wants: dict[str, list[Box]] = {}
+    for t in targets:
+        wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
+    cs = CountingStorage(storage)
+    resolved = resolve(cs, man, wants, WHERE)
+    reads = plan_chunk_reads(resolved, targets, WHERE, True, LoadStats())
+    return resolved, reads, cs
+
+
 @dataclass
 class LoadResult:
     source: Layout
     target: Layout
     sampled: list[int]
-    plan: list[Cost] = field(default_factory=list)  # real plan_chunk_reads for one rank
+    resolve: list[Cost] = field(default_factory=list)  # real resolve (index reads, parse, lookups)
+    plan: list[Cost] = field(default_factory=list)  # real plan_chunk_reads on the resolved manifest
+    peak: int | None = None
     targets: list[int] = field(default_factory=list)
     reads: list[int] = field(default_factory=list)  # chunk spans (ChunkRead) per rank
-    chunks_indexed: list[int] = field(default_factory=list)  # saved chunks the rank's SourceIndexes hold
-    keys: list[int] = field(default_factory=list)  # pickled span keys each rank all_gathers (share_reads)
-    v2_plan: list[Cost] = field(default_factory=list)
-    v2_index_bytes: list[int] = field(default_factory=list)
-    v2_index_files: list[int] = field(default_factory=list)
-    v2_row_bytes: list[int] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)  # chunks resolved per rank
+    index_files: list[int] = field(default_factory=list)
+    index_bytes: list[int] = field(default_factory=list)
+    checked: int = 0
     profiles: dict = field(default_factory=dict)
 
-    @property
-    def exchange_bytes(self) -> float:
-        """Extrapolated: with share_reads every rank receives every rank's span keys."""
-        return (sum(self.keys) / len(self.keys)) * self.target.world if self.keys else 0.0
 
-
-def run_load(specs, m: ModelSpec, man: Manifest, src: Layout, tgt: Layout, sample: list[int], trace: bool, profile: bool, v2: V2Store | None) -> LoadResult:
+def run_load(specs, m: ModelSpec, saved: Saved, man: Manifest, src: Layout, tgt: Layout, sample: list[int], profile: bool) -> LoadResult:
     res = LoadResult(src, tgt, sample)
     for i, r in enumerate(sample):
         targets = load_targets(specs, m, tgt, r)
-        run = partial(_plan_reads, man, targets)
         if profile and i == 0:
-            _, res.profiles["load"] = profile_top(run)
-        reads, cost = measure(run, trace=trace)
-        res.plan.append(cost)
+            _, res.profiles["load"] = profile_top(partial(plan_load, saved.storage, man, targets))
+        wants: dict[str, list[Box]] = {}
+        for t in targets:
+            wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
+        cs = CountingStorage(saved.storage)
+        resolved, c_res = measure(partial(resolve, cs, man, wants, WHERE))
+        reads, c_plan = measure(partial(plan_chunk_reads, resolved, targets, WHERE, True, LoadStats()))
+        res.resolve.append(c_res)
+        res.plan.append(c_plan)
         res.targets.append(len(targets))
         res.reads.append(len(reads))
-        res.chunks_indexed.append(sum(len(man.tensors[f].chunks) for f in {t.fqn for t in targets}))
-        res.keys.append(len(pickle.dumps(sorted(r_.key for r_ in reads))))
-        if v2 is not None:
-            (ops, nbytes, nrows, nfiles), c2 = measure(partial(v2.plan, targets, tgt, r), trace=trace)
-            res.v2_plan.append(c2)
-            res.v2_index_bytes.append(nbytes)
-            res.v2_row_bytes.append(nrows)
-            res.v2_index_files.append(nfiles)
-            v2.check_against(ops, reads)
+        res.chunks.append(sum(len(resolved.tensors[f].chunks) for f in wants))
+        res.index_files.append(cs.files)
+        res.index_bytes.append(cs.bytes)
+        for fqn, boxes in wants.items():  # the resolved chunks are exactly the written ones touching the target
+            if fqn in saved.records:
+                want = [c for c in saved.records[fqn] if any(_touches(c.box, b) for b in boxes)]
+                if sorted(resolved.tensors[fqn].chunks, key=_chunk_key) != sorted(want, key=_chunk_key):
+                    raise AssertionError(f"{fqn}: resolved chunks differ from the written ones on target rank {r}")
+                res.checked += len(want)
+    targets = load_targets(specs, m, tgt, sample[0])
+    res.peak = measure(partial(plan_load, saved.storage, man, targets), trace=True)[1].peak
     return res
 
 
-def _plan_reads(man: Manifest, targets: list[LoadTarget]) -> list:
-    """The real load planning of one rank: ``plan_chunk_reads`` with checksum verification on."""
-    return plan_chunk_reads(man, targets, "sim://scale", True, LoadStats())
-
-
-# ----------------------------------------------------------------------------- prototype: implicit geometry
-_ROW = np.dtype([("tid", "<u4"), ("nsum", "<u4"), ("sum0", "<u8"), ("offset", "<u8"), ("nbytes", "<u8")])
-_STYLE_OF = {("S0",): "col", ("SS0", "S0"): "col", ("S0", "S1"): "row", ("S0", "R"): "rep", (): "scalar"}
-_PLACEMENTS = set(_STYLE_OF)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _overlap(lo: int, hi: int, size: int, parts: int) -> range:
-    """Indices of ``torch.chunk``-style chunks of ``size`` elements that overlap ``[lo, hi)``."""
-    if hi <= lo or size == 0:
-        return range(0)
-    return range(lo // size, min(parts - 1, (hi - 1) // size) + 1)
-
-
-@dataclass
-class _Fetched:
-    """Index files a load has read (rank -> rows, checksums, bytes), and the bytes of the rows it used."""
-
-    files: dict = field(default_factory=dict)
-    row_bytes: int = 0
-
-
-class V2Store:
-    """The proposed format, prototyped: geometry instead of chunk records, per-rank binary indexes.
-
-    * Manifest: per tensor (dtype, shape, placements on the (dp, tp) mesh,
-      pipeline stage, and for replicated tensors the writer's copy index);
-      the mesh; one size per data file. O(tensors + world), no chunk list.
-    * Each rank writes ``<data file>.idx`` next to its data: a little-endian
-      numpy table (tensor id, byte offset, nbytes, first checksum, checksum
-      count) plus its xxh3 checksums as uint64. Nothing is pickled.
-    * The commit gathers a fixed-size status per rank (file size, index size,
-      index digest), and one geometry descriptor per stage.
-    * A loader derives which saved shards overlap its target from the
-      placements (integer arithmetic), then reads only the indexes of the
-      ranks that wrote them.
-    """
-
-    def __init__(self, specs: list[TensorSpec], m: ModelSpec, lay: Layout, block: int):
-        self.specs, self.m, self.lay, self.block = specs, m, lay, block
-        self.tid = {s.fqn: i for i, s in enumerate(specs)}
-        self.index: dict[int, bytes] = {}
-        self.sizes = [0] * lay.world
-        self.doc: dict | None = None
-        self.man: dict | None = None
-
-    # save side ------------------------------------------------------------
-    def add_rank(self, rank: int, records: list[tuple[str, ChunkMeta]], size: int) -> None:
-        """What rank ``rank`` writes next to its data file (built from its real chunk records)."""
-        rows, sums = [], []
-        for fqn, c in records:
-            rows.append((self.tid[fqn], len(c.checksums), len(sums), c.offset, c.nbytes))
-            sums.extend(int(x, 16) for x in c.checksums)
-        table = np.array(rows, dtype=_ROW)
-        self.index[rank] = np.array([len(rows)], "<u8").tobytes() + table.tobytes() + np.array(sums, "<u8").tobytes()
-        self.sizes[rank] = size
-
-    def commit(self) -> bytes:
-        """Rank 0's work: writer table per stage (pure, keyed by name), geometry, file sizes."""
-        lay, m = self.lay, self.m
-        tensors = []
-        for p, group in enumerate(stage_specs(self.specs, m, lay)):
-            items = []
-            for s in group:
-                cnt = lay.dp * lay.tp if s.style == "scalar" else (lay.tp if s.style == "rep" else 1)
-                if cnt > 1:
-                    cost = float(ITEMSIZE) if s.style == "scalar" else global_cost(s.shape, ITEMSIZE, cnt, lay.world)
-                    items.append(ReplicaItem(s.fqn, cnt, cost))
-            writers = assign_writers(items)
-            for s in group:
-                tensors.append([s.fqn, DTYPE, list(s.shape), list(lay.placements(s.style)), p, writers.get(s.fqn, -1)])
-        doc = {
-            "format": "shardpoint", "format_version": "2-sketch", "save_id": SAVE_ID, "block_size": self.block,
-            "mesh": {"names": ["pp", "dp", "tp"], "shape": [lay.pp, lay.dp, lay.tp]},
-            "tensors": tensors, "files": {"pattern": f"data/{SAVE_ID}-r{{rank:05d}}.bin", "sizes": self.sizes},
-        }
-        return json.dumps(doc, separators=(",", ":")).encode()
-
-    @staticmethod
-    def parse(data: bytes) -> dict:
-        """Parse and validate (types, ranges, known placements) as ``from_json`` would."""
-        doc = json.loads(data)
-        if doc.get("format") != "shardpoint" or doc.get("format_version") != "2-sketch":
-            raise ValueError("not a v2 sketch manifest")
-        pp, dp, tp = (int(x) for x in doc["mesh"]["shape"])
-        world = pp * dp * tp
-        sizes = doc["files"]["sizes"]
-        if len(sizes) != world or not all(isinstance(x, int) and x >= 0 for x in sizes):
-            raise ValueError("bad file sizes")
-        tensors = {}
-        for fqn, dtype, shape, pl, stage, writer in doc["tensors"]:
-            if not isinstance(fqn, str) or dtype != DTYPE or tuple(pl) not in _PLACEMENTS:
-                raise ValueError(f"bad tensor entry {fqn!r}")
-            if not all(isinstance(x, int) and x >= 0 for x in shape) or not 0 <= stage < pp or not -1 <= writer < world:
-                raise ValueError(f"bad tensor entry {fqn!r}")
-            tensors[fqn] = (tuple(shape), tuple(pl), stage, writer)
-        return {"layout": Layout(tp, pp, dp), "tensors": tensors, "sizes": sizes, "block": doc["block_size"]}
-
-    # load side ------------------------------------------------------------
-    def shards(self, fqn: str, box: Box):
-        """(source rank, source box, region) for every saved shard of ``fqn`` overlapping ``box``."""
-        shape, pl, p, writer = self.man["tensors"][fqn]
-        lay: Layout = self.man["layout"]
-        style = _STYLE_OF[pl]
-        if not pl:
-            yield p * lay.dp * lay.tp + writer, Box((), ()), Box((), ())
-            return
-        if box.numel == 0:
-            return
-        a, b = box.offsets[0], box.offsets[0] + box.sizes[0]
-        if pl == ("SS0", "S0"):
-            ct = _cdiv(shape[0], lay.tp)
-            coords = []
-            for t in _overlap(a, b, ct, lay.tp):
-                lo1, n1 = _chunks(shape[0], lay.tp)[t]
-                coords += [(d, t) for d in _overlap(max(a, lo1) - lo1, min(b, lo1 + n1) - lo1, _cdiv(n1, lay.dp), lay.dp)]
-        elif pl == ("S0", "S1"):
-            c, e = box.offsets[1], box.offsets[1] + box.sizes[1]
-            coords = [(d, t) for d in _overlap(a, b, _cdiv(shape[0], lay.dp), lay.dp)
-                      for t in _overlap(c, e, _cdiv(shape[1], lay.tp), lay.tp)]
-        else:  # ("S0",) or ("S0", "R"): dim 0 over dp; a replicated copy is written by the writer's tp index
-            t = writer if pl == ("S0", "R") else 0
-            coords = [(d, t) for d in _overlap(a, b, _cdiv(shape[0], lay.dp), lay.dp)]
-        for d, t in coords:
-            src = shard_box(shape, style, lay, d, t)
-            region = src.intersect(box)
-            if region is not None and region.numel > 0:
-                yield (p * lay.dp + d) * lay.tp + t, src, region
-
-    def _lookup(self, cache: _Fetched, rank: int, tid: int) -> tuple[int, int, list[int]]:
-        """Offset, nbytes and checksums of ``rank``'s chunk of tensor ``tid``, from its index."""
-        got = cache.files.get(rank)
-        if got is None:
-            blob = self.index[rank]  # stands for one small read of <data file>.idx
-            n = int(np.frombuffer(blob, "<u8", 1)[0])
-            rows = np.frombuffer(blob, _ROW, n, 8)
-            sums = np.frombuffer(blob, "<u8", offset=8 + n * _ROW.itemsize)
-            got = cache.files[rank] = (rows, sums, len(blob))
-        rows, sums, _ = got
-        k = int(np.searchsorted(rows["tid"], tid))
-        if k >= len(rows) or int(rows["tid"][k]) != tid:
-            raise CorruptCheckpointError(f"rank {rank}'s index has no chunk of tensor {tid}")
-        row = rows[k]
-        s0, ns = int(row["sum0"]), int(row["nsum"])
-        cache.row_bytes += _ROW.itemsize + 8 * ns
-        return int(row["offset"]), int(row["nbytes"]), [int(x) for x in sums[s0:s0 + ns]]
-
-    def plan(self, targets: list[LoadTarget], tgt: Layout, rank: int) -> tuple[list, int, int, int]:
-        """Reads for one target rank: (fqn, source rank, byte offset, source box, region) per overlap.
-
-        Also returns the index bytes read (whole index files), the bytes of
-        the rows actually used (what ranged reads of the rows would fetch),
-        and the number of index files touched.
-        """
-        cache = _Fetched()
-        ops = []
-        for tg in targets:
-            tid = self.tid[tg.fqn]
-            covered = 0
-            for src_rank, src_box, region in self.shards(tg.fqn, tg.box):
-                offset, _nbytes, _sums = self._lookup(cache, src_rank, tid)
-                ops.append((tg.fqn, src_rank, offset, src_box, region))
-                covered += region.numel
-            if covered != tg.box.numel:
-                raise CorruptCheckpointError(f"{tg.fqn}: derived shards cover {covered} of {tg.box.numel}")
-        return ops, sum(v[2] for v in cache.files.values()), cache.row_bytes, len(cache.files)
-
-    @staticmethod
-    def check_against(ops: list, reads) -> None:
-        """The prototype must find exactly the reads the real planner found."""
-        want = {(r.fqn, r.chunk.rank, r.chunk.offset, r.chunk.box, op.region) for r in reads for _t, cops in r.jobs for op in cops}
-        got = set(ops)
-        if want != got:
-            raise AssertionError(f"v2 reads differ from plan_chunk_reads: {len(want - got)} missing, {len(got - want)} extra")
-
-    def check_manifest(self, man: Manifest, fqns: list[str]) -> int:
-        """Every chunk of ``fqns`` in the real manifest is derived from geometry + indexes; returns chunks checked."""
-        n = 0
-        cache = _Fetched()
-        for fqn in fqns:
-            shape = self.man["tensors"][fqn][0]
-            derived = []
-            for src_rank, src_box, _region in self.shards(fqn, Box.full(shape)):
-                offset, nbytes, sums = self._lookup(cache, src_rank, self.tid[fqn])
-                derived.append((src_box, src_rank, offset, nbytes, tuple(f"{x:016x}" for x in sums)))
-            real = [(c.box, c.rank, c.offset, c.nbytes, c.checksums) for c in man.tensors[fqn].chunks if c.numel > 0 or not shape]
-            if sorted(derived, key=repr) != sorted(real, key=repr):
-                raise AssertionError(f"{fqn}: derived chunks differ from the manifest")
-            n += len(real)
-        return n
+def _touches(a: Box, b: Box) -> bool:
+    r = a.intersect(b)
+    return r is not None and r.numel > 0
 
 
 # ----------------------------------------------------------------------------- pipeline-parallel writer check
 def pp_check(specs, m: ModelSpec, lay: Layout) -> dict:
-    """Save every rank of ``lay`` the way today's adapters describe it (no ``replicated_over``).
+    """Save every rank of ``lay`` as the adapters describe it without ``replicated_over``.
 
-    A DTensor on a stage's (dp, tp) sub-mesh counts the pp dim as copies, and
-    ``step`` counts the whole world, so the writer assignment picks copies on
-    other stages, which hold other layers. Returns how many tensors end up
-    with missing or doubled elements, and what the real ``_commit`` says.
+    A DTensor on a stage's (dp, tp) sub-mesh counts the pp dim as copies, so
+    it gets no grid and its chunks are listed by holder; ``step`` counts the
+    whole world as copies and gets a world-sized grid. The writer choice then
+    picks copies on stages that hold other layers. Returns how many tensors
+    end up short, how they were described, and what the real ``_commit`` says.
     """
-    memo: dict = {}
-    assign = _memo_assign(memo)
-    written: dict[str, int] = {}
-    gathered = []
-    for r in range(lay.world):
-        tensors = rank_tensors(specs, m, lay, r, mode="adapters")
-        mine = pick_mine(tensors, assign)
-        for t in mine:
-            written[t.fqn] = written.get(t.fqn, 0) + t.box.numel
-        gathered.append(Outcome(True, rank_summary(r, tensors, mine, DEFAULT_BLOCK_SIZE)))
-    short = sum(1 for s in specs if written.get(s.fqn, 0) < math.prod(s.shape))
-    over = sum(1 for s in specs if written.get(s.fqn, 0) > math.prod(s.shape))
+    saved = save_all(specs, m, lay, DEFAULT_BLOCK_SIZE, mode="adapters")
+    short = [s for s in specs if saved.written.get(s.fqn, 0) < math.prod(s.shape)]
+    over = sum(1 for s in specs if saved.written.get(s.fqn, 0) > math.prod(s.shape))
+    # How each tensor was described (the representatives' descriptors), and whether its grid's writer wrote it.
+    gridded: dict[str, tuple] = {}
+    listed: set[str] = set()
+    for tdoc, _ in saved.docs:
+        if tdoc is None:
+            continue
+        meshes = tdoc["meshes"]
+        for fqn, (_dt, shape, _lay, mesh, splits, copy) in tdoc["tensors"].items():
+            if mesh is None:
+                listed.add(fqn)
+            else:
+                gridded[fqn] = (Grid(tuple(meshes[mesh][0]), tuple(meshes[mesh][1]), tuple(map(tuple, splits))), copy, tuple(shape))
+    short_names = {s.fqn for s in short}
+    grid_lost = sorted(f for f in gridded if f in short_names)
     try:
-        _commit(MemoryStorage(), SAVE_ID, lay.world, DEFAULT_BLOCK_SIZE, gathered, "sim://pp-check")
+        commit(saved, lay, DEFAULT_BLOCK_SIZE, where="sim://pp-check")
         error = ""
     except CorruptCheckpointError as e:
         error = str(e)
-    return {"layout": lay.name, "tensors": len(specs), "short": short, "doubled": over, "commit_error": error}
+    return {"layout": lay.name, "tensors": len(specs), "short": len(short), "doubled": over,
+            "short_listed": len(short_names & listed), "short_gridded": len(grid_lost),
+            "gridded": len(gridded), "listed": len(listed), "commit_error": error,
+            "grid_lost_example": grid_lost[0] if grid_lost else ""}
+
+
+def plain_pp_check() -> dict:
+    """Two pipeline stages holding different plain tensors, no ``replicated_over``: the real ``_prepare`` to ``_commit``.
+
+    Each rank claims two copies of its tensors; the writer choice gives one
+    of them to the other stage's rank, which does not hold it.
+    """
+    from shardpoint.api import SaveResult as ApiSaveResult, _prepare
+    from shardpoint.engine.indexes import resolve_all
+    from shardpoint.engine.io import write_chunks
+
+    storage, world, block = MemoryStorage(), 2, 1 << 20
+    states = [{"model": {"a": torch.ones(4)}}, {"model": {"b": torch.full((4,), 2.0)}}]
+    locals_, written = [], {}
+    for r in range(world):
+        comm = SimComm(r, world)
+        prep = _prepare(states[r], comm, False, "sim://plain-pp", ApiSaveResult("sim://plain-pp", SAVE_ID))
+        records, files = [], {}
+        if prep.mine:
+            records, size = write_chunks(storage, data_file(r), prep.mine, r, block)
+            files[data_file(r)] = size
+        written[r] = [t.fqn for t in prep.mine]
+        locals_.append(prep.summary(storage, records, files, comm))
+    statuses = [x.status for x in locals_]
+    seen_t: dict = {}
+    seen_v: dict = {}
+    docs = [(x.tensors_doc if seen_t.setdefault(x.status["tdig"], r) == r else None,
+             x.values_doc if seen_v.setdefault(x.status["vdig"], r) == r else None) for r, x in enumerate(locals_)]
+    out = {"written": written}
+    try:
+        _commit(storage, SAVE_ID, world, block, statuses, docs, "sim://plain-pp")
+        out["commit"] = "accepted"
+    except CorruptCheckpointError as e:
+        out["commit"] = f"refused: {e}"
+        return out
+    man = Manifest.from_json(storage.get(MANIFEST_NAME))
+    try:
+        resolve_all(storage, man, "sim://plain-pp")
+        out["load"] = "ok"
+    except CorruptCheckpointError as e:
+        out["load"] = f"{type(e).__name__}: {e}"
+    return out
 
 
 # ----------------------------------------------------------------------------- driver
@@ -924,11 +935,10 @@ class Config:
     save_sample: int = 6
     load_sample: int = 3
     reshard_sample: int = 2
-    trace_max_chunks: int = 50_000  # commit/parse memory is traced up to about this many chunks, then scaled
-    expensive_load: int = 500_000  # saved chunks a target rank indexes above which one target rank is sampled
+    check_tensors: int = 200  # v1 records kept and compared field by field for about this many tensors
     profile_layout: Layout | None = None
     pp_check: Layout = Layout(8, 4, 2)
-    manifest_check_chunks: int = 40_000  # prototype: re-derive about this many chunks and compare with the manifest
+    probes: list[Layout] = field(default_factory=list)  # per-rank save work only, at world sizes not built in full
     model: ModelSpec = ModelSpec()
 
 
@@ -938,7 +948,7 @@ def full_config() -> Config:
         growth=g,
         extra=[Layout(8, 4, 8), Layout(1, 1, 128), Layout(1, 1, 1024)],
         reshard=[(Layout(8, 16, 128), Layout(1, 1, 1024)), (Layout(1, 1, 1024), Layout(8, 16, 128))],
-        profile_layout=Layout(8, 16, 8),
+        profile_layout=Layout(8, 16, 128), probes=[Layout(1, 1, 4096), Layout(1, 1, 16384)],
     )
 
 
@@ -949,79 +959,68 @@ def quick_config() -> Config:
         extra=[Layout(1, 1, 32)],
         reshard=[(Layout(8, 16, 4), Layout(1, 1, 32)), (Layout(1, 1, 32), Layout(8, 16, 4))],
         save_sample=2, load_sample=2, reshard_sample=1, profile_layout=None,
-        pp_check=Layout(2, 4, 2), manifest_check_chunks=10_000, trace_max_chunks=30_000,
+        pp_check=Layout(2, 4, 2), check_tensors=60, probes=[Layout(1, 1, 256)],
     )
 
 
-def _row(save: SaveResult, v2: dict, loads: list[LoadResult]) -> dict:
-    plan = save.plan_per_rank
+def _row(save: SaveResult, loads: list[LoadResult]) -> dict:
+    plan = [g.cpu + a.cpu for g, a in zip(save.geometry, save.assign)]
+    summ = [c.cpu for c in save.summary]
+    per = [p + s for p, s in zip(plan, summ)]
+    sv = save.saved
     out = {
         "layout": save.layout.name, "tp": save.layout.tp, "pp": save.layout.pp, "dp": save.layout.dp,
-        "ranks": save.layout.world, "tensors": save.tensors, "chunks": save.chunks,
+        "ranks": save.layout.world, "tensors": save.tensors, "grids": save.grids, "chunks": sv.chunks,
         "tensors_per_rank": save.tensors_per_rank, "chunks_per_rank": save.chunks_per_rank,
         "sampled_ranks": save.sampled,
-        "plan_rank_mean_s": sum(plan) / len(plan), "plan_rank_max_s": max(plan),
-        "geometry_mean_s": save.mean(save.geometry), "assign_mean_s": save.mean(save.assign),
-        "assign_default_mean_s": save.mean(save.assign_default) if save.assign_default else None,
-        "records_mean_s": save.mean(save.records), "dumps_mean_s": save.mean(save.dumps),
-        "plan_peak_bytes": save.plan_peak,
-        "payload_mean_bytes": save.mean(save.payload), "gather_bytes_est": save.gather_bytes,
-        "gather_unpickle_s_est": save.gather_loads, "gather_objects_bytes_est": save.gather_objects,
-        "commit_s": save.commit.cpu, "commit_wall_s": save.commit.wall, "to_json_s": save.to_json,
-        "commit_peak_bytes": save.commit.peak, "manifest_bytes": save.manifest_bytes,
+        "plan_rank_mean_s": _mean(plan), "plan_rank_max_s": max(plan),
+        "geometry_mean_s": _mean([c.cpu for c in save.geometry]), "assign_mean_s": _mean([c.cpu for c in save.assign]),
+        "summary_mean_s": _mean(summ), "summary_max_s": max(summ),
+        "describe_mean_s": _mean([c.cpu for c in save.describe]),
+        "describe_fixed_mean_s": _mean([c.cpu for c in save.describe_fixed]),
+        "rank_total_max_s": max(per),
+        "index_bytes_total": sv.index_bytes, "index_bytes_max": sv.index_max,
+        "descriptors": sv.tdigs, "value_docs": sv.vdigs,
+        "status_bytes": save.status_bytes, "doc_bytes": save.doc_bytes, "gather_bytes": save.gather_bytes,
+        "decision_bytes": save.decision_bytes, "unpickle_s": save.unpickle.cpu,
+        "commit_s": save.commit.cpu, "commit_wall_s": save.commit.wall, "commit_peak_bytes": save.commit.peak,
+        "manifest_bytes": save.manifest_bytes,
         "parse_s": save.parse.cpu, "parse_wall_s": save.parse.wall, "parse_peak_bytes": save.parse.peak,
-        "bulk_sim_s": save.bulk.cpu, "profiles": save.profiles, "v2": v2, "loads": [],
+        "chunks_checked": save.chunks_checked, "bulk_sim_s": save.bulk.cpu, "profiles": save.profiles, "loads": [],
     }
     for lr in loads:
+        tot = [a.cpu + b.cpu for a, b in zip(lr.resolve, lr.plan)]
         out["loads"].append({
             "source": lr.source.name, "target": lr.target.name, "target_ranks": lr.target.world,
-            "sampled_ranks": lr.sampled, "targets_per_rank": sum(lr.targets) / len(lr.targets),
-            "plan_mean_s": sum(c.cpu for c in lr.plan) / len(lr.plan), "plan_max_s": max(c.cpu for c in lr.plan),
-            "plan_peak_bytes": max((c.peak or 0) for c in lr.plan) or None,
-            "chunks_indexed": sum(lr.chunks_indexed) / len(lr.chunks_indexed),
-            "spans_per_rank": sum(lr.reads) / len(lr.reads),
-            "keys_bytes_per_rank": sum(lr.keys) / len(lr.keys), "exchange_bytes_est": lr.exchange_bytes,
-            "v2_plan_mean_s": sum(c.cpu for c in lr.v2_plan) / len(lr.v2_plan) if lr.v2_plan else None,
-            "v2_plan_max_s": max(c.cpu for c in lr.v2_plan) if lr.v2_plan else None,
-            "v2_index_bytes": sum(lr.v2_index_bytes) / len(lr.v2_index_bytes) if lr.v2_index_bytes else None,
-            "v2_index_files": sum(lr.v2_index_files) / len(lr.v2_index_files) if lr.v2_index_files else None,
-            "v2_row_bytes": sum(lr.v2_row_bytes) / len(lr.v2_row_bytes) if lr.v2_row_bytes else None,
-            "profiles": lr.profiles,
+            "sampled_ranks": lr.sampled, "targets_per_rank": _mean(lr.targets),
+            "resolve_mean_s": _mean([c.cpu for c in lr.resolve]), "plan_only_mean_s": _mean([c.cpu for c in lr.plan]),
+            "plan_mean_s": _mean(tot), "plan_max_s": max(tot), "plan_peak_bytes": lr.peak,
+            "chunks_per_rank": _mean(lr.chunks), "spans_per_rank": _mean(lr.reads),
+            "index_files": _mean(lr.index_files), "index_bytes": _mean(lr.index_bytes),
+            # route_sharing: 8 bytes per rank of host ids, this rank's 32-byte span rows to their
+            # owners, about as many rows back as owner (span ids hash uniformly), and at most one
+            # 48-byte reply row per span (more only for spans several ranks need).
+            "exchange_bytes_est": 8 * lr.target.world + (32 + 32 + 48) * _mean(lr.reads),
+            "exchange_allgather_bytes_est": 32 * (_mean(lr.reads) + 1) * lr.target.world,
+            "chunks_checked": lr.checked, "profiles": lr.profiles,
         })
     return out
 
 
 def simulate_layout(cfg: Config, specs: list[TensorSpec], lay: Layout, rng: random.Random) -> dict:
-    """Save under ``lay``, parse, load (same layout and the configured reshards), and the prototype."""
+    """Save under ``lay``, parse, and load (same layout and the configured reshards)."""
     m, block = cfg.model, DEFAULT_BLOCK_SIZE
-    trace = len(specs) * lay.tp * lay.dp <= cfg.trace_max_chunks  # about the chunk count, from above
     profile = lay == cfg.profile_layout
-    v2 = V2Store(specs, m, lay, block)
     per_rank = len(specs) // lay.pp
     sample = sample_ranks(lay, cfg.save_sample if per_rank < 1000 else 2, rng)
-    save, data = run_save(specs, m, lay, block, sample, trace=trace, profile=profile, v2=v2)
-    man = parse_manifest(save, data, trace=False, profile=profile)
-    if trace:
-        save.parse.peak = measure(partial(Manifest.from_json, data), trace=True)[1].peak
-    data = b""
-    # prototype: commit, parse, and the whole-manifest check
-    b2, c_commit = best_of(v2.commit)
-    v2.man, c_parse = best_of(partial(V2Store.parse, b2))
-    every = max(1, (save.chunks * 3) // (cfg.manifest_check_chunks * 2))
-    checked = v2.check_manifest(man, [s.fqn for s in specs][::every])
-    v2row = {"manifest_bytes": len(b2), "commit_s": c_commit.cpu, "parse_s": c_parse.cpu,
-             "gather_bytes": 24 * lay.world, "chunks_checked": checked,
-             "index_bytes_total": sum(len(b) for b in v2.index.values())}
+    every = max(1, len(specs) // cfg.check_tensors)
+    check = {s.fqn for s in specs[::every]}
+    save, man = run_save(specs, m, lay, block, sample, check, profile)
     pairs = [(lay, cfg.load_sample)] + [(tgt, cfg.reshard_sample) for src, tgt in cfg.reshard if src == lay]
-    loads = []
-    for tgt, n in pairs:
-        n = n if save.chunks // tgt.pp < cfg.expensive_load else 1  # a target rank indexes its stage's chunks
-        loads.append(run_load(specs, m, man, lay, tgt, sample_ranks(tgt, n, rng), False, profile, v2))
-    for lr in loads:  # per-rank planning memory: one traced rerun of the first sampled rank
-        if (lr.source.tp * lr.source.dp) * len(specs) <= 2 * cfg.trace_max_chunks:
-            targets = load_targets(specs, m, lr.target, lr.sampled[0])
-            lr.plan[0].peak = measure(partial(_plan_reads, man, targets), trace=True)[1].peak
-    return _row(save, v2row, loads)
+    loads = [run_load(specs, m, save.saved, man, lay, tgt, sample_ranks(tgt, n, rng), profile) for tgt, n in pairs]
+    row = _row(save, loads)
+    save.saved = None
+    return row
 
 
 def simulate(cfg: Config, log: Callable[[str], None]) -> dict:
@@ -1036,7 +1035,15 @@ def simulate(cfg: Config, log: Callable[[str], None]) -> dict:
 
     check, c = measure(lambda: pp_check(specs, m, cfg.pp_check))
     out["pp_check"] = check
-    log(f"pp check {check['layout']}: {check['short']} of {check['tensors']} tensors short without replicated_over ({c.cpu:.1f}s)")
+    out["plain_pp_check"] = plain_pp_check()
+    log(f"pp check {check['layout']}: {check['short']} of {check['tensors']} tensors short without replicated_over "
+        f"({check['short_listed']} listed, {check['short_gridded']} with a grid; {c.cpu:.1f}s)")
+    log(f"plain pp check: commit {out['plain_pp_check']['commit']}; load: {out['plain_pp_check'].get('load')}")
+
+    out["probes"] = [probe(specs, m, lay, rng) for lay in cfg.probes]
+    for pr in out["probes"]:
+        log(f"probe {pr['layout']}: plan {(pr['geometry_s'] + pr['assign_s'])*1e3:.0f} ms, summary {pr['summary_s']*1e3:.0f} ms,"
+            f" _describe {pr['describe_s']*1e3:.0f} ms ({pr['describe_fixed_s']*1e3:.0f} ms with replica grids cached)")
 
     layouts = []
     for lay in cfg.growth + cfg.extra:
@@ -1047,85 +1054,101 @@ def simulate(cfg: Config, log: Callable[[str], None]) -> dict:
         row = simulate_layout(cfg, specs, lay, rng)
         out["rows"].append(row)
         gc.collect()
-        v = row["v2"]
         log(
-            f"{lay.name:>18}: {lay.world:6d} ranks {row['chunks']:8d} chunks | plan/rank {row['plan_rank_max_s']*1e3:6.0f} ms"
-            f" | commit {row['commit_s']:6.2f}s | manifest {row['manifest_bytes']/1e6:7.1f} MB parse {row['parse_s']:6.2f}s"
-            f" | v2 {v['manifest_bytes']/1e3:6.0f} KB parse {v['parse_s']*1e3:5.1f} ms | {time.process_time() - t0:5.1f}s CPU"
+            f"{lay.name:>16}: {lay.world:6d} ranks {row['chunks']:8d} chunks | rank {row['rank_total_max_s']*1e3:5.0f} ms"
+            f" | gather {row['gather_bytes']/1e6:6.2f} MB | commit {row['commit_s']:6.3f}s | manifest {row['manifest_bytes']/1e3:7.0f} KB"
+            f" parse {row['parse_s']*1e3:6.1f} ms | {time.process_time() - t0:5.1f}s CPU"
         )
         for ld in row["loads"]:
-            log(f"{'':>20}load {ld['source']} -> {ld['target']}: plan/rank {ld['plan_max_s']:.3f}s (v2 {ld['v2_plan_max_s']:.3f}s),"
-                f" spans {ld['spans_per_rank']:.0f}, share_reads exchange {ld['exchange_bytes_est']/1e6:.0f} MB/rank")
+            log(f"{'':>18}load -> {ld['target']}: {ld['plan_max_s']*1e3:.1f} ms/rank, {ld['index_files']:.0f} index files,"
+                f" {ld['index_bytes']/1e6:.2f} MB")
     return out
 
 
 # ----------------------------------------------------------------------------- report
+# Format version 1, as measured in session 2 (docs/scale.md keeps the full tables): that code path is gone.
+# layout -> (ranks, gather MB (e), rank-0 unpickle s (e), commit s, manifest MB, parse s)
+V1_SAVE = {
+    "TP8 PP16 DP2": (256, 13.7, 0.3, 0.48, 9.3, 0.69),
+    "TP8 PP16 DP8": (1024, 42.2, 2.0, 1.57, 23.6, 2.78),
+    "TP8 PP16 DP32": (4096, 156.0, 6.4, 4.68, 80.5, 6.43),
+    "TP8 PP16 DP128": (16384, 620.6, 25.3, 21.53, 315.9, 25.82),
+    "TP8 PP4 DP8": (256, 40.9, 2.0, 1.43, 23.6, 2.21),
+    "FSDP2 128": (128, 81.2, 5.5, 3.47, 51.1, 4.22),
+    "FSDP2 1024": (1024, 632.1, 43.4, 25.87, 383.6, 32.25),
+}
+# (saved under, loaded into) -> plan_chunk_reads per rank, max of the sample (s)
+V1_LOAD = {
+    ("TP8 PP16 DP2", "TP8 PP16 DP2"): 0.013, ("TP8 PP16 DP8", "TP8 PP16 DP8"): 0.018,
+    ("TP8 PP16 DP32", "TP8 PP16 DP32"): 0.055, ("TP8 PP16 DP128", "TP8 PP16 DP128"): 0.205,
+    ("TP8 PP16 DP128", "FSDP2 1024"): 6.508, ("TP8 PP4 DP8", "TP8 PP4 DP8"): 0.322,
+    ("FSDP2 128", "FSDP2 128"): 1.498, ("FSDP2 1024", "FSDP2 1024"): 7.876,
+    ("FSDP2 1024", "TP8 PP16 DP128"): 0.300,
+}
+
+
+def _kb(b: float | None) -> str:
+    return "-" if b is None else f"{b / 1e3:,.0f}" if b >= 1e4 else f"{b / 1e3:,.1f}"
+
+
 def _mb(b: float | None) -> str:
-    return "-" if b is None else (f"{b / 1e6:,.1f}" if b < 1e10 else f"{b / 1e9:,.1f} G")
+    return "-" if b is None else f"{b / 1e6:,.1f}" if b >= 1e6 else f"{b / 1e6:,.2f}"
 
 
-def _s(x: float | None, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def _peak_per_chunk(rows: list[dict], key: str) -> float | None:
-    """Bytes per chunk of the largest traced run, to scale the untraced ones."""
-    traced = [r for r in rows if r.get(key)]
-    if not traced:
-        return None
-    r = max(traced, key=lambda r: r["chunks"])
-    return r[key] / r["chunks"]
-
-
-def _peak(r: dict, key: str, per_chunk: float | None) -> str:
-    if r.get(key):
-        return _mb(r[key])
-    return "~" + _mb(per_chunk * r["chunks"]) + "*" if per_chunk else "-"
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:,.0f}" if x >= 0.0995 else f"{x * 1e3:,.1f}"
 
 
 def render_tables(res: dict) -> str:
     rows = res["rows"]
-    ppc_commit = _peak_per_chunk(rows, "commit_peak_bytes")
-    ppc_parse = _peak_per_chunk(rows, "parse_peak_bytes")
     L = []
-    L.append("**Save, today's format.** Per-rank planning is measured on the sampled ranks (the same code runs on every "
-             "rank, in parallel). Gather bytes and rank-0 unpickling are the sampled per-rank figures x ranks "
-             "(extrapolated, marked e; unpickling is timed over a batch of up to 512 sampled payloads kept alive, "
-             "so the collector's passes on a growing heap are included). Commit and parse are measured on the full manifest; "
-             "memory marked * is scaled from the largest traced run by chunk count.\n")
-    L.append("| layout | ranks | tensors | chunks | plan/rank mean / max (ms) | of which assign (ms) | gather to rank 0 (MB, e) | rank-0 unpickle (s, e) | rank-0 payload objects (MB, e) | commit (s) | of which to_json (s) | commit peak (MB) | manifest (MB) | parse (s) | parse peak (MB) |")
-    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    L.append("**Save, format version 2.** *Per rank* is measured on the sampled ranks (every rank runs the same code in "
+             "parallel): *plan* is the adapter's geometry (torch boxes, `grid_of_placements`) plus `_prepare`'s writer "
+             "choice; *summary* is the real `_Prepared.summary` (`encode_index`, storing the index, `_describe`, "
+             "digests). Everything else is measured on every rank's real status and index: *gather* is what "
+             "`_finish_save` sends to rank 0, pickled (statuses + the asked descriptors); the commit, manifest and parse "
+             "are full size; peaks are tracemalloc's. *Checked*: chunks of a stride of tensors resolved from the indexes "
+             "and compared field by field with the records the ranks wrote.\n")
+    L.append("| layout | ranks | chunks | plan/rank mean / max (ms) | summary/rank mean / max (ms) | of which `_describe`: as landed / replica grids cached (ms) "
+             "| index/rank max (KB) | indexes, all ranks (MB) | descriptors fetched | gather to rank 0: statuses + descriptors (MB) "
+             "| rank-0 unpickle (ms) | commit (ms) | commit peak (MB) | manifest (KB) | parse (ms) | parse peak (MB) | chunks checked |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         L.append(
-            f"| {r['layout']} | {r['ranks']:,} | {r['tensors']:,} | {r['chunks']:,} | {r['plan_rank_mean_s']*1e3:.0f} / {r['plan_rank_max_s']*1e3:.0f} "
-            f"| {r['assign_mean_s']*1e3:.1f} | {_mb(r['gather_bytes_est'])} | {_s(r['gather_unpickle_s_est'], 1)} | {_mb(r['gather_objects_bytes_est'])} "
-            f"| {_s(r['commit_s'])} | {_s(r['to_json_s'])} | {_peak(r, 'commit_peak_bytes', ppc_commit)} | {_mb(r['manifest_bytes'])} "
-            f"| {_s(r['parse_s'])} | {_peak(r, 'parse_peak_bytes', ppc_parse)} |"
+            f"| {r['layout']} | {r['ranks']:,} | {r['chunks']:,} | {_ms(r['plan_rank_mean_s'])} / {_ms(r['plan_rank_max_s'])} "
+            f"| {_ms(r['summary_mean_s'])} / {_ms(r['summary_max_s'])} | {_ms(r['describe_mean_s'])} / {_ms(r['describe_fixed_mean_s'])} "
+            f"| {_kb(r['index_bytes_max'])} | {_mb(r['index_bytes_total'])} | {r['descriptors']} + {r['value_docs']} "
+            f"| {_mb(r['status_bytes'])} + {_mb(r['doc_bytes'])} | {_ms(r['unpickle_s'])} | {_ms(r['commit_s'])} "
+            f"| {_mb(r['commit_peak_bytes'])} | {_kb(r['manifest_bytes'])} | {_ms(r['parse_s'])} | {_mb(r['parse_peak_bytes'])} "
+            f"| {r['chunks_checked']:,} |"
         )
+    if res.get("probes"):
+        L.append("")
+        L.append("**Per-rank save work at larger FSDP2 worlds** (one sampled rank each, nothing else built; same columns as above).\n")
+        L.append("| layout | ranks | tensors/rank | plan (ms) | summary (ms) | of which `_describe`: as landed / replica grids cached (ms) |")
+        L.append("|---|---:|---:|---:|---:|---:|")
+        for p in res["probes"]:
+            L.append(f"| {p['layout']} | {p['ranks']:,} | {p['tensors_per_rank']:,} | {_ms(p['geometry_s'] + p['assign_s'])} "
+                     f"| {_ms(p['summary_s'])} | {_ms(p['describe_s'])} / {_ms(p['describe_fixed_s'])} |")
     L.append("")
-    L.append("**Load planning for one rank** (real `plan_chunk_reads` on the parsed manifest; mean / max over the sampled "
-             "target ranks; every rank first parses the whole manifest, see above). *Exchange* is what `share_reads` "
-             "makes every rank receive: every rank's pickled span keys (`all_gather`), sampled size x ranks (e).\n")
-    L.append("| saved under | loaded into | targets/rank | chunks indexed/rank | plan/rank mean / max (s) | plan peak (MB) | spans/rank | share_reads exchange per rank (MB, e) | prototype plan/rank max (s) | prototype index files/rank: whole (MB) / rows used (KB) |")
-    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    L.append("**Load planning for one rank, format version 2** (mean / max over the sampled target ranks). `resolve` reads "
+             "and parses only the index files of the ranks that wrote an overlapping shard, then `plan_chunk_reads` plans "
+             "on the resolved chunks; *index files* and *index MB* are what `resolve` read. *Exchange* is what "
+             "`share_reads` makes every rank receive when ranks span hosts, estimated (e) from the sampled spans: "
+             "`route_sharing` (owners plan each span; 8 bytes per rank of host ids, about 112 bytes per own span), "
+             "and the all-gather it replaced (32 bytes per span of every rank). Resolved chunks of the checked tensors "
+             "were compared with the written records.\n")
+    L.append("| saved under | loaded into | targets/rank | resolve + plan/rank mean / max (ms) | of which resolve (ms) "
+             "| index files/rank | index MB/rank | chunks resolved/rank | spans/rank | plan peak (MB) | exchange per rank, routed (MB, e) | all-gather it replaced (MB, e) |")
+    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         for ld in r["loads"]:
             L.append(
-                f"| {ld['source']} | {ld['target']} | {ld['targets_per_rank']:.0f} | {ld['chunks_indexed']:,.0f} "
-                f"| {_s(ld['plan_mean_s'], 3)} / {_s(ld['plan_max_s'], 3)} | {_mb(ld['plan_peak_bytes'])} | {ld['spans_per_rank']:,.0f} "
-                f"| {_mb(ld['exchange_bytes_est'])} | {_s(ld['v2_plan_max_s'], 3)} | {ld['v2_index_files']:.0f}: {_mb(ld['v2_index_bytes'])} / {ld['v2_row_bytes']/1e3:,.0f} |"
+                f"| {ld['source']} | {ld['target']} | {ld['targets_per_rank']:,.0f} | {_ms(ld['plan_mean_s'])} / {_ms(ld['plan_max_s'])} "
+                f"| {_ms(ld['resolve_mean_s'])} | {ld['index_files']:,.0f} | {_mb(ld['index_bytes'])} | {ld['chunks_per_rank']:,.0f} "
+                f"| {ld['spans_per_rank']:,.0f} | {_mb(ld['plan_peak_bytes'])} | {_mb(ld['exchange_bytes_est'])} "
+                f"| {_mb(ld['exchange_allgather_bytes_est'])} |"
             )
-    L.append("")
-    L.append("**Prototype (implicit geometry, per-rank binary indexes).** Same layouts; the manifest holds geometry, "
-             "not chunks. *Checked*: chunks of a stride of tensors (all styles) re-derived from geometry "
-             "+ indexes and compared field by field (box, writer rank, offset, nbytes, checksums) with the real "
-             "manifest; every prototype load plan above was also compared read by read with `plan_chunk_reads`.\n")
-    L.append("| layout | ranks | manifest (KB) | parse (ms) | coordinator (ms) | gather to rank 0 (KB) | per-rank indexes, all ranks (MB) | chunks checked |")
-    L.append("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        v = r["v2"]
-        L.append(f"| {r['layout']} | {r['ranks']:,} | {v['manifest_bytes']/1e3:,.0f} | {v['parse_s']*1e3:.1f} | {v['commit_s']*1e3:.0f} "
-                 f"| {v['gather_bytes']/1e3:,.0f} | {v['index_bytes_total']/1e6:,.1f} | {v['chunks_checked']:,} |")
     return "\n".join(L)
 
 
@@ -1137,11 +1160,11 @@ def render_profiles(res: dict) -> str:
             for k, v in ld["profiles"].items():
                 profs[f"{k}: {ld['source']} -> {ld['target']}"] = v
         for name, top in profs.items():
-            L.append(f"**{name}** ({r['layout']}, {r['chunks']:,} chunks), top functions by own time under cProfile:\n")
-            L.append("| function | own time (s) | calls |")
+            L.append(f"**{name}** ({r['layout']}), top functions by own time under cProfile:\n")
+            L.append("| function | own time (ms) | calls |")
             L.append("|---|---:|---:|")
             for fn, tt, nc in top:
-                L.append(f"| `{fn}` | {tt:.2f} | {nc:,} |")
+                L.append(f"| `{fn}` | {tt * 1e3:,.1f} | {nc:,} |")
             L.append("")
     return "\n".join(L)
 
@@ -1151,62 +1174,82 @@ def plot(res: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-    rows = [r for r in res["rows"] if r["tp"] > 1 and r["pp"] == max(x["pp"] for x in res["rows"])]
-    rows.sort(key=lambda r: r["ranks"])
+    pp = max(x["pp"] for x in res["rows"])
+    rows = sorted([r for r in res["rows"] if r["tp"] > 1 and r["pp"] == pp], key=lambda r: r["ranks"])
     fs = sorted([r for r in res["rows"] if r["tp"] == 1 and r["pp"] == 1], key=lambda r: r["ranks"])
     x = [r["ranks"] for r in rows]
+    v1 = [V1_SAVE.get(r["layout"]) for r in rows]
+    v1x = [xx for xx, v in zip(x, v1) if v]
+    v1 = [v for v in v1 if v]
     fig, ax = plt.subplots(1, 3, figsize=(17, 7))
 
     a = ax[0]
-    a.plot(x, [r["plan_rank_max_s"] for r in rows], "o-", label="per-rank save planning (max of sample)")
-    a.plot(x, [r["gather_unpickle_s_est"] + r["commit_s"] for r in rows], "s-", label="rank 0: unpickle gather (e) + _commit")
-    a.plot(x, [r["commit_s"] for r in rows], "s:", label="rank 0: _commit alone")
-    a.plot(x, [r["parse_s"] for r in rows], "^-", label="every rank: Manifest.from_json")
-    a.plot(x, [r["v2"]["commit_s"] + r["v2"]["parse_s"] for r in rows], "o--", label="prototype: coordinator + parse")
+    if v1:
+        a.plot(v1x, [v[2] + v[3] for v in v1], "s-", color="C3", label="v1 rank 0: unpickle (e) + _commit")
+        a.plot(v1x, [v[5] for v in v1], "^-", color="C1", label="v1 every rank: parse")
+    a.plot(x, [r["unpickle_s"] + r["commit_s"] for r in rows], "s--", color="C3", label="v2 rank 0: unpickle + _commit")
+    a.plot(x, [r["parse_s"] for r in rows], "^--", color="C1", label="v2 every rank: parse")
+    a.plot(x, [r["rank_total_max_s"] for r in rows], "o--", color="C0", label="v2 per rank: plan + summary (max of sample)")
+    v1f = [(r["ranks"], V1_SAVE[r["layout"]]) for r in fs if r["layout"] in V1_SAVE]
+    if v1f:
+        a.plot([p[0] for p in v1f], [p[1][2] + p[1][3] for p in v1f], "s", color="C3", mfc="none", label="v1 FSDP2 rank 0")
     if fs:
-        a.plot([r["ranks"] for r in fs], [r["gather_unpickle_s_est"] + r["commit_s"] for r in fs], "s", mfc="none", label="FSDP2: rank 0 gather + commit")
-        a.plot([r["ranks"] for r in fs], [r["parse_s"] for r in fs], "^", mfc="none", label="FSDP2: parse")
+        a.plot([r["ranks"] for r in fs], [r["unpickle_s"] + r["commit_s"] for r in fs], "x", color="C3", label="v2 FSDP2 rank 0")
+    fper = sorted([(r["ranks"], r["rank_total_max_s"]) for r in fs]
+                  + [(p["ranks"], p["geometry_s"] + p["assign_s"] + p["summary_s"]) for p in res.get("probes", [])])
+    if fper:
+        a.plot([p[0] for p in fper], [p[1] for p in fper], "x:", color="C0", label="v2 FSDP2 per rank: plan + summary")
     a.axhline(10, color="r", lw=0.8, ls="--")
     a.axhline(1, color="orange", lw=0.8, ls="--")
-    a.set(xscale="log", yscale="log", xlabel="ranks (TP8 PP16, DP rising)", ylabel="CPU seconds", title="Save and manifest time")
+    a.set(xscale="log", yscale="log", xlabel="ranks (TP8 PP16, DP rising; FSDP2 marked)", ylabel="CPU seconds",
+          title="Save and manifest time")
     a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
 
     a = ax[1]
     same = [next(ld for ld in r["loads"] if ld["target"] == r["layout"]) for r in rows]
-    a.plot(x, [ld["plan_max_s"] for ld in same], "o-", label="plan_chunk_reads, same layout (max of sample)")
-    a.plot(x, [ld["v2_plan_max_s"] for ld in same], "o--", label="prototype, same layout")
-    if fs:
-        fsame = [next(ld for ld in r["loads"] if ld["target"] == r["layout"]) for r in fs]
-        a.plot([r["ranks"] for r in fs], [ld["plan_max_s"] for ld in fsame], "s", mfc="none", label="FSDP2, same layout")
-        a.plot([r["ranks"] for r in fs], [ld["v2_plan_max_s"] for ld in fsame], "x", label="prototype FSDP2, same layout")
+    v1l = [(xx, V1_LOAD.get((r["layout"], r["layout"]))) for xx, r in zip(x, rows)]
+    v1l = [(xx, v) for xx, v in v1l if v]
+    if v1l:
+        a.plot([p[0] for p in v1l], [p[1] for p in v1l], "o-", color="C0", label="v1 plan_chunk_reads, same layout")
+    a.plot(x, [ld["plan_max_s"] for ld in same], "o--", color="C0", label="v2 resolve + plan, same layout")
+    k = 1
     for r in res["rows"]:
         for ld in r["loads"]:
-            if ld["target"] != r["layout"]:
-                a.plot([ld["target_ranks"]], [ld["plan_max_s"]], "D", label=f"{ld['source']} -> {ld['target']}")
-                a.plot([ld["target_ranks"]], [ld["v2_plan_max_s"]], "d", mfc="none", label=f"prototype {ld['source']} -> {ld['target']}")
+            if ld["target"] == r["layout"] and r["tp"] > 1 and r["pp"] == pp:
+                continue
+            k += 1
+            v = V1_LOAD.get((ld["source"], ld["target"]))
+            if v:
+                a.plot([ld["target_ranks"]], [v], "D", color=f"C{k}", mfc="none", label=f"v1 {ld['source']} -> {ld['target']}")
+            a.plot([ld["target_ranks"]], [ld["plan_max_s"]], "D", color=f"C{k}", label=f"v2 {ld['source']} -> {ld['target']}")
     a.axhline(1, color="orange", lw=0.8, ls="--")
     a.set(xscale="log", yscale="log", xlabel="target ranks", ylabel="CPU seconds per rank", title="Load planning, one rank")
     a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
 
     a = ax[2]
-    a.plot(x, [r["manifest_bytes"] / 1e6 for r in rows], "o-", label="manifest (JSON)")
-    a.plot(x, [r["gather_bytes_est"] / 1e6 for r in rows], "s-", label="gathered to rank 0 at commit (e)")
-    a.plot(x, [r["gather_objects_bytes_est"] / 1e6 for r in rows], "s:", label="rank-0 memory for gathered payloads (e)")
-    a.plot(x, [same[i]["exchange_bytes_est"] / 1e6 for i in range(len(rows))], "v-", label="share_reads keys received per rank (e)")
-    a.plot(x, [r["v2"]["manifest_bytes"] / 1e6 for r in rows], "o--", label="prototype manifest")
-    a.plot(x, [r["v2"]["gather_bytes"] / 1e6 for r in rows], "s--", label="prototype gather")
-    a.set(xscale="log", yscale="log", xlabel="ranks (TP8 PP16, DP rising)", ylabel="MB", title="Bytes")
+    if v1:
+        a.plot(v1x, [v[4] for v in v1], "o-", color="C0", label="v1 manifest")
+        a.plot(v1x, [v[1] for v in v1], "s-", color="C3", label="v1 gathered to rank 0 (e)")
+    a.plot(x, [r["manifest_bytes"] / 1e6 for r in rows], "o--", color="C0", label="v2 manifest")
+    a.plot(x, [r["gather_bytes"] / 1e6 for r in rows], "s--", color="C3", label="v2 gathered to rank 0")
+    a.plot(x, [ld["index_bytes"] / 1e6 for ld in same], "v--", color="C2", label="v2 index bytes read per rank, same layout")
+    a.plot(x, [r["index_bytes_total"] / 1e6 for r in rows], "d:", color="C4", label="v2 index files, all ranks (never gathered)")
+    fl = [(r["ranks"], next(ld for ld in r["loads"] if ld["target"] == r["layout"])["index_bytes"]) for r in fs]
+    if fl:
+        a.plot([p[0] for p in fl], [p[1] / 1e6 for p in fl], "v", color="C2", mfc="none", label="v2 FSDP2 index bytes read per rank, same layout")
+    a.set(xscale="log", yscale="log", xlabel="ranks (TP8 PP16, DP rising; FSDP2 marked)", ylabel="MB", title="Bytes")
     a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
-    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-    ticks = sorted({r["ranks"] for r in res["rows"]} | {ld["target_ranks"] for r in res["rows"] for ld in r["loads"]})
+    ticks = sorted({r["ranks"] for r in res["rows"]} | {ld["target_ranks"] for r in res["rows"] for ld in r["loads"]}
+                   | {p["ranks"] for p in res.get("probes", [])})
     for a in ax:
         a.xaxis.set_major_locator(FixedLocator(ticks))
         a.xaxis.set_minor_locator(NullLocator())
         a.xaxis.set_major_formatter(ScalarFormatter())
         a.tick_params(axis="x", labelrotation=45, labelsize=7)
-    fig.suptitle("shardpoint on paper: Llama-style 70B + AdamW (e = extrapolated from sampled ranks)")
+    fig.suptitle("shardpoint on paper: Llama-style 70B + AdamW, format version 1 (solid, session 2) vs 2 (dashed)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1215,24 +1258,32 @@ def plot(res: dict, path: str) -> None:
 BEGIN, END = "<!-- scale_sim:begin -->", "<!-- scale_sim:end -->"
 
 
+def render_checks(res: dict) -> str:
+    pp, pl = res["pp_check"], res["plain_pp_check"]
+    err = pp["commit_error"].split(";")[0] if pp["commit_error"] else "nothing (accepted)"
+    return (
+        f"Pipeline check ({pp['layout']}, adapters without `replicated_over`): {pp['short']:,} of {pp['tensors']:,} "
+        f"tensors left short ({pp['short_listed']:,} described by holders, {pp['short_gridded']:,} with a grid); "
+        f"`_commit` says: \"{err}\". "
+        f"Plain tensors on two stages, real `_prepare` to `_commit` (rank 0 holds `a`, rank 1 `b`): writers "
+        f"{pl['written']}; commit {pl['commit'].split(':')[0]}; resolving the chunks: "
+        f"\"{pl.get('load', '-')}\".\n"
+    )
+
+
 def write_markdown(res: dict, path: str, command: str, png: str) -> None:
     """Replace the generated block of ``path`` (between the markers), keeping hand-written text around it."""
     import matplotlib
 
-    pp = res["pp_check"]
     header = (
         f"Generated by `{command}` in {res['elapsed_cpu_s']:.0f} s CPU ({res['elapsed_wall_s']:.0f} s wall); "
         f"Python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, matplotlib {matplotlib.__version__}; "
         f"{os.cpu_count()} CPUs, {res['load_note']}. Times are CPU seconds of this process (`time.process_time`), "
         "so other load on the machine inflates them less than wall time.\n"
     )
-    model = (
-        f"Model: {res['params']/1e9:.2f}B parameters, {res['tensors']:,} saved tensors (param, exp_avg, exp_avg_sq, step). "
-        f"Pipeline check ({pp['layout']}, today's adapters without `replicated_over`): "
-        f"{pp['short']:,} of {pp['tensors']:,} tensors left short; `_commit` says: \"{pp['commit_error'].split(';')[0]}\".\n"
-    )
+    model = f"Model: {res['params']/1e9:.2f}B parameters, {res['tensors']:,} saved tensors (param, exp_avg, exp_avg_sq, step).\n"
     profiles = render_profiles(res)
-    block = [BEGIN, header, model, render_tables(res), "", f"![time and size vs ranks]({os.path.basename(png)})", ""]
+    block = [BEGIN, header, model, render_checks(res), render_tables(res), "", f"![time and size vs ranks]({os.path.basename(png)})", ""]
     if profiles:
         block += ["<details><summary>Profiles</summary>\n", profiles, "</details>"]
     block.append(END)
@@ -1250,15 +1301,16 @@ def write_markdown(res: dict, path: str, command: str, png: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smaller world sizes (under a minute)")
-    ap.add_argument("--pp-check", action="store_true", help="only run the pipeline-parallel writer check")
+    ap.add_argument("--quick", action="store_true", help="smaller world sizes")
+    ap.add_argument("--pp-check", action="store_true", help="only run the pipeline-parallel writer checks")
     ap.add_argument("--out", default=None, help="folder for scale.md and scale.png (default: docs; with --quick: print only)")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     args = ap.parse_args(argv)
     log = partial(print, flush=True)
     cfg = quick_config() if args.quick else full_config()
     if args.pp_check:
-        print(json.dumps(pp_check(state_tensors(cfg.model), cfg.model, cfg.pp_check), indent=1))
+        out = {"pp_check": pp_check(state_tensors(cfg.model), cfg.model, cfg.pp_check), "plain_pp_check": plain_pp_check()}
+        print(json.dumps(out, indent=1))
         return 0
     c0, w0 = time.process_time(), time.perf_counter()
     res = simulate(cfg, log)
@@ -1267,6 +1319,7 @@ def main(argv: list[str] | None = None) -> int:
     res["load_note"] = f"load average {load:.1f} at the end of the run"
     out = args.out if args.out is not None else (None if args.quick else "docs")
     if out is None:
+        print(render_checks(res))
         print(render_tables(res))
     else:
         os.makedirs(out, exist_ok=True)

@@ -262,7 +262,7 @@ def _describe(prep: _Prepared, comm: Comm) -> tuple[dict, str, set]:
     gather stays O(ranks + tensors) instead of O(ranks x tensors).
     """
     meshes: dict[tuple, int] = {}
-    mesh_of: dict[int, tuple[int, tuple]] = {}  # id(ranks tuple) -> (mesh index, the tuple, kept alive)
+    mesh_of: dict[tuple, tuple[int, tuple]] = {}  # (id(ranks), shape) -> (mesh index, ranks kept alive)
     memo: dict = {}
     held: dict[str, list] = {}
     mine = {id(t) for t in prep.mine}
@@ -279,9 +279,9 @@ def _describe(prep: _Prepared, comm: Comm) -> tuple[dict, str, set]:
             entries[fqn] = [dt, list(t.shape), t.layout, None, None, any(id(x) in mine for x in ts)]
             continue
         # Tuples do not cache their hash: hash each distinct rank tuple once, not per tensor.
-        hit = mesh_of.get(id(grid.ranks))
+        hit = mesh_of.get((id(grid.ranks), grid.mesh_shape))
         if hit is None:
-            hit = mesh_of[id(grid.ranks)] = (meshes.setdefault((grid.mesh_shape, grid.ranks), len(meshes)), grid.ranks)
+            hit = mesh_of[(id(grid.ranks), grid.mesh_shape)] = (meshes.setdefault((grid.mesh_shape, grid.ranks), len(meshes)), grid.ranks)
         m = hit[0]
         copy = prep.writers.get(_wkey_of(prep, t), 0) if t.replica_count > 1 else 0
         entries[fqn] = [dt, list(t.shape), t.layout, m, [list(x) for x in grid.splits], copy]

@@ -246,15 +246,20 @@ def rank_runs(ranks) -> tuple[tuple[int, int], ...]:
 def _tensors_v2(tensors: Mapping[str, TensorMeta]) -> tuple[list, dict]:
     meshes: list[dict] = []
     mesh_ids: dict[tuple, int] = {}
+    by_id: dict[tuple, tuple[int, tuple]] = {}  # (id(ranks), shape) -> (mesh index, ranks): hash each rank tuple once
     out: dict[str, dict] = {}
     for fqn, t in sorted(tensors.items()):
         e: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape)}
         if t.grid is not None:
-            key = (t.grid.mesh_shape, t.grid.ranks)
-            i = mesh_ids.get(key)
-            if i is None:
-                i = mesh_ids[key] = len(meshes)
-                meshes.append({"shape": list(t.grid.mesh_shape), "ranks": list(t.grid.ranks)})
+            hit = by_id.get((id(t.grid.ranks), t.grid.mesh_shape))
+            if hit is None:
+                key = (t.grid.mesh_shape, t.grid.ranks)
+                i = mesh_ids.get(key)
+                if i is None:
+                    i = mesh_ids[key] = len(meshes)
+                    meshes.append({"shape": list(t.grid.mesh_shape), "ranks": list(t.grid.ranks)})
+                hit = by_id[(id(t.grid.ranks), t.grid.mesh_shape)] = (i, t.grid.ranks)
+            i = hit[0]
             e["grid"] = {"mesh": i, "splits": [list(s) for s in t.grid.splits], "copy": t.copy}
         elif t.holders is not None:
             e["holders"] = [list(r) for r in t.holders]
