@@ -79,13 +79,18 @@ def build_state() -> dict:
     model(x).pow(2).mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    extra = dict(PLAIN)
+    return {"model": model, "optim": opt, "extra": _extra(PLAIN)}
+
+
+def _extra(plain: dict) -> dict:
+    """The ``extra`` entry: plain and special values, and small tensors drawn from the seeded generator."""
+    extra = dict(plain)
     extra.update({k: special_value(*v) for k, v in SPECIAL.items()})
     extra["bf16"] = torch.randn(3, 5).bfloat16()
     extra["scalar"] = torch.tensor(-2.5, dtype=torch.float64)
     extra["int_scalar"] = torch.tensor(7, dtype=torch.int64)
     extra["mask"] = torch.tensor([[True, False], [False, True]])
-    return {"model": model, "optim": opt, "extra": extra}
+    return extra
 
 
 def expected_tensors(state: dict) -> dict[str, torch.Tensor]:
@@ -162,12 +167,7 @@ def build_state_v2(world: int) -> dict:
     model(x).pow(2).mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    extra = dict(PLAIN_V2)
-    extra.update({k: special_value(*v) for k, v in SPECIAL.items()})
-    extra["bf16"] = torch.randn(3, 5).bfloat16()
-    extra["scalar"] = torch.tensor(-2.5, dtype=torch.float64)
-    extra["int_scalar"] = torch.tensor(7, dtype=torch.int64)
-    extra["mask"] = torch.tensor([[True, False], [False, True]])
+    extra = _extra(PLAIN_V2)
     tp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))["tp"]
     extra["submesh"] = distribute_tensor(torch.randn(2, 3).half(), tp, [Shard(0)])
     return {"model": model, "optim": opt, "extra": extra}

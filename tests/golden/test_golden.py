@@ -296,18 +296,22 @@ def _check_npz(dest: Path, tensors: dict, names: list[str]) -> None:
         assert arr.tobytes() == want.tobytes(), name
 
 
-def test_readable_with_numpy_only(version, expected, tmp_path):
-    tensors, _ = expected
-    script = tmp_path / "reader.py"
-    script.write_text(READER)
+def _run_isolated(text: str, args: list[str], version, tensors, tmp_path) -> None:
+    """Run ``text`` in a fresh interpreter with ``args``, the folder, an output file and the names; check its output."""
+    script = tmp_path / "runner.py"
+    script.write_text(text)
     dest = tmp_path / "out.npz"
     names = _numpy_names(version)
     proc = subprocess.run(
-        [sys.executable, "-I", str(script), str(folder(version)), str(dest), *names],
+        [sys.executable, "-I", str(script), *args, str(folder(version)), str(dest), *names],
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     _check_npz(dest, tensors, names)
+
+
+def test_readable_with_numpy_only(version, expected, tmp_path):
+    _run_isolated(READER, [], version, expected[0], tmp_path)
 
 
 # The shipped example, run the same way (no shardpoint, no torch).
@@ -325,18 +329,7 @@ EXAMPLE = textwrap.dedent(
 
 
 def test_example_reader_reads_it(version, expected, tmp_path):
-    tensors, _ = expected
-    script = tmp_path / "example_runner.py"
-    script.write_text(EXAMPLE)
-    dest = tmp_path / "out.npz"
-    names = _numpy_names(version)
-    proc = subprocess.run(
-        [sys.executable, "-I", str(script), str(ROOT / "examples" / "read_with_numpy.py"), str(folder(version)),
-         str(dest), *names],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    _check_npz(dest, tensors, names)
+    _run_isolated(EXAMPLE, [str(ROOT / "examples" / "read_with_numpy.py")], version, expected[0], tmp_path)
 
 
 @pytest.mark.parametrize("script", [READER, EXAMPLE], ids=["reader", "example"])

@@ -11,6 +11,9 @@ from shardpoint.errors import FormatError
 from shardpoint.format import FORMAT_VERSION, ChunkMeta, Manifest, TensorMeta, check_file_name
 from shardpoint.geometry import Box
 
+from .test_manifest_v2 import CASES as V2_CASES
+from .test_manifest_v2 import _doc as v2_doc
+
 H = "0123456789abcdef"  # a well-formed xxh3_64 hex digest
 
 
@@ -129,10 +132,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + [f"v2: {n}" for n in V2_CASES])
 def test_tampering_is_a_format_error(name):
-    mutate, pattern = CASES[name]
-    d = doc()
+    if name.startswith("v2: "):
+        (mutate, pattern), d = V2_CASES[name[4:]], v2_doc()
+    else:
+        (mutate, pattern), d = CASES[name], doc()
     mutate(d)
     with pytest.raises(FormatError, match=pattern) as ei:
         parse(d)
