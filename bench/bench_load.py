@@ -12,7 +12,11 @@ Systems: shardpoint ``sp.load`` with ``share_reads=True`` and ``False``, DCP
 ``dcp.load`` (with ``get_state_dict``/``set_state_dict``, as its docs do), and
 ByteCheckpoint 0.0.2 ``load(fast_loading=True)`` where it supports the layout.
 Repeats are interleaved across systems; the page cache is dropped before
-every load when the process may (root), so the numbers are cold reads.
+every load when the process may (root), so the numbers are cold reads, and
+a full garbage collection runs before every load (outside the timing;
+``--no-collect`` skips it), so that no load pays for a collection of the
+garbage earlier loads, of any system, left (one costs 0.15 s or more in
+these processes).
 
 Per load it reports the wall time (slowest rank), bytes read and needed, and
 the peak RSS of the ranks. Bytes read come from two sources:
@@ -38,6 +42,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import sys
@@ -107,7 +112,7 @@ def _scramble(model, opt) -> None:
 
 
 def load_job(rank: int, world: int, target: str, cfg: dict, root: str, systems: list[str], repeats: int,
-             ref: dict, cold: bool, verify: bool) -> dict:
+             ref: dict, cold: bool, verify: bool, collect: bool = True) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -126,6 +131,8 @@ def load_job(rank: int, world: int, target: str, cfg: dict, root: str, systems: 
     for rep in range(repeats):
         for s in systems:
             _scramble(model, opt)
+            if collect:
+                gc.collect()  # no load pays for a full collection of the garbage its predecessors left
             dist.barrier()
             dropped = C.drop_caches() if (cold and rank == 0) else False
             dist.barrier()
@@ -201,6 +208,7 @@ def aggregate(target: str, ranks: list[dict], ckpt_sizes: dict) -> list[dict]:
                     e[k] = sum(x[k] for x in rr)
                 e["storage_bytes_read_per_rank"] = [x["storage_bytes_read"] for x in rr]
                 e["timings_rank0"] = rr[0]["timings"]
+                e["timings_slowest"] = max(rr, key=lambda x: x["wall_s"])["timings"]
             if "bitexact" in rr[0]:
                 e["bitexact"] = all(x.get("bitexact") for x in rr)
                 e["differs"] = rr[0].get("differs")
@@ -214,6 +222,7 @@ def aggregate(target: str, ranks: list[dict], ckpt_sizes: dict) -> list[dict]:
             "ok": bool(good) and len(good) == len(per),
             "error": next((e["error"] for e in per if e["error"]), None),
             "wall_s": C.summary(e["wall_s"] for e in good),
+            "wall_s_values": [round(e["wall_s"], 4) for e in per],
             "rchar_sum": C.summary(e["rchar"] for e in good),
             "read_bytes_sum": C.summary(e["read_bytes"] for e in good),
             "peak_rss_mb": C.summary(e["peak_rss"] / 2**20 for e in good),
@@ -232,6 +241,7 @@ def aggregate(target: str, ranks: list[dict], ckpt_sizes: dict) -> list[dict]:
             agg["loadresult_bytes_needed"] = good[0]["bytes_needed"]
             agg["loadresult_bytes_received"] = good[0]["bytes_received"]
             agg["timings_rank0"] = good[0]["timings_rank0"]
+            agg["timings_slowest_rank"] = [e["timings_slowest"] for e in good]
         # The bytes this system read from storage: the storage layer's count where there is one.
         read = agg["storage_bytes_read"]["median"] if "storage_bytes_read" in agg else agg["rchar_sum"]["median"]
         if read is not None:
@@ -300,6 +310,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--no-collect", action="store_true", help="no full garbage collection before each load")
     ap.add_argument("--wait-quiet", type=float, default=0.0, help="wait until the 1-min load average is below this")
     ap.add_argument("--wait-max", type=float, default=1200, help="give up waiting for a quiet machine after this many seconds")
     ap.add_argument("--timeout", type=float, default=600)
@@ -328,7 +339,8 @@ def main(argv=None) -> int:
     results = {
         "benchmark": "load",
         "command": "python bench/bench_load.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "config": {"model": cfg, "size": args.size, "saved_from": "fsdp2 x4", "optimizer": "AdamW", "repeats": args.repeats, "cold": not args.warm},
+        "config": {"model": cfg, "size": args.size, "saved_from": "fsdp2 x4", "optimizer": "AdamW", "repeats": args.repeats, "cold": not args.warm,
+                   "gc_collect_before_each_load": not args.no_collect},
         "machine": C.machine_info(),
         "git": C.git_rev(),
         "bytecheckpoint": bcp_status,
@@ -360,7 +372,7 @@ def main(argv=None) -> int:
                 try:
                     ranks = launch(world, "bench_load:load_job", {
                         "target": target, "cfg": cfg, "root": root, "systems": group, "repeats": args.repeats,
-                        "ref": ref, "cold": not args.warm, "verify": not args.no_verify,
+                        "ref": ref, "cold": not args.warm, "verify": not args.no_verify, "collect": not args.no_collect,
                     }, timeout=args.timeout)
                 except LaunchError as e:
                     for s in group:

@@ -2,16 +2,31 @@
 
 Not a peer comparison (bench_load.py is): it saves the bench_load state
 (TinyGPT dim 768, 5 layers, AdamW after two steps) from 4 FSDP2 ranks, then
-loads it 6 times into TP on 2 ranks with ``share_reads=False``, dropping the
-page cache before each load (root only), and prints each rank's wall time
-and phase timings (``read`` and ``verify`` sum over reader threads).
+loads it ``--loads`` times into TP on 2 ranks (``share_reads=False`` unless
+``--share``), dropping the page cache before each load (root only), and
+prints each rank's wall times, the median of the slower rank, the read
+requests and bytes of the last load (``LocalStorage.stats``) and its phase
+timings (``read`` sums over reader threads; ``verify`` and ``copy`` run on
+the loading thread).
+
+With ``--read-patterns N`` it first times plain cold reads of the saved
+data files, N times each, interleaved: the files split between two reader
+threads (as two ranks stream them), in 2.25 MiB requests (about one chunk)
+or 256 KiB requests, and with two threads per half reading alternate
+2.25 MiB spans (two reader threads per rank).
 
     python bench/probe_tp_load.py
+    python bench/probe_tp_load.py --loads 10 --no-verify
+    python bench/probe_tp_load.py --read-patterns 5 --loads 0
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
 import os
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -36,34 +51,113 @@ def save_job(rank: int, world: int, root: str) -> None:
     sp.save(root, {"model": model, "optimizer": opt})
 
 
-def load_job(rank: int, world: int, root: str) -> list:
+def load_job(rank: int, world: int, root: str, loads: int, share: bool, verify: bool) -> list:
     import torch.distributed as dist
 
     import shardpoint as sp
+    from shardpoint.storage import LocalStorage
     from shardpoint.testing import GPTConfig, build
 
     model, opt = build("tp", GPTConfig(**CFG), seed=1)
     out = []
-    for _ in range(6):
+    for _ in range(loads):
+        gc.collect()
         if rank == 0:
             C.drop_caches()
         dist.barrier()
+        st = LocalStorage(root)
         rep = sp.LoadResult()
         t = time.perf_counter()
-        sp.load(root, {"model": model, "optimizer": opt}, report=rep, share_reads=False)
-        out.append((round(time.perf_counter() - t, 3), {k: round(v, 3) for k, v in rep.timings.items()}))
+        sp.load(st, {"model": model, "optimizer": opt}, report=rep, share_reads=share, verify=verify)
+        wall = time.perf_counter() - t
+        out.append((round(wall, 3), st.stats.reads, st.stats.bytes_read, {k: round(v, 3) for k, v in rep.timings.items()}))
     return out
 
 
-def main() -> int:
+SPAN = 9 << 18  # 2.25 MiB, about one saved chunk here
+
+
+def _read_half(paths: list, threads: int, piece: int) -> None:
+    """Read ``paths`` in order, SPAN by SPAN, ``threads`` spans at a time, in requests of ``piece`` bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    jobs = [(fd, o, min(SPAN, os.fstat(fd).st_size - o)) for fd in fds for o in range(0, os.fstat(fd).st_size, SPAN)]
+
+    def one(job) -> None:
+        fd, off, n = job
+        mv = memoryview(bytearray(n))
+        got = 0
+        while got < n:
+            got += os.preadv(fd, [mv[got : got + piece]], off + got)
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, jobs))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def read_patterns(root: str, repeats: int) -> None:
+    import threading
+
+    files = sorted((os.path.join(root, "data", f) for f in os.listdir(os.path.join(root, "data")) if f.endswith(".bin")),
+                   key=lambda p: p[-10:])  # by writer rank (file names end in -rNNNNN.bin)
+    total = sum(os.path.getsize(f) for f in files)
+    halves = [files[: len(files) // 2], files[len(files) // 2 :]]
+    patterns = {
+        "2 streams, 1 thread each, 2.25 MiB requests": (1, SPAN),
+        "2 streams, 1 thread each, 256 KiB requests": (1, 256 << 10),
+        "2 streams, 2 threads each, 2.25 MiB requests": (2, SPAN),
+    }
+    got: dict = {k: [] for k in patterns}
+    for _ in range(repeats):
+        for name, (threads, piece) in patterns.items():
+            if not C.drop_caches():
+                print("# cannot drop the page cache (not root): no read patterns")
+                return
+            ts = [threading.Thread(target=_read_half, args=(h, threads, piece)) for h in halves]
+            t = time.perf_counter()
+            for x in ts:
+                x.start()
+            for x in ts:
+                x.join()
+            got[name].append(total / (time.perf_counter() - t) / 1e9)
+    for name, v in got.items():
+        print(f"{name}: {C.fmt(C.summary(v), 1, 2)} GB/s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--loads", type=int, default=6)
+    ap.add_argument("--share", action="store_true", help="share_reads=True")
+    ap.add_argument("--no-verify", action="store_true", help="verify=False")
+    ap.add_argument("--read-patterns", type=int, default=0, metavar="N", help="time plain cold reads of the data files first, N times")
+    args = ap.parse_args(argv)
     C.setup_env()
     from shardpoint.testing import launch
 
-    root = os.path.join(tempfile.mkdtemp(prefix="sp-probe-"), "ck")
+    tmp = tempfile.mkdtemp(prefix="sp-probe-")
+    try:
+        return _run(args, os.path.join(tmp, "ck"), launch)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(args, root: str, launch) -> int:
     launch(4, "probe_tp_load:save_job", {"root": root})
-    for rank, runs in enumerate(launch(2, "probe_tp_load:load_job", {"root": root})):
-        print(f"rank {rank}: wall s {[w for w, _ in runs]}")
-        print(f"  last phases {runs[-1][1]}")
+    if args.read_patterns:
+        read_patterns(root, args.read_patterns)
+    if args.loads <= 0:
+        return 0
+    ranks = launch(2, "probe_tp_load:load_job", {"root": root, "loads": args.loads, "share": args.share, "verify": not args.no_verify})
+    for rank, runs in enumerate(ranks):
+        _w, reqs, nbytes, phases = runs[-1]
+        print(f"rank {rank}: wall s {[w for w, *_ in runs]}")
+        print(f"  last load: {reqs} read requests, {nbytes / 1e6:.1f} MB; phases {phases}")
+    slowest = [max(r[i][0] for r in ranks) for i in range(args.loads)]
+    print(f"slower rank: median {statistics.median(slowest):.3f} s [{min(slowest):.3f}, {max(slowest):.3f}]")
     return 0
 
 

@@ -4,9 +4,11 @@ Each target shard is intersected with the saved chunks (pure planning); the
 needed elements of one chunk become one byte *span*, widened to checksum
 blocks so everything read can be verified. Spans are then fetched:
 
-- locally, with a small thread pool that prefetches ahead of the copies under
-  a byte budget, reading straight into the destination when the chunk maps
-  onto a contiguous piece of it; or
+- locally, by a small pool of reader threads that prefetch ahead of the
+  loading thread under a byte budget, reading straight into the destination
+  when the chunk maps onto a contiguous piece of it, and neighbouring small
+  spans with one request; the loading thread verifies and copies. Ranks
+  walk the files in staggered orders (:func:`order_reads`); or
 - shared ("read once"): ranks exchange the list of spans they need; each span
   needed by several ranks is read by one of them, chosen to balance bytes,
   and sent to the others over the process group. Replicas (DDP, HSDP) and TP
@@ -15,6 +17,8 @@ blocks so everything read can be verified. Spans are then fetched:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import socket
 import time
@@ -33,10 +37,13 @@ from ..errors import CorruptCheckpointError, ShapeMismatchError
 from ..format.manifest import ChunkMeta, Manifest
 from ..geometry import row_major_strides, runs_within
 from ..planning.load_plan import ReadOp, SourceIndex, coverage_gaps, plan_reads
-from ..storage.base import Storage
-from .io import _dst_view, _readinto, _verify
+from ..storage.base import ShortReadError, Storage
+from .io import ALIGN, _dst_view, _readinto, _verify
 
-__all__ = ["LoadStats", "ChunkRead", "SharedSpan", "plan_chunk_reads", "plan_segments", "plan_sharing", "route_sharing", "route_rows", "owner_replies", "collect_replies", "execute_reads"]
+__all__ = [
+    "LoadStats", "ChunkRead", "SharedSpan", "plan_chunk_reads", "plan_segments", "plan_sharing", "route_sharing",
+    "route_rows", "owner_replies", "collect_replies", "order_reads", "batch_reads", "execute_reads",
+]
 
 
 @dataclass
@@ -136,6 +143,12 @@ def plan_segments(r: ChunkRead, verify: bool, block: int, coalesce: int) -> list
     Runs closer than ``coalesce`` bytes are read as one (one request costs more
     than a small gap). ``None`` means the whole span ``[lo, hi)``.
     """
+    if verify and r.hi - r.lo <= block:
+        return None  # one checksum block: read it whole
+    if len(r.jobs) == 1 and len(r.jobs[0][1]) == 1:
+        op = r.jobs[0][1][0]
+        if not runs_within(op.src.box, op.region).counts:
+            return None  # one contiguous run, already the span
     iv = _needed_intervals(r)
     if iv is None or len(iv[0]) <= 1:
         return None
@@ -187,8 +200,9 @@ def plan_chunk_reads(
         isz = meta.itemsize
         for ci, cops in by_chunk.items():
             chunk = meta.chunks[ci]
-            lo_e = min(op.src.start + runs_within(op.src.box, op.region).span[0] for op in cops)
-            hi_e = max(op.src.start + runs_within(op.src.box, op.region).span[1] for op in cops)
+            spans = [runs_within(op.src.box, op.region).span for op in cops]
+            lo_e = min(op.src.start + a for op, (a, _b) in zip(cops, spans))
+            hi_e = max(op.src.start + b for op, (_a, b) in zip(cops, spans))
             stats.bytes_needed += sum(op.region.numel for op in cops) * isz
             r = reads.get((tgt.fqn, ci))
             if r is None:
@@ -205,6 +219,54 @@ def plan_chunk_reads(
     return out
 
 
+# How far behind a peer's expected position a rank reads the spans it shares
+# with that peer: a fraction of the peer's part of the line (see order_reads).
+FOLLOW_LAG = 0.1
+
+
+def order_reads(reads: Sequence[ChunkRead], rank: int, world: int, files: dict[str, int], saved_world: int = 1) -> list[ChunkRead]:
+    """Order ``reads`` so that ranks sharing a disk stream different files (pure, no I/O).
+
+    The saved bytes are laid on one line, data file after data file by writer
+    rank (by name when writers repeat), and the line is cut into ``world``
+    equal parts. Rank ``r`` streams its own part, ``r``, in order; a TP or
+    FSDP rank's own dim-0 share of the saved chunks lies there. The spans it
+    needs from another part are interleaved with its own, each at its
+    position in that part plus ``FOLLOW_LAG``: the part's rank, walking it at
+    the same pace, has just brought them into the page cache. Ranks on one
+    host so read each page from the device once, on as many sequential
+    streams as ranks, with no tail of page-cache re-reads at the end (ranks
+    walking the files in one order read them together, one stream; see
+    docs/benchmarks.md, loading). If the owner is slower, the follower reads
+    those pages from the device and the owner finds them cached. ``files``
+    maps file names to sizes (the manifest's ``files``) and ``saved_world``
+    is the saving world size: every rank places a file at the same point.
+    """
+    if world <= 1 or not reads:
+        return sorted(reads, key=lambda r: (r.chunk.file, r.chunk.offset + r.lo))
+    writer: dict[str, int] = {}
+    for r in reads:
+        writer[r.chunk.file] = min(writer.get(r.chunk.file, r.chunk.rank), r.chunk.rank)
+    if len(set(writer.values())) == len(writer):
+        pos = {f: float(w) for f, w in writer.items()}
+        n = max(max(writer.values()) + 1, saved_world)
+    else:  # a writer with several files: the manifest's names order them
+        names = sorted(set(files) | set(writer))
+        pos = {f: float(i) for i, f in enumerate(names)}
+        n = len(names)
+    part = n / world
+
+    def key(r: ChunkRead):
+        size = files.get(r.chunk.file) or (r.chunk.offset + r.chunk.nbytes)
+        x = pos[r.chunk.file] + min((r.chunk.offset + r.lo) / max(size, 1), 0.999999)
+        d = (x - rank * part) % n  # distance along the line from the start of this rank's part
+        k = min(int(d // part), world - 1)  # 0: this rank's part; k: the k-th part after it
+        along = d / part - k
+        return (along + (FOLLOW_LAG if k else 0.0), k, r.chunk.file, r.chunk.offset + r.lo)
+
+    return sorted(reads, key=key)
+
+
 def _copy_jobs(r: ChunkRead, buf: torch.Tensor) -> None:
     typed = buf.view(r.dtype)
     base_e = r.lo // r.itemsize
@@ -212,7 +274,7 @@ def _copy_jobs(r: ChunkRead, buf: torch.Tensor) -> None:
         for op in ops:
             strides = row_major_strides(op.src.box.sizes)
             run = runs_within(op.src.box, op.region)
-            src = typed.as_strided(op.region.sizes, strides, op.src.start + run.base - base_e)
+            src = typed.as_strided(op.region.sizes, strides, typed.storage_offset() + op.src.start + run.base - base_e)
             _dst_view(tgt, op).copy_(src)
 
 
@@ -242,9 +304,24 @@ def _fetch(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str,
         raise
 
 
+def _read_segments(storage: Storage, r: ChunkRead, mv: memoryview, where: str, rec) -> None:
+    """All of ``r``'s segments with one storage call: thousands of strided runs cost little each."""
+    t0 = time.monotonic()
+    try:
+        storage.readinto_many(r.chunk.file, [(r.chunk.offset + a, mv[a - r.lo : b - r.lo]) for a, b in r.segments])
+    except (FileNotFoundError, ShortReadError):
+        for a, b in r.segments:  # piece by piece: the usual error, naming the tensor
+            _readinto(storage, r.chunk, a, mv[a - r.lo : b - r.lo], r.fqn, where)
+    if rec is not None:
+        rec.add("read", t0, time.monotonic(), r.nread)
+
+
 def _fetch_one(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str, into: torch.Tensor | None, rec) -> torch.Tensor:
     buf = into if into is not None else torch.empty(r.hi - r.lo, dtype=torch.uint8)
     mv = memoryview(buf.numpy())
+    if not verify and r.segments is not None and len(r.segments) > 1 and hasattr(storage, "readinto_many"):
+        _read_segments(storage, r, mv, where, rec)
+        return buf
     for a, b in r.ranges():
         part = mv[a - r.lo : b - r.lo]
         t0 = time.monotonic()
@@ -272,27 +349,124 @@ def _count(stats: LoadStats, r: ChunkRead) -> None:
     stats.per_file[r.chunk.file] += r.nread
 
 
+# Spans up to SMALL_SPAN bytes that follow each other in a file are read with one
+# request, up to BATCH_BYTES. Only alignment padding may lie between them: a gap
+# of ALIGN bytes or more could hold another chunk (another rank's shared span,
+# or a tensor this load does not want), which would be read for nothing.
+SMALL_SPAN = 256 << 10
+BATCH_BYTES = 4 << 20
+
+
+def batch_reads(reads: Sequence[ChunkRead]) -> list[list[ChunkRead]]:
+    """Group neighbouring small spans into one request each, keeping the order (pure, no I/O).
+
+    Norms, biases and step counts are many tiny chunks saved next to each
+    other; one request per chunk cost more in Python and system-call overhead
+    than the bytes themselves. Any other span is a group of its own.
+    """
+    out: list[list[ChunkRead]] = []
+    total = 0
+    for r in reads:
+        small = r.segments is None and r.hi - r.lo <= SMALL_SPAN
+        if small and out:
+            last = out[-1][-1]
+            gap = r.chunk.offset + r.lo - (last.chunk.offset + last.hi)
+            if (last.segments is None and last.hi - last.lo <= SMALL_SPAN and last.chunk.file == r.chunk.file
+                    and 0 <= gap < ALIGN and total + gap + r.hi - r.lo <= BATCH_BYTES):
+                out[-1].append(r)
+                total += gap + r.hi - r.lo
+                continue
+        out.append([r])
+        total = r.hi - r.lo
+    return out
+
+
+def _extent(group: Sequence[ChunkRead]) -> tuple[int, int]:
+    """File offsets ``[start, end)`` that one request for ``group`` reads."""
+    return group[0].chunk.offset + group[0].lo, group[-1].chunk.offset + group[-1].hi
+
+
+def _fetch_group(storage: Storage, group: Sequence[ChunkRead], where: str, rec) -> list[torch.Tensor]:
+    """One request for a group of neighbouring spans; a view of the buffer per span (not verified)."""
+    a, b = _extent(group)
+    buf = torch.empty(b - a, dtype=torch.uint8)
+    first = group[0]
+    try:
+        t0 = time.monotonic()
+        _readinto(storage, first.chunk, a - first.chunk.offset, memoryview(buf.numpy()), first.fqn, where)
+        if rec is not None:
+            rec.add("read", t0, time.monotonic(), b - a)
+    except CorruptCheckpointError:
+        # Span by span: names the damaged chunk, and lets tiered storage fall back per span.
+        return [_fetch(storage, r, 0, False, where, None, rec) for r in group]
+    parts = []
+    for r in group:
+        o = r.chunk.offset + r.lo - a
+        part = buf[o : o + r.hi - r.lo]
+        parts.append(part if o % r.itemsize == 0 else part.clone())  # typed views need aligned offsets
+    return parts
+
+
+def _verified(storage: Storage, r: ChunkRead, buf: torch.Tensor, block: int, where: str, into: torch.Tensor | None, rec) -> torch.Tensor:
+    """``buf`` once its ranges match their checksums; else ``r`` read again, verified (other tiers too)."""
+    t0 = time.monotonic()
+    mv = memoryview(buf.numpy())
+    try:
+        for a, b in r.ranges():
+            _verify(mv[a - r.lo : b - r.lo], r.chunk, a // block, block, r.fqn, where)
+    except CorruptCheckpointError:
+        return _fetch(storage, r, block, True, where, into, rec)
+    if rec is not None:
+        rec.add("verify", t0, time.monotonic(), r.nread)
+    return buf
+
+
 def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, stats, window: int, threads: int, rec=None) -> None:
-    """Fetch in a thread pool, at most ``window`` bytes ahead of the copies."""
+    """Fetch in a thread pool, at most ``window`` bytes ahead of the copies.
+
+    The pool only reads; this thread verifies and copies, so checksums
+    overlap the next reads instead of delaying them.
+    """
+    groups = batch_reads(reads)
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardpoint-read") as pool:
         pending: list = []
         ahead = 0
         i = 0
-        while i < len(reads) or pending:
-            while i < len(reads) and (not pending or ahead + (reads[i].hi - reads[i].lo) <= window):
-                r = reads[i]
-                direct = _direct_view(r)
-                pending.append((r, direct, pool.submit(_fetch, storage, r, block, verify, where, direct, rec)))
-                ahead += r.hi - r.lo
-                _count(stats, r)
+        while i < len(groups) or pending:
+            while i < len(groups) and (not pending or ahead + _size(groups[i]) <= window):
+                g = groups[i]
+                if len(g) == 1:
+                    direct = _direct_view(g[0])
+                    fut = pool.submit(_fetch, storage, g[0], block, False, where, direct, rec)
+                    _count(stats, g[0])
+                else:
+                    direct = None
+                    fut = pool.submit(_fetch_group, storage, g, where, rec)
+                    for r in g:
+                        _count(stats, r)
+                    gap = _size(g) - sum(r.hi - r.lo for r in g)
+                    stats.bytes_read += gap
+                    stats.per_file[g[0].chunk.file] += gap
+                pending.append((g, direct, fut))
+                ahead += _size(g)
                 i += 1
-            r, direct, fut = pending.pop(0)
-            buf = fut.result()
-            ahead -= r.hi - r.lo
-            if direct is not None:
-                stats.direct_reads += 1
-            else:
-                _copy_timed(r, buf, rec)
+            g, direct, fut = pending.pop(0)
+            bufs = fut.result()
+            ahead -= _size(g)
+            if len(g) == 1:
+                bufs = [bufs]
+            for r, buf in zip(g, bufs):
+                if verify:
+                    buf = _verified(storage, r, buf, block, where, direct, rec)
+                if direct is not None:
+                    stats.direct_reads += 1
+                else:
+                    _copy_timed(r, buf, rec)
+
+
+def _size(group: Sequence[ChunkRead]) -> int:
+    a, b = _extent(group)
+    return b - a if len(group) > 1 else group[0].hi - group[0].lo
 
 
 def _span_id(r: ChunkRead) -> int:
@@ -408,7 +582,7 @@ def _host_id() -> int:
     return xxhash.xxh3_64_intdigest(socket.gethostname().encode()) >> 1
 
 
-def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, where, stats, window: int, rec=None, threads: int = 2, file_index=None, auto: bool = False) -> None:
+def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, where, stats, window: int, rec=None, threads: int = 2, file_index=None, auto: bool = False, sizes=None, saved_world: int = 1) -> None:
     """Read each span once across the ranks that need it; send it to the others.
 
     Ranks exchange a table of span ids (int64 rows, no pickling). Spans only
@@ -432,8 +606,7 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
         rec.add("communicate", tc, time.monotonic())
     shared_ids = {sp.sid for sp in mine}
     me = comm.rank
-    local = [r for sid, r in by_id.items() if sid not in shared_ids]
-    local.sort(key=lambda r: (r.chunk.file, r.chunk.offset + r.lo))
+    local = order_reads([r for sid, r in by_id.items() if sid not in shared_ids], me, comm.world, sizes or {}, saved_world)
     errors: list[BaseException] = []
     # Unshared spans: the ordinary prefetching path, beside the exchange.
     local_pool = ThreadPoolExecutor(1, thread_name_prefix="shardpoint-local")
@@ -552,6 +725,31 @@ def execute_reads(
     auto = share == "auto"
     if auto and not getattr(storage, "page_cached", False):
         share, auto = True, False
+    with _gc_paused():
+        return _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """No automatic garbage collection while the reads run.
+
+    The read phase allocates tens of thousands of short-lived objects; each
+    young-generation collection promoted the live ones, and every few loads
+    that triggered a full collection of the whole process (0.15 to 0.37 s
+    for a training process holding about 290k tracked objects, longer than
+    the resharding load itself). Paused, the objects die by reference
+    counting before the next collection looks at them.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder) -> LoadStats:
     stats = LoadStats()
     # Backends with high per-request latency (object stores) ask for more reads in flight
     # and for wider coalescing of nearby runs.
@@ -565,8 +763,10 @@ def execute_reads(
             _exchange_only(comm, auto)
             raise
         files = {f: i for i, f in enumerate(sorted(manifest.files))}
-        _execute_shared(storage, reads, comm, manifest.block_size, verify, where, stats, window, recorder, threads, files, auto)
+        _execute_shared(storage, reads, comm, manifest.block_size, verify, where, stats, window, recorder, threads, files, auto, dict(manifest.files), manifest.world_size)
     else:
         reads = plan_chunk_reads(manifest, targets, where, verify, stats, coalesce)
+        if comm is not None and comm.active and comm.world > 1:
+            reads = order_reads(reads, comm.rank, comm.world, dict(manifest.files), manifest.world_size)
         _execute_local(storage, reads, manifest.block_size, verify, where, stats, window, threads, recorder)
     return stats

@@ -477,24 +477,36 @@ class LocalStorage(Storage):
         return _DirectWriter(self, name, fd, path)
 
     def readinto(self, name: str, offset: int, buf: memoryview) -> None:
-        mv = memoryview(buf).cast("B")
-        want = len(mv)
+        self.readinto_many(name, [(offset, buf)])
+
+    def readinto_many(self, name: str, parts) -> None:
+        """``readinto`` for several ``(offset, buffer)`` pieces of one file.
+
+        One name check and descriptor lookup for all of them: a strided
+        partial read of a chunk can be thousands of small pieces.
+        """
         path = self._path(name)
         if name.startswith("data/"):  # written once under a unique name: safe to keep open
             fd, own = self._reads.get(path)
         else:  # manifests and the like are replaced by rename: open the current file
             fd, own = os.open(path, os.O_RDONLY), True
+        total = 0
         try:
-            got = 0
-            while got < want:
-                n = os.preadv(fd, [mv[got:]], offset + got)
-                if n == 0:
-                    raise self._short(name, offset, want, got)
-                got += n
+            for offset, buf in parts:
+                mv = memoryview(buf).cast("B")
+                want = len(mv)
+                got = 0
+                while got < want:
+                    n = os.preadv(fd, [mv[got:]], offset + got)
+                    if n == 0:
+                        raise self._short(name, offset, want, got)
+                    got += n
+                total += want
         finally:
             if own:
                 os.close(fd)
-        self.stats.add_read(want)
+            if total:
+                self.stats.add_read(total)
 
     def close(self) -> None:
         """Close the descriptors kept open for reading (the storage stays usable)."""

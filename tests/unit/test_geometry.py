@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardpoint.geometry import (
@@ -105,10 +105,17 @@ def test_contains_examples():
     assert Box((), ()).contains(Box((), ()))
 
 
+@st.composite
+def box_pairs(draw):
+    """Two boxes of one rank (drawn together: filtering by rank tripped hypothesis' health check)."""
+    ndim = draw(st.integers(1, 3))
+    return tuple(draw(boxes(min_ndim=ndim, max_ndim=ndim, max_size=4, max_offset=4)) for _ in range(2))
+
+
 @SETTINGS
-@given(boxes(min_ndim=1, max_ndim=3, max_size=4, max_offset=4), boxes(min_ndim=1, max_ndim=3, max_size=4, max_offset=4))
-def test_intersect_and_contains_match_masks(a, b):
-    assume(a.ndim == b.ndim)
+@given(box_pairs())
+def test_intersect_and_contains_match_masks(pair):
+    a, b = pair
     shape = tuple(9 for _ in range(a.ndim))
     ma, mb = _mask(a, shape), _mask(b, shape)
     both = ma & mb
