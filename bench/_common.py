@@ -297,7 +297,6 @@ def bytecheckpoint_status() -> dict:
 
 
 def _bcp_serve_loopback(world_size, conn):  # runs in ByteCheckpoint's spawned helper process
-    import asyncio
 
     import grpc
     from bytecheckpoint.utilities.server import report_service_pb2_grpc, server_lib

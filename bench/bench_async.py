@@ -69,7 +69,6 @@ DEFAULT_SYSTEMS = ["sp-eager", "sp-lazy", "sp-lazy-small", "dcp-thread", "dcp-pr
 # ====================================================================== rank side
 def rank_job(rank: int, world: int, system: str, cfg: dict, root: str, every: int, n_ckpt: int,
              batch: int, staging_mb: int, small_mb: int, verify: bool, layout: str = "fsdp2") -> dict:
-    import torch
     import torch.distributed as dist
 
     import shardpoint as sp

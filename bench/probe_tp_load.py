@@ -12,8 +12,9 @@ the loading thread).
 With ``--read-patterns N`` it first times plain cold reads of the saved
 data files, N times each, interleaved: the files split between two reader
 threads (as two ranks stream them), in 2.25 MiB requests (about one chunk)
-or 256 KiB requests, and with two threads per half reading alternate
-2.25 MiB spans (two reader threads per rank).
+or 256 KiB requests, with two threads per half reading alternate
+2.25 MiB spans (two reader threads per rank), and as four streams (one per
+saved file when there are four: two per rank).
 
     python bench/probe_tp_load.py
     python bench/probe_tp_load.py --loads 10 --no-verify
@@ -105,19 +106,25 @@ def read_patterns(root: str, repeats: int) -> None:
     files = sorted((os.path.join(root, "data", f) for f in os.listdir(os.path.join(root, "data")) if f.endswith(".bin")),
                    key=lambda p: p[-10:])  # by writer rank (file names end in -rNNNNN.bin)
     total = sum(os.path.getsize(f) for f in files)
-    halves = [files[: len(files) // 2], files[len(files) // 2 :]]
+
+    def split(n: int) -> list:
+        return [files[i * len(files) // n : (i + 1) * len(files) // n] for i in range(n)]
+
+    # name: (streams, threads per stream, request size); a stream reads its share of the files in order
     patterns = {
-        "2 streams, 1 thread each, 2.25 MiB requests": (1, SPAN),
-        "2 streams, 1 thread each, 256 KiB requests": (1, 256 << 10),
-        "2 streams, 2 threads each, 2.25 MiB requests": (2, SPAN),
+        "2 streams, 1 thread each, 2.25 MiB requests": (2, 1, SPAN),
+        "2 streams, 1 thread each, 256 KiB requests": (2, 1, 256 << 10),
+        "2 streams, 2 threads each, 2.25 MiB requests": (2, 2, SPAN),
+        "4 streams, 1 thread each, 2.25 MiB requests": (4, 1, SPAN),
+        "4 streams, 1 thread each, 256 KiB requests": (4, 1, 256 << 10),
     }
     got: dict = {k: [] for k in patterns}
     for _ in range(repeats):
-        for name, (threads, piece) in patterns.items():
+        for name, (streams, threads, piece) in patterns.items():
             if not C.drop_caches():
                 print("# cannot drop the page cache (not root): no read patterns")
                 return
-            ts = [threading.Thread(target=_read_half, args=(h, threads, piece)) for h in halves]
+            ts = [threading.Thread(target=_read_half, args=(h, threads, piece)) for h in split(streams)]
             t = time.perf_counter()
             for x in ts:
                 x.start()

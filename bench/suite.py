@@ -268,7 +268,11 @@ def async_points(data: dict) -> list[dict]:
             if s["system"] == "none":
                 continue
             if "error" in s:
-                pts.append({"size": e["size"], "layout": e["layout"], "system": s["system"], "error": s["error"][-300:]})
+                # size from a sibling that finished, so the failed row lines up with its peers
+                sib = ok[0] if ok else None
+                mb = (sib.get("ckpt_bytes") or sib["state_bytes"]) / 1e6 if sib else None
+                pts.append({"size": e["size"], "ckpt_mb": mb, "layout": e["layout"], "system": s["system"],
+                            "error": s["error"][-300:], "reason": s["error"].splitlines()[0][:80]})
                 continue
             nbytes = s.get("ckpt_bytes") or s["state_bytes"]
             stall = s["stall_s"]
@@ -292,8 +296,9 @@ def rows_async(data: dict) -> list[list]:
     rows = []
     for p in async_points(data):
         if "error" in p:
-            rows.append([p["size"], LAYOUT_LABEL.get(p["layout"], p["layout"]), ASYNC_LABEL.get(p["system"], p["system"]),
-                         "failed", "", "", "", "", "", ""])
+            size = f"{p['ckpt_mb']:.0f} MB" if p.get("ckpt_mb") else p["size"]
+            rows.append([size, LAYOUT_LABEL.get(p["layout"], p["layout"]), ASYNC_LABEL.get(p["system"], p["system"]),
+                         f"failed: {p['reason']}", "", "", "", "", "", ""])
             continue
         rows.append([f"{p['ckpt_mb']:.0f} MB", LAYOUT_LABEL.get(p["layout"], p["layout"]), ASYNC_LABEL.get(p["system"], p["system"]),
                      R.fmt_summary(p["stall_s"], 1000, 1),

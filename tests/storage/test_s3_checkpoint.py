@@ -6,7 +6,6 @@ data file is a multipart upload of three 5 MiB parts.
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.errors import StorageError
 from shardpoint.storage import LocalStorage, MemoryStorage, Storage, Writer
 
 from .conftest import build_model, train

@@ -16,7 +16,6 @@ import random
 from itertools import product
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
