@@ -52,7 +52,7 @@ def save_job(rank: int, world: int, root: str) -> None:
     sp.save(root, {"model": model, "optimizer": opt})
 
 
-def load_job(rank: int, world: int, root: str, loads: int, share: bool, verify: bool) -> list:
+def load_job(rank: int, world: int, root: str, loads: int, share: bool, verify: bool, trace: bool = False) -> list:
     import torch.distributed as dist
 
     import shardpoint as sp
@@ -67,12 +67,35 @@ def load_job(rank: int, world: int, root: str, loads: int, share: bool, verify: 
             C.drop_caches()
         dist.barrier()
         st = LocalStorage(root)
+        spans: list = []
+        if trace:
+            _trace_reads(st, spans)
         rep = sp.LoadResult()
         t = time.perf_counter()
         sp.load(st, {"model": model, "optimizer": opt}, report=rep, share_reads=share, verify=verify)
         wall = time.perf_counter() - t
-        out.append((round(wall, 3), st.stats.reads, st.stats.bytes_read, {k: round(v, 3) for k, v in rep.timings.items()}))
+        phases = {k: round(v, 3) for k, v in rep.timings.items()}
+        if spans:  # when the data reads started and ended, from the call
+            phases["first_read"] = round(min(a for a, _ in spans) - t, 3)
+            phases["last_read_end"] = round(max(b for _, b in spans) - t, 3)
+        out.append((round(wall, 3), st.stats.reads, st.stats.bytes_read, phases))
     return out
+
+
+def _trace_reads(st, spans: list) -> None:
+    """Record (start, end) of every data-file read call on this storage object."""
+    for name in ("readinto", "readinto_many"):
+        orig = getattr(st, name)
+
+        def timed(path, *a, _orig=orig):
+            t0 = time.perf_counter()
+            try:
+                return _orig(path, *a)
+            finally:
+                if path.startswith("data"):
+                    spans.append((t0, time.perf_counter()))
+
+        setattr(st, name, timed)
 
 
 SPAN = 9 << 18  # 2.25 MiB, about one saved chunk here
@@ -140,6 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--loads", type=int, default=6)
     ap.add_argument("--share", action="store_true", help="share_reads=True")
     ap.add_argument("--no-verify", action="store_true", help="verify=False")
+    ap.add_argument("--trace", action="store_true", help="report when the data reads start and end in each load")
     ap.add_argument("--read-patterns", type=int, default=0, metavar="N", help="time plain cold reads of the data files first, N times")
     args = ap.parse_args(argv)
     C.setup_env()
@@ -158,7 +182,8 @@ def _run(args, root: str, launch) -> int:
         read_patterns(root, args.read_patterns)
     if args.loads <= 0:
         return 0
-    ranks = launch(2, "probe_tp_load:load_job", {"root": root, "loads": args.loads, "share": args.share, "verify": not args.no_verify})
+    ranks = launch(2, "probe_tp_load:load_job", {"root": root, "loads": args.loads, "share": args.share, "verify": not args.no_verify,
+                                                         "trace": args.trace})
     for rank, runs in enumerate(ranks):
         _w, reqs, nbytes, phases = runs[-1]
         print(f"rank {rank}: wall s {[w for w, *_ in runs]}")
