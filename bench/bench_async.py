@@ -336,6 +336,7 @@ def aggregate(system: str, ranks: list[dict], every: int) -> dict:
         agg["ring_high_water_per_rank"] = [r.get("ring_high_water") for r in ranks]
     if "sp_timings" in (ranks[0]["records"][-1] if ranks[0]["records"] else {}):
         agg["sp_timings_rank0_last"] = ranks[0]["records"][-1]["sp_timings"]
+        agg["sp_timings_last_per_rank"] = [r["records"][-1]["sp_timings"] if r["records"] else None for r in ranks]
     if system != "none":
         checks = [v for r in ranks for v in (r.get("verify") or {}).values()]
         agg["verified"] = bool(checks) and all(v["ok"] for v in checks)

@@ -172,8 +172,11 @@ class AsyncSaver:
 
     def _workers(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:
+            # The target is fixed here, on the caller's thread: a worker may be started
+            # by the other worker (the lazy copier starts the writer), and a relative
+            # change there would stack (+5 on +5).
             self._pool = cf.ThreadPoolExecutor(
-                max_workers=2, thread_name_prefix="shardpoint-save", initializer=_lower_priority, initargs=(self.background_nice,)
+                max_workers=2, thread_name_prefix="shardpoint-save", initializer=_lower_priority, initargs=(_nice_target(self.background_nice),)
             )
         return self._pool
 
@@ -329,13 +332,24 @@ class AsyncSaver:
         return handle
 
 
-def _lower_priority(delta: int) -> None:
-    """Make the calling thread ``delta`` nice levels lower priority (Linux threads only)."""
+def _nice_target(delta: int) -> int | None:
+    """The nice level ``delta`` levels below the calling thread's, or None to leave priorities alone."""
     if delta <= 0 or not hasattr(os, "setpriority"):
+        return None
+    try:
+        return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + delta)
+    except OSError:
+        return None
+
+
+def _lower_priority(target: int | None) -> None:
+    """Run the calling thread at nice level ``target`` unless it is already that low (Linux threads only)."""
+    if target is None:
         return
     try:
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + delta))
+        if os.getpriority(os.PRIO_PROCESS, tid) < target:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
     except OSError as e:  # not permitted, or not a per-thread scheduler: run at normal priority
         log.debug("could not lower the save workers' priority: %s", e)
 
