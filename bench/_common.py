@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -330,6 +331,19 @@ def bcp_loopback() -> None:
 
 
 # ------------------------------------------------------------------ output
+def failure(msg: str, limit: int = 1500) -> str:
+    """A failed run's message for the results: its first line, the lines that say why, and no machine paths.
+
+    A launcher error carries the ranks' stderr, with tracebacks full of absolute
+    paths; what matters is the first line and any signal or exception line
+    (a rank killed by SIGKILL on a 24 GiB machine is usually the OOM killer).
+    """
+    lines = msg.splitlines()
+    keep = lines[:1] + [ln for ln in lines[1:] if "terminated with signal" in ln or "Error:" in ln or "timed out" in ln]
+    out = "\n".join(dict.fromkeys(ln.strip() for ln in keep if ln.strip()))
+    return re.sub(r"(?:/[\w.+-]+)+/([\w.+-]+)", r"\1", out)[:limit]
+
+
 def write_json(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

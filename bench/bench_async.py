@@ -472,7 +472,7 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - report and go on with the others
                 msg = str(e)
                 print(f"# {s} FAILED: {msg[:2000]}")
-                results["systems"].append({"system": s, "description": SYSTEMS[s], "error": msg[-4000:]})
+                results["systems"].append({"system": s, "description": SYSTEMS[s], "error": C.failure(msg)})
                 continue
             results["systems"].append(agg)
             print(f"{s:18s} stall {C.fmt(agg['stall_s'], 1000, 1)} ms  overhead {C.fmt(agg['overhead'], 100, 1)} %  "

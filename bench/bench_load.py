@@ -376,7 +376,7 @@ def main(argv=None) -> int:
                     }, timeout=args.timeout)
                 except LaunchError as e:
                     for s in group:
-                        results["loads"].append({"target": target, "system": s, "ok": False, "error": str(e)[-3000:]})
+                        results["loads"].append({"target": target, "system": s, "ok": False, "error": C.failure(str(e))})
                     print(f"{target:8s} {','.join(group)} FAILED: {str(e)[:1500]}", flush=True)
                     continue
                 for agg in aggregate(target, ranks, results["ckpt_bytes"]):

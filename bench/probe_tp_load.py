@@ -19,6 +19,7 @@ saved file when there are four: two per rank).
     python bench/probe_tp_load.py
     python bench/probe_tp_load.py --loads 10 --no-verify
     python bench/probe_tp_load.py --read-patterns 5 --loads 0
+    python bench/probe_tp_load.py --size 1.5gb --loads 4 --trace
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ import _common as C  # noqa: E402
 CFG = dict(vocab=2048, dim=768, heads=12, layers=5, seq=16)
 
 
-def save_job(rank: int, world: int, root: str) -> None:
+def save_job(rank: int, world: int, root: str, cfg: dict) -> None:
     import shardpoint as sp
     from shardpoint.testing import GPTConfig, batch, build, loss_of
 
-    c = GPTConfig(**CFG)
+    c = GPTConfig(**cfg)
     model, opt = build("fsdp2", c, seed=0)
     for i in range(2):
         x, y = batch(i, c, 4)
@@ -52,14 +53,14 @@ def save_job(rank: int, world: int, root: str) -> None:
     sp.save(root, {"model": model, "optimizer": opt})
 
 
-def load_job(rank: int, world: int, root: str, loads: int, share: bool, verify: bool, trace: bool = False) -> list:
+def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: bool, verify: bool, trace: bool = False) -> list:
     import torch.distributed as dist
 
     import shardpoint as sp
     from shardpoint.storage import LocalStorage
     from shardpoint.testing import GPTConfig, build
 
-    model, opt = build("tp", GPTConfig(**CFG), seed=1)
+    model, opt = build("tp", GPTConfig(**cfg), seed=1)
     out = []
     for _ in range(loads):
         gc.collect()
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--share", action="store_true", help="share_reads=True")
     ap.add_argument("--no-verify", action="store_true", help="verify=False")
     ap.add_argument("--trace", action="store_true", help="report when the data reads start and end in each load")
+    ap.add_argument("--size", default=None, help="a suite state size (100mb, 1.5gb) instead of the bench_load state")
     ap.add_argument("--read-patterns", type=int, default=0, metavar="N", help="time plain cold reads of the data files first, N times")
     args = ap.parse_args(argv)
     C.setup_env()
@@ -177,12 +179,13 @@ def main(argv=None) -> int:
 
 
 def _run(args, root: str, launch) -> int:
-    launch(4, "probe_tp_load:save_job", {"root": root})
+    cfg = C.size_cfg(args.size) if args.size else dict(CFG)
+    launch(4, "probe_tp_load:save_job", {"root": root, "cfg": cfg})
     if args.read_patterns:
         read_patterns(root, args.read_patterns)
     if args.loads <= 0:
         return 0
-    ranks = launch(2, "probe_tp_load:load_job", {"root": root, "loads": args.loads, "share": args.share, "verify": not args.no_verify,
+    ranks = launch(2, "probe_tp_load:load_job", {"root": root, "cfg": cfg, "loads": args.loads, "share": args.share, "verify": not args.no_verify,
                                                          "trace": args.trace})
     for rank, runs in enumerate(ranks):
         _w, reqs, nbytes, phases = runs[-1]

@@ -271,8 +271,11 @@ def async_points(data: dict) -> list[dict]:
                 # size from a sibling that finished, so the failed row lines up with its peers
                 sib = ok[0] if ok else None
                 mb = (sib.get("ckpt_bytes") or sib["state_bytes"]) / 1e6 if sib else None
+                lines = s["error"].splitlines()
+                sig = next((ln.split(": ", 1)[-1] for ln in lines if "terminated with signal" in ln), None)
+                reason = f"{lines[0].split(' failed')[0]}: {sig}" if sig else lines[0]
                 pts.append({"size": e["size"], "ckpt_mb": mb, "layout": e["layout"], "system": s["system"],
-                            "error": s["error"][-300:], "reason": s["error"].splitlines()[0][:80]})
+                            "error": s["error"][-300:], "reason": reason[:80]})
                 continue
             nbytes = s.get("ckpt_bytes") or s["state_bytes"]
             stall = s["stall_s"]
