@@ -53,7 +53,8 @@ def save_job(rank: int, world: int, root: str, cfg: dict) -> None:
     sp.save(root, {"model": model, "optimizer": opt})
 
 
-def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: bool, verify: bool, trace: bool = False) -> list:
+def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: bool, verify: bool, trace: bool = False,
+             mmap_reads: bool = True) -> list:
     import torch.distributed as dist
 
     import shardpoint as sp
@@ -67,7 +68,7 @@ def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: boo
         if rank == 0:
             C.drop_caches()
         dist.barrier()
-        st = LocalStorage(root)
+        st = LocalStorage(root, mmap_reads=mmap_reads)
         spans: list = []
         if trace:
             _trace_reads(st, spans)
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--loads", type=int, default=6)
     ap.add_argument("--share", action="store_true", help="share_reads=True")
     ap.add_argument("--no-verify", action="store_true", help="verify=False")
+    ap.add_argument("--no-mmap", action="store_true", help="LocalStorage(mmap_reads=False): read every span into a buffer")
     ap.add_argument("--trace", action="store_true", help="report when the data reads start and end in each load")
     ap.add_argument("--size", default=None, help="a suite state size (100mb, 1.5gb) instead of the bench_load state")
     ap.add_argument("--read-patterns", type=int, default=0, metavar="N", help="time plain cold reads of the data files first, N times")
@@ -186,7 +188,7 @@ def _run(args, root: str, launch) -> int:
     if args.loads <= 0:
         return 0
     ranks = launch(2, "probe_tp_load:load_job", {"root": root, "cfg": cfg, "loads": args.loads, "share": args.share, "verify": not args.no_verify,
-                                                         "trace": args.trace})
+                                                         "trace": args.trace, "mmap_reads": not args.no_mmap})
     for rank, runs in enumerate(ranks):
         _w, reqs, nbytes, phases = runs[-1]
         print(f"rank {rank}: wall s {[w for w, *_ in runs]}")

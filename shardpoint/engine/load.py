@@ -421,11 +421,49 @@ def _verified(storage: Storage, r: ChunkRead, buf: torch.Tensor, block: int, whe
     return buf
 
 
+class _Ready:
+    """A finished result in the place of a future: spans viewed in a mapping need no reader."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+def _mapped(storage, group: Sequence[ChunkRead], rec) -> list[torch.Tensor] | None:
+    """Views of ``group``'s spans in mappings of their files, or None to read them instead.
+
+    Where the bytes must be narrowed or hashed in memory anyway, reading them
+    into a buffer first is one more copy of every byte; a view of the page
+    cache skips it. The kernel is asked to start reading each span as it
+    enters the window, so page faults mostly find the pages there.
+    """
+    map_range = getattr(storage, "map_range", None)
+    if map_range is None:
+        return None
+    t0 = time.monotonic()
+    views = []
+    for r in group:
+        mv = map_range(r.chunk.file, r.chunk.offset + r.lo, r.hi - r.lo, r.nread)
+        if mv is None:
+            return None
+        views.append(mv)
+    for r in group:
+        for a, b in r.ranges():
+            storage.prefetch(r.chunk.file, r.chunk.offset + a, b - a)
+    if rec is not None:
+        rec.add("read", t0, time.monotonic(), sum(r.nread for r in group))
+    return [torch.frombuffer(mv, dtype=torch.uint8) for mv in views]
+
+
 def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, stats, window: int, threads: int, rec=None) -> None:
     """Fetch in a thread pool, at most ``window`` bytes ahead of the copies.
 
     The pool only reads; this thread verifies and copies, so checksums
-    overlap the next reads instead of delaying them.
+    overlap the next reads instead of delaying them. Spans that land whole
+    on their destination are read straight into it; the rest are viewed in
+    a mapping of the file where the backend offers one (:func:`_mapped`).
     """
     groups = batch_reads(reads)
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardpoint-read") as pool:
@@ -435,12 +473,16 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
         while i < len(groups) or pending:
             while i < len(groups) and (not pending or ahead + _size(groups[i]) <= window):
                 g = groups[i]
-                if len(g) == 1:
-                    direct = _direct_view(g[0])
+                direct = _direct_view(g[0]) if len(g) == 1 else None
+                views = _mapped(storage, g, rec) if direct is None else None
+                if views is not None:
+                    fut = _Ready(views[0] if len(g) == 1 else views)
+                    for r in g:
+                        _count(stats, r)
+                elif len(g) == 1:
                     fut = pool.submit(_fetch, storage, g[0], block, False, where, direct, rec)
                     _count(stats, g[0])
                 else:
-                    direct = None
                     fut = pool.submit(_fetch_group, storage, g, where, rec)
                     for r in g:
                         _count(stats, r)

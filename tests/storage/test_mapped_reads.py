@@ -1,0 +1,133 @@
+"""Mapped reads: the local backend hands the load engine views of a data file's mapping.
+
+Spans that must be narrowed or hashed in memory are viewed in a mapping of
+the file instead of being read into a buffer first. These tests check the
+backend's contract (exact bytes, counted, refused where a mapping would be
+unsafe or could not hold the range) and that a load through mappings is
+bit-exact and still reports damaged files with the usual typed errors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import shardpoint as sp
+from shardpoint.storage import LocalStorage
+
+DATA = bytes(range(256)) * 64  # 16 KiB
+
+
+def _storage(tmp_path, **opts) -> LocalStorage:
+    st = LocalStorage(str(tmp_path), **opts)
+    with st.open_writer("data/x.bin") as w:
+        w.write(DATA)
+    with st.open_writer("data/empty.bin") as w:
+        w.write(b"")
+    st.put_atomic("manifest.json", b"{}")
+    return st
+
+
+def test_map_range_views_the_file_and_counts_bytes(tmp_path):
+    st = _storage(tmp_path)
+    before = st.stats.bytes_read
+    mv = st.map_range("data/x.bin", 10, 1000)
+    assert bytes(mv) == DATA[10:1010]
+    assert st.stats.bytes_read - before == 1000
+    mv2 = st.map_range("data/x.bin", 4096, 64, count=16)  # the caller touches 16 of the 64 bytes
+    assert bytes(mv2) == DATA[4096:4160]
+    assert st.stats.bytes_read - before == 1016
+    st.prefetch("data/x.bin", 5, 9000)  # a hint: must not fail, even unaligned
+    st.close()
+    assert bytes(mv) == DATA[10:1010]  # views outlive the storage's own reference
+
+
+def test_map_range_refuses_what_it_cannot_map_safely(tmp_path):
+    st = _storage(tmp_path)
+    assert st.map_range("manifest.json", 0, 2) is None  # replaced by rename: never mapped
+    assert st.map_range("data/x.bin", len(DATA) - 10, 11) is None  # past the end: read it and report
+    assert st.map_range("data/x.bin", -1, 4) is None
+    assert st.map_range("data/x.bin", 0, 0) is None
+    assert st.map_range("data/empty.bin", 0, 1) is None
+    assert st.stats.bytes_read == 0
+    off = _storage(tmp_path / "off", mmap_reads=False)
+    assert off.map_range("data/x.bin", 0, 10) is None
+    off.prefetch("data/x.bin", 0, 10)  # nothing mapped: nothing to do
+
+
+class _M(nn.Module):
+    def __init__(self, transposed: bool):
+        super().__init__()
+        w = torch.zeros(8, 4).t() if transposed else torch.zeros(4, 8)
+        self.w = nn.Parameter(w)  # transposed: a non-contiguous destination, copied from a mapping
+        self.b1 = nn.Parameter(torch.zeros(3))  # small neighbours: one request or one mapping
+        self.b2 = nn.Parameter(torch.zeros(5))
+
+
+def _saved(tmp_path) -> tuple[str, _M]:
+    torch.manual_seed(0)
+    src = _M(transposed=False)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.copy_(torch.randn_like(p))
+    path = str(tmp_path / "ck")
+    sp.save(path, {"model": src})
+    return path, src
+
+
+def _count_maps(monkeypatch) -> list:
+    got: list = []
+    real = LocalStorage.map_range
+
+    def spy(self, *a, **k):
+        mv = real(self, *a, **k)
+        got.append(mv is not None)
+        return mv
+
+    monkeypatch.setattr(LocalStorage, "map_range", spy)
+    return got
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("mmap_reads", [True, False])
+def test_load_through_mappings_is_bit_exact(tmp_path, monkeypatch, mmap_reads, verify):
+    # verify=False too: a verified load would mend wrong mapped bytes by reading them again
+    path, src = _saved(tmp_path)
+    got = _count_maps(monkeypatch)
+    dst = _M(transposed=True)
+    sp.load(LocalStorage(path, mmap_reads=mmap_reads), {"model": dst}, verify=verify)
+    for name, p in src.named_parameters():
+        assert torch.equal(getattr(dst, name), p), name
+    assert not dst.w.is_contiguous()
+    # the transposed weight and the small neighbours are mapped; nothing is when it is off
+    assert (sum(got) >= 2) if mmap_reads else not any(got)
+
+
+def test_truncated_file_under_a_mapped_span_is_corrupt(tmp_path, monkeypatch):
+    path, _ = _saved(tmp_path)
+    m = sp.read_manifest(path)
+    (file, size), = [(f, n) for f, n in m.files.items() if f.endswith(".bin")]
+    with open(os.path.join(path, file), "r+b") as f:
+        f.truncate(size - 5)
+    got = _count_maps(monkeypatch)
+    with pytest.raises(sp.CorruptCheckpointError, match=rf"data file {re.escape(file)} of tensor 'model\.b2' is shorter than the manifest says"):
+        sp.load(path, {"model": _M(transposed=True)})
+    assert False in got  # the cut-short span was refused a mapping and read instead
+
+
+def test_flipped_byte_under_a_mapped_span_is_corrupt(tmp_path, monkeypatch):
+    path, _ = _saved(tmp_path)
+    chunk = sp.read_manifest(path).tensors["model.w"].chunks[0]
+    with open(os.path.join(path, chunk.file), "r+b") as f:
+        f.seek(chunk.offset + 7)
+        byte = f.read(1)
+        f.seek(chunk.offset + 7)
+        f.write(bytes([byte[0] ^ 0x10]))
+    got = _count_maps(monkeypatch)
+    with pytest.raises(sp.CorruptCheckpointError, match=r"checksum mismatch in .* of tensor 'model\.w'"):
+        sp.load(path, {"model": _M(transposed=True)})
+    assert True in got
