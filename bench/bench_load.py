@@ -8,7 +8,8 @@ each system. Then, in one run, each checkpoint is loaded into:
    every row-wise or column-wise weight);
 3. ``ddp-4``: DDP on 4 ranks (every rank needs the whole state).
 
-Systems: shardpoint ``sp.load`` with ``share_reads=True`` and ``False``, DCP
+Systems: shardpoint ``sp.load`` with ``share_reads=True`` and ``False`` (and
+``sp-nommap``: ``False`` with mapped reads off, the buffered path), DCP
 ``dcp.load`` (with ``get_state_dict``/``set_state_dict``, as its docs do), and
 ByteCheckpoint 0.0.2 ``load(fast_loading=True)`` where it supports the layout.
 Repeats are interleaved across systems; the page cache is dropped before
@@ -57,6 +58,7 @@ SYSTEMS = {
     "sp-share": "shardpoint sp.load(share_reads=True)",
     "sp-noshare": "shardpoint sp.load(share_reads=False)",
     "sp-noverify": "shardpoint sp.load(share_reads=False, verify=False) (resharding target only: shows the byte ranges without checksum blocks)",
+    "sp-nommap": "shardpoint sp.load(share_reads=False) from LocalStorage(mmap_reads=False): every narrowed span read into a buffer",
     "dcp": "DCP get_state_dict + dcp.load + set_state_dict",
     "bcp": "ByteCheckpoint 0.0.2 load(framework='fsdp2', fast_loading=True)",
 }
@@ -143,7 +145,7 @@ def load_job(rank: int, world: int, target: str, cfg: dict, root: str, systems: 
             t = time.monotonic()
             try:
                 if s.startswith("sp-"):
-                    st = LocalStorage(os.path.join(root, "sp"))
+                    st = LocalStorage(os.path.join(root, "sp"), mmap_reads=(s != "sp-nommap"))
                     rep_ = sp.LoadResult()
                     sp.load(st, {"model": model, "optimizer": opt}, share_reads=(s == "sp-share"),
                             verify=(s != "sp-noverify"), report=rep_)
@@ -260,7 +262,7 @@ def plot(results: dict, path: str) -> None:
 
     targets = [t for t in TARGETS if any(r["target"] == t for r in results["loads"])]
     systems = [s for s in SYSTEMS if any(r["system"] == s for r in results["loads"])]
-    colors = {"sp-share": "tab:green", "sp-noshare": "yellowgreen", "sp-noverify": "darkseagreen", "dcp": "tab:blue", "bcp": "tab:orange"}
+    colors = {"sp-share": "tab:green", "sp-noshare": "yellowgreen", "sp-noverify": "darkseagreen", "sp-nommap": "olive", "dcp": "tab:blue", "bcp": "tab:orange"}
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
     width = 0.8 / max(1, len(systems))
     for j, s in enumerate(systems):
