@@ -41,6 +41,7 @@ __all__ = [
     "full_state",
     "launch",
     "LaunchError",
+    "flip_byte",
 ]
 
 
@@ -502,6 +503,21 @@ def _launcher_main(argv: list[str]) -> None:
 
     port = _free_port()
     mp.start_processes(_rank_entry, args=(world, port, target, args, outdir), nprocs=world, start_method="fork", join=True)
+
+
+def flip_byte(path: str, offset: int, mask: int = 0x10) -> None:
+    """XOR the byte at ``offset`` of the file ``path`` with ``mask``: the smallest corruption a checksum must catch.
+
+    Example::
+
+        chunk = sp.read_manifest(ck).tensors["w"].chunks[0]
+        flip_byte(os.path.join(ck, chunk.file), chunk.offset + 7)
+    """
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
 
 
 def launch(world: int, target: str, args: dict | None = None, timeout: float = 300) -> list[Any]:

@@ -18,6 +18,7 @@ from torch import nn
 
 import shardpoint as sp
 from shardpoint.storage import LocalStorage
+from shardpoint.testing import flip_byte
 
 DATA = bytes(range(256)) * 64  # 16 KiB
 
@@ -122,11 +123,7 @@ def test_truncated_file_under_a_mapped_span_is_corrupt(tmp_path, monkeypatch):
 def test_flipped_byte_under_a_mapped_span_is_corrupt(tmp_path, monkeypatch):
     path, _ = _saved(tmp_path)
     chunk = sp.read_manifest(path).tensors["model.w"].chunks[0]
-    with open(os.path.join(path, chunk.file), "r+b") as f:
-        f.seek(chunk.offset + 7)
-        byte = f.read(1)
-        f.seek(chunk.offset + 7)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_byte(os.path.join(path, chunk.file), chunk.offset + 7)
     got = _count_maps(monkeypatch)
     with pytest.raises(sp.CorruptCheckpointError, match=r"checksum mismatch in .* of tensor 'model\.w'"):
         sp.load(path, {"model": _M(transposed=True)})

@@ -12,6 +12,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint.storage import LocalStorage, MemoryStorage, Storage, Writer
+from shardpoint.testing import flip_byte
 
 from .conftest import build_model, train
 
@@ -204,11 +205,7 @@ def _chunk_of(path, fqn):
 
 
 def _flip(path, file, pos):
-    with open(os.path.join(path, file), "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(os.path.join(path, file), pos)
 
 
 @pytest.mark.parametrize("block_size", [4 << 20, 32])

@@ -11,6 +11,7 @@ from shardpoint.engine.io import ALIGN
 from shardpoint.engine.load import BATCH_BYTES, ChunkRead, LoadStats, batch_reads, order_reads, plan_chunk_reads, plan_segments
 from shardpoint.format.manifest import ChunkMeta, Manifest, TensorMeta
 from shardpoint.geometry import Box
+from shardpoint.testing import flip_byte
 
 SIZE = 1000
 
@@ -163,11 +164,7 @@ def test_batched_small_tensors_load_and_name_the_corrupt_one(tmp_path):
     sp.load(path, out)
     assert all(torch.equal(out[k], v) for k, v in state.items())
     chunk = sp.read_manifest(path).tensors["t17"].chunks[0]
-    with open(os.path.join(path, chunk.file), "r+b") as f:
-        f.seek(chunk.offset + 9)
-        b = f.read(1)
-        f.seek(chunk.offset + 9)
-        f.write(bytes([b[0] ^ 1]))
+    flip_byte(os.path.join(path, chunk.file), chunk.offset + 9, mask=1)
     with pytest.raises(sp.CorruptCheckpointError, match=rf"{re.escape(chunk.file)} .* of tensor 't17'"):
         sp.load(path, {k: None for k in state})
 
