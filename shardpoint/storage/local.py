@@ -206,7 +206,10 @@ class _ReadFiles:
         """
         if path in self.maps:
             return self.maps[path]
-        fd, own = self.get(path)
+        try:
+            fd, own = self.get(path)
+        except OSError:  # missing or unreadable: the read that follows reports it, naming the tensor
+            return None
         try:
             size = os.fstat(fd).st_size
             mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None

@@ -120,6 +120,14 @@ def test_truncated_file_under_a_mapped_span_is_corrupt(tmp_path, monkeypatch):
     assert False in got  # the cut-short span was refused a mapping and read instead
 
 
+def test_missing_file_under_a_mapped_span_is_corrupt(tmp_path):
+    path, _ = _saved(tmp_path)
+    chunk = sp.read_manifest(path).tensors["model.w"].chunks[0]
+    os.unlink(os.path.join(path, chunk.file))
+    with pytest.raises(sp.CorruptCheckpointError, match=rf"data file {re.escape(chunk.file)} of tensor 'model\.\w+' is missing"):
+        sp.load(path, {"model": _M(transposed=True)})
+
+
 def test_flipped_byte_under_a_mapped_span_is_corrupt(tmp_path, monkeypatch):
     path, _ = _saved(tmp_path)
     chunk = sp.read_manifest(path).tensors["model.w"].chunks[0]
