@@ -23,7 +23,7 @@ import math
 import socket
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -421,14 +421,16 @@ def _verified(storage: Storage, r: ChunkRead, buf: torch.Tensor, block: int, whe
     return buf
 
 
-class _Ready:
-    """A finished result in the place of a future: spans viewed in a mapping need no reader."""
+def _done(value) -> Future:
+    """A future that already holds ``value``: spans viewed in a mapping need no reader."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
 
-    def __init__(self, value) -> None:
-        self.value = value
 
-    def result(self):
-        return self.value
+# Needed ranges of a mapped span closer than this are hinted to the kernel as
+# one: a strided span can hold thousands of runs, one system call each.
+PREFETCH_GAP = 64 << 10
 
 
 def _mapped(storage, group: Sequence[ChunkRead], rec) -> list[torch.Tensor] | None:
@@ -450,7 +452,10 @@ def _mapped(storage, group: Sequence[ChunkRead], rec) -> list[torch.Tensor] | No
             return None
         views.append(mv)
     for r in group:
-        for a, b in r.ranges():
+        ranges = r.ranges()
+        if len(ranges) > 1:
+            ranges = _merge(np.array([a for a, _ in ranges]), np.array([b for _, b in ranges]), PREFETCH_GAP)
+        for a, b in ranges:
             storage.prefetch(r.chunk.file, r.chunk.offset + a, b - a)
     if rec is not None:
         rec.add("read", t0, time.monotonic(), sum(r.nread for r in group))
@@ -476,7 +481,7 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
                 direct = _direct_view(g[0]) if len(g) == 1 else None
                 views = _mapped(storage, g, rec) if direct is None else None
                 if views is not None:
-                    fut = _Ready(views[0] if len(g) == 1 else views)
+                    fut = _done(views[0] if len(g) == 1 else views)
                     for r in g:
                         _count(stats, r)
                 elif len(g) == 1:

@@ -136,3 +136,21 @@ def test_flipped_byte_under_a_mapped_span_is_corrupt(tmp_path, monkeypatch):
     with pytest.raises(sp.CorruptCheckpointError, match=r"checksum mismatch in .* of tensor 'model\.w'"):
         sp.load(path, {"model": _M(transposed=True)})
     assert True in got
+
+
+def test_strided_span_is_hinted_in_few_calls(tmp_path):
+    from shardpoint.engine.load import PREFETCH_GAP, ChunkRead, _mapped
+    from shardpoint.format.manifest import ChunkMeta
+    from shardpoint.geometry import Box
+
+    st = _storage(tmp_path)
+    calls: list = []
+    st.prefetch = lambda name, off, n, **k: calls.append((off, n))
+    n = len(DATA)
+    chunk = ChunkMeta(Box((0,), (n // 4,)), "data/x.bin", 0, n, ("0" * 16,), None, 0)
+    r = ChunkRead("w", 0, chunk, 0, n, torch.float32, 4)
+    r.segments = [(k, k + 8) for k in range(0, 8192, 16)] + [(n - 8, n)]  # 513 runs, all within PREFETCH_GAP
+    assert n < PREFETCH_GAP
+    (view,) = _mapped(st, [r], None)
+    assert bytes(view.numpy()) == DATA
+    assert calls == [(0, n)]  # one hint, not one system call per run
