@@ -20,6 +20,14 @@ saved file when there are four: two per rank).
     python bench/probe_tp_load.py --loads 10 --no-verify
     python bench/probe_tp_load.py --read-patterns 5 --loads 0
     python bench/probe_tp_load.py --size 1.5gb --loads 4 --trace
+    python bench/probe_tp_load.py --size 1.5gb --loads 5 --warm --profile
+
+Each load also reports the process's CPU seconds (``cpu_user``,
+``cpu_sys``) and the machine's idle, I/O-wait, interrupt, steal and busy
+CPU seconds over the call (``host_*``, from /proc/stat): a cold load whose
+CPUs sit in I/O wait is waiting on the device, one with no idle time is
+bound by CPU or memory. ``--trace-dir`` keeps the last load's Chrome
+traces; ``--profile`` saves rank 0's cProfile of its last load.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -54,7 +63,7 @@ def save_job(rank: int, world: int, root: str, cfg: dict) -> None:
 
 
 def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: bool, verify: bool, trace: bool = False,
-             mmap_reads: bool = True) -> list:
+             mmap_reads: bool = True, trace_dir: str | None = None, warm: bool = False, profile: bool = False) -> list:
     import torch.distributed as dist
 
     import shardpoint as sp
@@ -63,9 +72,9 @@ def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: boo
 
     model, opt = build("tp", GPTConfig(**cfg), seed=1)
     out = []
-    for _ in range(loads):
+    for n in range(loads):
         gc.collect()
-        if rank == 0:
+        if rank == 0 and not warm:
             C.drop_caches()
         dist.barrier()
         st = LocalStorage(root, mmap_reads=mmap_reads)
@@ -73,15 +82,41 @@ def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: boo
         if trace:
             _trace_reads(st, spans)
         rep = sp.LoadResult()
+        cpu0, sys0 = resource.getrusage(resource.RUSAGE_SELF), _cpu_idle()
+        prof = None
+        if profile and rank == 0 and n == loads - 1:
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
         t = time.perf_counter()
-        sp.load(st, {"model": model, "optimizer": opt}, report=rep, share_reads=share, verify=verify)
+        sp.load(st, {"model": model, "optimizer": opt}, report=rep, share_reads=share, verify=verify,
+                trace_dir=trace_dir if n == loads - 1 else None)
         wall = time.perf_counter() - t
+        if prof is not None:
+            import pstats
+            prof.disable()
+            out_path = os.path.join(tempfile.gettempdir(), "probe_tp_load.prof")
+            prof.dump_stats(out_path)
+        cpu1, sys1 = resource.getrusage(resource.RUSAGE_SELF), _cpu_idle()
         phases = {k: round(v, 3) for k, v in rep.timings.items()}
+        # this process's CPU seconds (all threads), and the machine's idle and I/O-wait seconds, over the call
+        phases["cpu_user"] = round(cpu1.ru_utime - cpu0.ru_utime, 3)
+        phases["cpu_sys"] = round(cpu1.ru_stime - cpu0.ru_stime, 3)
+        phases["host_idle"], phases["host_iowait"], phases["host_irq"], phases["host_steal"], phases["host_busy"] = (
+            round(b - a, 3) for a, b in zip(sys0, sys1))
         if spans:  # when the data reads started and ended, from the call
             phases["first_read"] = round(min(a for a, _ in spans) - t, 3)
             phases["last_read_end"] = round(max(b for _, b in spans) - t, 3)
         out.append((round(wall, 3), st.stats.reads, st.stats.bytes_read, phases))
     return out
+
+
+def _cpu_idle() -> tuple[float, float]:
+    """The machine's idle, I/O-wait, interrupt, steal and user+system seconds so far, summed over its CPUs (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = f.readline().split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(v[4]) / tick, int(v[5]) / tick, (int(v[6]) + int(v[7])) / tick, int(v[8]) / tick, (int(v[1]) + int(v[3])) / tick
 
 
 def _trace_reads(st, spans: list) -> None:
@@ -167,6 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-verify", action="store_true", help="verify=False")
     ap.add_argument("--no-mmap", action="store_true", help="LocalStorage(mmap_reads=False): read every span into a buffer")
     ap.add_argument("--trace", action="store_true", help="report when the data reads start and end in each load")
+    ap.add_argument("--warm", action="store_true", help="keep the page cache between loads")
+    ap.add_argument("--profile", action="store_true", help="profile rank 0's last load (cProfile; saved as probe_tp_load.prof in the temp folder)")
+    ap.add_argument("--trace-dir", default=None, help="write the last load's Chrome traces (one per rank) here")
     ap.add_argument("--size", default=None, help="a suite state size (100mb, 1.5gb) instead of the bench_load state")
     ap.add_argument("--read-patterns", type=int, default=0, metavar="N", help="time plain cold reads of the data files first, N times")
     args = ap.parse_args(argv)
@@ -188,7 +226,8 @@ def _run(args, root: str, launch) -> int:
     if args.loads <= 0:
         return 0
     ranks = launch(2, "probe_tp_load:load_job", {"root": root, "cfg": cfg, "loads": args.loads, "share": args.share, "verify": not args.no_verify,
-                                                         "trace": args.trace, "mmap_reads": not args.no_mmap})
+                                                         "trace": args.trace, "mmap_reads": not args.no_mmap, "warm": args.warm, "profile": args.profile,
+                                                         "trace_dir": os.path.abspath(args.trace_dir) if args.trace_dir else None})
     for rank, runs in enumerate(ranks):
         _w, reqs, nbytes, phases = runs[-1]
         print(f"rank {rank}: wall s {[w for w, *_ in runs]}")

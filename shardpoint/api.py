@@ -69,7 +69,11 @@ class LoadResult:
     """What a load did on this rank; ``missing``/``unexpected`` are filled under ``strict=False``.
 
     ``bytes_read`` counts tensor data; ``index_bytes`` the index files
-    (format version 2) this rank read to find it.
+    (format version 2) this rank read to find it. ``timings`` holds seconds
+    per phase: ``manifest``, ``prepare`` (targets from the state), ``index``,
+    ``plan``, ``read`` (the whole read phase), and within it ``verify``,
+    ``copy``, ``wait`` (the loading thread idle until a read lands) and
+    ``communicate``; phases that run in reader threads add up over threads.
     """
 
     path: str = ""
@@ -835,7 +839,9 @@ def load(
 
     # Phase 1 (local): targets and plans. Checked collectively, so that the shared read
     # below starts on every rank or on none.
+    tp = time.monotonic()
     parts = comm.check(run_guarded(prepare), f"load of {where}")
+    _mark(result, "prepare", tp)
     # Unexpected means no rank loads it (each pipeline stage loads only its own layers).
     result.unexpected = sorted(set.intersection(*(set(u) for u in comm.all_gather(result.unexpected))))
     if result.missing or result.unexpected:

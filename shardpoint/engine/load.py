@@ -322,7 +322,11 @@ def _fetch_one(storage: Storage, r: ChunkRead, block: int, verify: bool, where: 
     if not verify and r.segments is not None and len(r.segments) > 1 and hasattr(storage, "readinto_many"):
         _read_segments(storage, r, mv, where, rec)
         return buf
-    for a, b in r.ranges():
+    rs = r.ranges()
+    if verify:  # read and hash block by block: each block is hashed while still in cache
+        rs = [(x, min(y, (x // block + 1) * block)) for a, b in rs for x in range(a, b, block) for y in (b,)]
+        rs = [(x, y) for x, y in rs if x < y]
+    for a, b in rs:
         part = mv[a - r.lo : b - r.lo]
         t0 = time.monotonic()
         _readinto(storage, r.chunk, a, part, r.fqn, where)
@@ -465,10 +469,13 @@ def _mapped(storage, group: Sequence[ChunkRead], rec) -> list[torch.Tensor] | No
 def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, stats, window: int, threads: int, rec=None) -> None:
     """Fetch in a thread pool, at most ``window`` bytes ahead of the copies.
 
-    The pool only reads; this thread verifies and copies, so checksums
-    overlap the next reads instead of delaying them. Spans that land whole
-    on their destination are read straight into it; the rest are viewed in
-    a mapping of the file where the backend offers one (:func:`_mapped`).
+    A reader thread verifies each block of a span it read right after
+    reading it, while the block is still in the CPU cache (xxhash releases
+    the GIL, so this runs beside the loading thread). This thread verifies
+    what was not read into memory by a reader (spans viewed in a mapping,
+    batches of small spans) and does every copy. Spans that land whole on
+    their destination are read straight into it; the rest are viewed in a
+    mapping of the file where the backend offers one (:func:`_mapped`).
     """
     groups = batch_reads(reads)
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardpoint-read") as pool:
@@ -480,12 +487,14 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
                 g = groups[i]
                 direct = _direct_view(g[0]) if len(g) == 1 else None
                 views = _mapped(storage, g, rec) if direct is None else None
+                # A single span read into memory is verified by its reader, block by block.
+                pv = verify and views is None and len(g) == 1
                 if views is not None:
                     fut = _done(views[0] if len(g) == 1 else views)
                     for r in g:
                         _count(stats, r)
                 elif len(g) == 1:
-                    fut = pool.submit(_fetch, storage, g[0], block, False, where, direct, rec)
+                    fut = pool.submit(_fetch, storage, g[0], block, pv, where, direct, rec)
                     _count(stats, g[0])
                 else:
                     fut = pool.submit(_fetch_group, storage, g, where, rec)
@@ -494,16 +503,21 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
                     gap = _size(g) - sum(r.hi - r.lo for r in g)
                     stats.bytes_read += gap
                     stats.per_file[g[0].chunk.file] += gap
-                pending.append((g, direct, fut))
+                pending.append((g, direct, fut, pv))
                 ahead += _size(g)
                 i += 1
-            g, direct, fut = pending.pop(0)
-            bufs = fut.result()
+            g, direct, fut, pv = pending.pop(0)
+            if rec is not None and not fut.done():  # the loading thread idles until the read lands
+                t0 = time.monotonic()
+                bufs = fut.result()
+                rec.add("wait", t0, time.monotonic())
+            else:
+                bufs = fut.result()
             ahead -= _size(g)
             if len(g) == 1:
                 bufs = [bufs]
             for r, buf in zip(g, bufs):
-                if verify:
+                if verify and not pv:
                     buf = _verified(storage, r, buf, block, where, direct, rec)
                 if direct is not None:
                     stats.direct_reads += 1
@@ -798,6 +812,7 @@ def _gc_paused():
 
 def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder) -> LoadStats:
     stats = LoadStats()
+    t_plan = time.monotonic()
     # Backends with high per-request latency (object stores) ask for more reads in flight
     # and for wider coalescing of nearby runs.
     threads = max(threads, int(getattr(storage, "read_threads", threads)))
@@ -805,6 +820,8 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
     if comm is not None and share and comm.active and comm.world > 1:
         try:
             reads = plan_chunk_reads(manifest, targets, where, verify, stats, coalesce)
+            if recorder is not None:
+                recorder.add("plan", t_plan, time.monotonic())
         except Exception:
             # Still take part in the exchange (with nothing), so no peer waits for this rank.
             _exchange_only(comm, auto)
@@ -815,5 +832,7 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
         reads = plan_chunk_reads(manifest, targets, where, verify, stats, coalesce)
         if comm is not None and comm.active and comm.world > 1:
             reads = order_reads(reads, comm.rank, comm.world, dict(manifest.files), manifest.world_size)
+        if recorder is not None:
+            recorder.add("plan", t_plan, time.monotonic())
         _execute_local(storage, reads, manifest.block_size, verify, where, stats, window, threads, recorder)
     return stats

@@ -309,6 +309,26 @@ def split_run(start: int, end: int, part: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
+def run_gets(start: int, end: int, part: int, wants: Sequence[tuple[int, int]]) -> list[tuple[int, int, list[int]]]:
+    """The GETs for a merged run: :func:`split_run`'s pieces with the wants each feeds; pure.
+
+    A piece that lies wholly in a gap between wants feeds nothing and is
+    dropped (equal cuts can land one there). Returns ``(lo, hi, indices into
+    wants)`` per GET.
+
+    Example::
+
+        run_gets(0, 232, 69, [(0, 93), (174, 175), (231, 232)])
+        # [(0, 58, [0]), (58, 116, [0]), (174, 232, [1, 2])]
+    """
+    out = []
+    for lo, hi in split_run(start, end, part):
+        fed = [i for i, (a, b) in enumerate(wants) if a < hi and b > lo]
+        if fed:
+            out.append((lo, hi, fed))
+    return out
+
+
 def scatter_plan(lo: int, hi: int, wants: Sequence[tuple[int, int, memoryview]]) -> list[tuple[int, list[memoryview]]]:
     """How the body of a GET of ``[lo, hi)`` lands in the waiting buffers; pure.
 
@@ -398,9 +418,9 @@ class _ReadQueue:
                     break
             taken = set(map(id, members))
             self._pending = [w for w in self._pending if id(w) not in taken]
-            gets = split_run(start, end, o.read_part_size)
-            for lo, hi in gets:
-                fed = [w for w in members if w.start < hi and w.end > lo]
+            gets = run_gets(start, end, o.read_part_size, [(w.start, w.end) for w in members])
+            for lo, hi, idx in gets:
+                fed = [members[i] for i in idx]
                 for w in fed:
                     w.left += 1
                 jobs.append((lo, hi, fed))

@@ -551,3 +551,26 @@ def test_unsupported_dtype_rejected_before_writing(tmp_path):
         sp.save(path, {"bad": {"u": torch.ones(3, dtype=torch.uint16)}})
     out = sp.load(path, {"t": None})  # the earlier checkpoint is untouched
     assert torch.equal(out["t"], torch.ones(3))
+
+
+def test_corrupt_block_of_a_span_read_straight_into_place(tmp_path):
+    """A span read into its destination is verified block by block by its reader; the bad block is named."""
+    from shardpoint.engine.load import SMALL_SPAN
+
+    t = torch.arange(200_000, dtype=torch.float32)
+    assert t.numel() * 4 > SMALL_SPAN  # read alone, straight into the destination
+    path = str(tmp_path / "ck")
+    block = 64 << 10
+    sp.save(path, {"w": t}, block_size=block)
+    state = {"w": torch.zeros_like(t)}
+    sp.load(path, state, report=(rep := sp.LoadResult()))
+    assert torch.equal(state["w"], t)
+    assert rep.bytes_read == t.numel() * 4
+    chunk = _chunk_of(path, "w")
+    _flip(path, chunk.file, chunk.offset + 5 * block + 3)
+    with pytest.raises(
+        sp.CorruptCheckpointError,
+        match=rf"checksum mismatch in {re.escape(chunk.file)} bytes \[{chunk.offset + 5 * block}, {chunk.offset + 6 * block}\) "
+        rf"of tensor 'w'",
+    ):
+        sp.load(path, {"w": torch.zeros_like(t)})

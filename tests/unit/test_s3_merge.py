@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardpoint.storage.s3 import get_limit, merge_runs, scatter_plan, split_run
+from shardpoint.storage.s3 import get_limit, merge_runs, run_gets, scatter_plan, split_run
 
 SETTINGS = settings(max_examples=200, deadline=None)
 MiB = 1 << 20
@@ -115,11 +115,19 @@ def test_merged_reads_are_bit_exact(raw, gap, part):
         members = [(wants[i][0], wants[i][1], memoryview(bufs[i])) for i in idx]
         covered = sum(b - a for a, b, _ in members)
         assert end - start <= covered + gap * (len(members) - 1)  # at most one gap between neighbours
-        for lo, hi in split_run(start, end, part):
+        for lo, hi, which in run_gets(start, end, part, [(a, b) for a, b, _ in members]):
             gets += 1
-            fed = [m for m in members if m[0] < hi and m[1] > lo]
+            fed = [members[k] for k in which]
             assert fed, "every GET feeds some read"
+            assert fed == [m for m in members if m[0] < hi and m[1] > lo]
             _serve(obj, lo, hi, fed)
     assert [bytes(b) for b in bufs] == [obj[a:b] for a, b in wants]
     unmerged = sum(max(1, -(-(b - a) // get_limit(part))) for a, b in wants)
     assert gets <= unmerged  # merging never costs more requests than reading apart
+
+
+def test_a_get_that_would_land_in_a_gap_is_dropped():
+    """Equal cuts of a merged run can put one piece wholly between two wants: it is not requested."""
+    wants = [(0, 93), (174, 175), (231, 232)]
+    assert [(lo, hi) for lo, hi in split_run(0, 232, 69)] == [(0, 58), (58, 116), (116, 174), (174, 232)]
+    assert run_gets(0, 232, 69, wants) == [(0, 58, [0]), (58, 116, [0]), (174, 232, [1, 2])]

@@ -94,3 +94,23 @@ def test_resume_replication_completes_interrupted_copies(tmp_path):
     sp.load(remote.child("step_7"), {"model": m})
     assert _same(m, _model(7))
     t.close()
+
+
+def test_a_corrupt_large_span_on_the_fast_tier_comes_from_below(tiers, tmp_path):
+    """A span read straight into its destination and found corrupt is read again from a slower tier."""
+    t, _ = tiers
+    w = torch.randn(300_000)  # 1.2 MB: read alone, into place
+    sp.save(t.child("step_1"), {"w": w}, block_size=256 << 10)
+    t.wait("remote")
+    host = LocalStorage(str(tmp_path / "host" / "step_1"))
+    chunk = sp.read_manifest(host).tensors["w"].chunks[0]
+    with open(os.path.join(host.root, chunk.file), "r+b") as fh:
+        fh.seek(chunk.offset + 3 * (256 << 10) + 11)  # the fourth block
+        b = fh.read(1)
+        fh.seek(chunk.offset + 3 * (256 << 10) + 11)
+        fh.write(bytes([b[0] ^ 0x10]))
+    state = {"w": torch.zeros(300_000)}
+    sp.load(t.child("step_1"), state)
+    assert torch.equal(state["w"], w)
+    with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch"):
+        sp.load(host, {"w": torch.zeros(300_000)})
