@@ -21,6 +21,7 @@ saved file when there are four: two per rank).
     python bench/probe_tp_load.py --read-patterns 5 --loads 0
     python bench/probe_tp_load.py --size 1.5gb --loads 4 --trace
     python bench/probe_tp_load.py --size 1.5gb --loads 5 --warm --profile
+    python bench/probe_tp_load.py --size 1.5gb --loads 12 --replay 5
 
 Each load also reports the process's CPU seconds (``cpu_user``,
 ``cpu_sys``) and the machine's idle, I/O-wait, interrupt, steal and busy
@@ -63,7 +64,8 @@ def save_job(rank: int, world: int, root: str, cfg: dict) -> None:
 
 
 def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: bool, verify: bool, trace: bool = False,
-             mmap_reads: bool = True, trace_dir: str | None = None, warm: bool = False, profile: bool = False) -> list:
+             mmap_reads: bool = True, trace_dir: str | None = None, warm: bool = False, profile: bool = False,
+             record: bool = False) -> list:
     import torch.distributed as dist
 
     import shardpoint as sp
@@ -81,6 +83,9 @@ def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: boo
         spans: list = []
         if trace:
             _trace_reads(st, spans)
+        log: list = []
+        if record and n == loads - 1:
+            _record_reads(st, log)
         rep = sp.LoadResult()
         cpu0, sys0 = resource.getrusage(resource.RUSAGE_SELF), _cpu_idle()
         prof = None
@@ -107,16 +112,95 @@ def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: boo
         if spans:  # when the data reads started and ended, from the call
             phases["first_read"] = round(min(a for a, _ in spans) - t, 3)
             phases["last_read_end"] = round(max(b for _, b in spans) - t, 3)
-        out.append((round(wall, 3), st.stats.reads, st.stats.bytes_read, phases))
+        out.append((round(wall, 3), st.stats.reads, st.stats.bytes_read, phases, log))
     return out
 
 
-def _cpu_idle() -> tuple[float, float]:
+def _cpu_idle() -> tuple[float, ...]:
     """The machine's idle, I/O-wait, interrupt, steal and user+system seconds so far, summed over its CPUs (/proc/stat)."""
     with open("/proc/stat") as f:
         v = f.readline().split()
     tick = os.sysconf("SC_CLK_TCK")
     return int(v[4]) / tick, int(v[5]) / tick, (int(v[6]) + int(v[7])) / tick, int(v[8]) / tick, (int(v[1]) + int(v[3])) / tick
+
+
+def _record_reads(st, log: list) -> None:
+    """Log ``(file, offset, length)`` of every data-file read and mapped span, in the order asked."""
+    read1, many, mapr = st.readinto, st.readinto_many, st.map_range
+
+    def readinto(name, offset, buf):
+        log.append((name, offset, len(buf)))
+        return read1(name, offset, buf)
+
+    def readinto_many(name, parts):
+        log.extend((name, off, len(mv)) for off, mv in parts)
+        return many(name, parts)
+
+    def map_range(name, offset, length, count=None):
+        got = mapr(name, offset, length, count)
+        if got is not None:
+            log.append((name, offset, length))
+        return got
+
+    st.readinto, st.readinto_many, st.map_range = readinto, readinto_many, map_range
+
+
+def replay(root: str, logs: list, repeats: int, threads: int = 2) -> None:
+    """Cold ``pread``s of exactly what each rank's load asked for, in its order, with nothing else running.
+
+    One group of ``threads`` threads per rank pulls that rank's logged
+    ranges in order into a scratch buffer: the time the device needs for the
+    load's own access pattern, without the load's CPU work (hashing,
+    copying, planning) competing with it.
+    """
+    import threading
+
+    total = sum(os.path.getsize(os.path.join(root, "data", f)) for f in os.listdir(os.path.join(root, "data")) if f.endswith(".bin"))
+    walls = []
+    for _ in range(repeats):
+        if not C.drop_caches():
+            print("# cannot drop the page cache (not root): no replay")
+            return
+        fds: dict = {}
+        for log in logs:
+            for name, _o, _n in log:
+                if name not in fds:
+                    fds[name] = os.open(os.path.join(root, name), os.O_RDONLY)
+
+        def worker(it, lock) -> None:
+            buf = bytearray(8 << 20)
+            while True:
+                with lock:
+                    x = next(it, None)
+                if x is None:
+                    return
+                name, off, n = x
+                if n > len(buf):
+                    buf = bytearray(n)
+                mv = memoryview(buf)
+                got = 0
+                while got < n:
+                    k = os.preadv(fds[name], [mv[got:n]], off + got)
+                    if k <= 0:
+                        break
+                    got += k
+
+        ts = []
+        for log in logs:
+            it, lock = iter(log), threading.Lock()
+            ts += [threading.Thread(target=worker, args=(it, lock)) for _ in range(threads)]
+        t = time.perf_counter()
+        for x in ts:
+            x.start()
+        for x in ts:
+            x.join()
+        walls.append(time.perf_counter() - t)
+        for fd in fds.values():
+            os.close(fd)
+    asked = sum(n for log in logs for _f, _o, n in log)
+    print(f"replay of the last load's reads ({len(logs)} ranks x {threads} threads, {asked / 1e6:.0f} MB asked, "
+          f"{total / 1e6:.0f} MB of data files): {C.fmt(C.summary(walls), 1, 3)} s cold, "
+          f"{total / statistics.median(walls) / 1e9:.2f} GB/s of the data files")
 
 
 def _trace_reads(st, spans: list) -> None:
@@ -202,6 +286,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-verify", action="store_true", help="verify=False")
     ap.add_argument("--no-mmap", action="store_true", help="LocalStorage(mmap_reads=False): read every span into a buffer")
     ap.add_argument("--trace", action="store_true", help="report when the data reads start and end in each load")
+    ap.add_argument("--replay", type=int, default=0, metavar="N",
+                    help="then replay the last load's reads N times, cold, with plain preads (the device's time for that pattern)")
     ap.add_argument("--warm", action="store_true", help="keep the page cache between loads")
     ap.add_argument("--profile", action="store_true", help="profile rank 0's last load (cProfile; saved as probe_tp_load.prof in the temp folder)")
     ap.add_argument("--trace-dir", default=None, help="write the last load's Chrome traces (one per rank) here")
@@ -226,14 +312,19 @@ def _run(args, root: str, launch) -> int:
     if args.loads <= 0:
         return 0
     ranks = launch(2, "probe_tp_load:load_job", {"root": root, "cfg": cfg, "loads": args.loads, "share": args.share, "verify": not args.no_verify,
-                                                         "trace": args.trace, "mmap_reads": not args.no_mmap, "warm": args.warm, "profile": args.profile,
+                                                         "trace": args.trace, "mmap_reads": not args.no_mmap, "warm": args.warm, "record": bool(args.replay), "profile": args.profile,
                                                          "trace_dir": os.path.abspath(args.trace_dir) if args.trace_dir else None})
     for rank, runs in enumerate(ranks):
-        _w, reqs, nbytes, phases = runs[-1]
+        _w, reqs, nbytes, phases, _log = runs[-1]
         print(f"rank {rank}: wall s {[w for w, *_ in runs]}")
         print(f"  last load: {reqs} read requests, {nbytes / 1e6:.1f} MB; phases {phases}")
     slowest = [max(r[i][0] for r in ranks) for i in range(args.loads)]
     print(f"slower rank: median {statistics.median(slowest):.3f} s [{min(slowest):.3f}, {max(slowest):.3f}]")
+    if len(slowest) > 3:  # the first loads also fault in the optimizer state and the mappings' page tables
+        rest = slowest[2:]
+        print(f"slower rank, loads 3 on: median {statistics.median(rest):.3f} s [{min(rest):.3f}, {max(rest):.3f}]")
+    if args.replay:
+        replay(root, [runs[-1][4] for runs in ranks], args.replay)
     return 0
 
 
