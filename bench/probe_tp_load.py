@@ -126,13 +126,10 @@ def _cpu_idle() -> tuple[float, ...]:
 
 def _record_reads(st, log: list) -> None:
     """Log ``(file, offset, length)`` of every data-file read and mapped span, in the order asked."""
-    read1, many, mapr = st.readinto, st.readinto_many, st.map_range
-
-    def readinto(name, offset, buf):
-        log.append((name, offset, len(buf)))
-        return read1(name, offset, buf)
+    many, mapr = st.readinto_many, st.map_range  # LocalStorage.readinto goes through readinto_many
 
     def readinto_many(name, parts):
+        parts = list(parts)
         log.extend((name, off, len(mv)) for off, mv in parts)
         return many(name, parts)
 
@@ -142,61 +139,70 @@ def _record_reads(st, log: list) -> None:
             log.append((name, offset, length))
         return got
 
-    st.readinto, st.readinto_many, st.map_range = readinto, readinto_many, map_range
+    st.readinto_many, st.map_range = readinto_many, map_range
+
+
+def _replay_rank(root: str, log: list, threads: int, barrier, out) -> None:
+    """One rank's replay, in its own process: ``threads`` threads pull its ranges in order."""
+    import threading
+
+    fds = {name: os.open(os.path.join(root, name), os.O_RDONLY) for name in {n for n, _o, _l in log}}
+    it, lock = iter(log), threading.Lock()
+
+    def worker() -> None:
+        buf = bytearray(8 << 20)
+        while True:
+            with lock:
+                x = next(it, None)
+            if x is None:
+                return
+            name, off, n = x
+            if n > len(buf):
+                buf = bytearray(n)
+            mv = memoryview(buf)
+            got = 0
+            while got < n:
+                k = os.preadv(fds[name], [mv[got:n]], off + got)
+                if k <= 0:
+                    break
+                got += k
+
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    barrier.wait()
+    t = time.perf_counter()
+    for x in ts:
+        x.start()
+    for x in ts:
+        x.join()
+    out.put(time.perf_counter() - t)
+    for fd in fds.values():
+        os.close(fd)
 
 
 def replay(root: str, logs: list, repeats: int, threads: int = 2) -> None:
     """Cold ``pread``s of exactly what each rank's load asked for, in its order, with nothing else running.
 
-    One group of ``threads`` threads per rank pulls that rank's logged
-    ranges in order into a scratch buffer: the time the device needs for the
-    load's own access pattern, without the load's CPU work (hashing,
-    copying, planning) competing with it.
+    One process per rank, with ``threads`` threads pulling that rank's
+    logged ranges in order into a scratch buffer: the time the device needs
+    for the load's own access pattern, without the load's CPU work
+    (hashing, copying, planning) competing with it.
     """
-    import threading
+    import multiprocessing as mp
 
+    ctx = mp.get_context("fork")
     total = sum(os.path.getsize(os.path.join(root, "data", f)) for f in os.listdir(os.path.join(root, "data")) if f.endswith(".bin"))
     walls = []
     for _ in range(repeats):
         if not C.drop_caches():
             print("# cannot drop the page cache (not root): no replay")
             return
-        fds: dict = {}
-        for log in logs:
-            for name, _o, _n in log:
-                if name not in fds:
-                    fds[name] = os.open(os.path.join(root, name), os.O_RDONLY)
-
-        def worker(it, lock) -> None:
-            buf = bytearray(8 << 20)
-            while True:
-                with lock:
-                    x = next(it, None)
-                if x is None:
-                    return
-                name, off, n = x
-                if n > len(buf):
-                    buf = bytearray(n)
-                mv = memoryview(buf)
-                got = 0
-                while got < n:
-                    k = os.preadv(fds[name], [mv[got:n]], off + got)
-                    if k <= 0:
-                        break
-                    got += k
-
-        ts = []
-        for log in logs:
-            it, lock = iter(log), threading.Lock()
-            ts += [threading.Thread(target=worker, args=(it, lock)) for _ in range(threads)]
-        t = time.perf_counter()
-        for x in ts:
-            x.start()
-        for x in ts:
-            x.join()
-        walls.append(time.perf_counter() - t)
-        for fd in fds.values():
-            os.close(fd)
+        barrier, out = ctx.Barrier(len(logs)), ctx.Queue()
+        ps = [ctx.Process(target=_replay_rank, args=(root, log, threads, barrier, out)) for log in logs]
+        for p in ps:
+            p.start()
+        walls.append(max(out.get() for _ in ps))
+        for p in ps:
+            p.join()
     asked = sum(n for log in logs for _f, _o, n in log)
     print(f"replay of the last load's reads ({len(logs)} ranks x {threads} threads, {asked / 1e6:.0f} MB asked, "
           f"{total / 1e6:.0f} MB of data files): {C.fmt(C.summary(walls), 1, 3)} s cold, "
@@ -288,6 +294,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", action="store_true", help="report when the data reads start and end in each load")
     ap.add_argument("--replay", type=int, default=0, metavar="N",
                     help="then replay the last load's reads N times, cold, with plain preads (the device's time for that pattern)")
+    ap.add_argument("--replay-threads", type=int, nargs="+", default=[2], metavar="T",
+                    help="reader threads per rank in the replay (several: one replay each)")
     ap.add_argument("--warm", action="store_true", help="keep the page cache between loads")
     ap.add_argument("--profile", action="store_true", help="profile rank 0's last load (cProfile; saved as probe_tp_load.prof in the temp folder)")
     ap.add_argument("--trace-dir", default=None, help="write the last load's Chrome traces (one per rank) here")
@@ -324,7 +332,8 @@ def _run(args, root: str, launch) -> int:
         rest = slowest[2:]
         print(f"slower rank, loads 3 on: median {statistics.median(rest):.3f} s [{min(rest):.3f}, {max(rest):.3f}]")
     if args.replay:
-        replay(root, [runs[-1][4] for runs in ranks], args.replay)
+        for th in args.replay_threads:
+            replay(root, [runs[-1][4] for runs in ranks], args.replay, th)
     return 0
 
 
