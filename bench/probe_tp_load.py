@@ -22,6 +22,7 @@ saved file when there are four: two per rank).
     python bench/probe_tp_load.py --size 1.5gb --loads 4 --trace
     python bench/probe_tp_load.py --size 1.5gb --loads 5 --warm --profile
     python bench/probe_tp_load.py --size 1.5gb --loads 12 --replay 5
+    python bench/probe_tp_load.py --size 1.5gb --loads 4 --replay 3 --replay-own --replay-threads 1 2
 
 Each load also reports the process's CPU seconds (``cpu_user``,
 ``cpu_sys``) and the machine's idle, I/O-wait, interrupt, steal and busy
@@ -294,6 +295,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", action="store_true", help="report when the data reads start and end in each load")
     ap.add_argument("--replay", type=int, default=0, metavar="N",
                     help="then replay the last load's reads N times, cold, with plain preads (the device's time for that pattern)")
+    ap.add_argument("--replay-own", action="store_true",
+                    help="also replay each rank's reads of its own part of the files only, as asked and in file order")
     ap.add_argument("--replay-threads", type=int, nargs="+", default=[2], metavar="T",
                     help="reader threads per rank in the replay (several: one replay each)")
     ap.add_argument("--warm", action="store_true", help="keep the page cache between loads")
@@ -332,8 +335,19 @@ def _run(args, root: str, launch) -> int:
         rest = slowest[2:]
         print(f"slower rank, loads 3 on: median {statistics.median(rest):.3f} s [{min(rest):.3f}, {max(rest):.3f}]")
     if args.replay:
-        for th in args.replay_threads:
-            replay(root, [runs[-1][4] for runs in ranks], args.replay, th)
+        logs = [runs[-1][4] for runs in ranks]
+        variants = {"as asked": logs}
+        if args.replay_own:
+            # Rank k's own part: the files written by saving ranks 2k and 2k+1 (4 saving ranks, 2 loading).
+            files = sorted({n for log in logs for n, _o, _l in log}, key=lambda n: n[-10:])
+            per = max(1, len(files) // len(logs))
+            own = [[x for x in log if x[0] in files[k * per : (k + 1) * per]] for k, log in enumerate(logs)]
+            variants["own part only, as asked"] = own
+            variants["own part only, in file order"] = [sorted(log, key=lambda x: (x[0][-10:], x[1])) for log in own]
+        for label, lg in variants.items():
+            for th in args.replay_threads:
+                print(f"{label}: ", end="")
+                replay(root, lg, args.replay, th)
     return 0
 
 
