@@ -112,7 +112,9 @@ class OptimizerAdapter:
                     cleared.append(p)
                     continue
 
-                def get_tensor(fqn, p=p):
+                prefix = f"{key}.state.{name}."
+
+                def get_tensor(fqn, p=p, prefix=prefix):
                     meta = tensors.get(fqn)
                     if meta is None:
                         part.missing.append(fqn)
@@ -124,7 +126,9 @@ class OptimizerAdapter:
                         dest = torch.zeros_like(p.detach(), dtype=dt)
                         part.targets.extend(shard.targets(fqn, dest))
                         return dest
-                    dest = empty_like_target(p, tuple(meta.shape), dt)
+                    dest = reusable_state(opt.state.get(p), fqn[len(prefix):] if fqn.startswith(prefix) else None, p, tuple(meta.shape), dt)
+                    if dest is None:
+                        dest = empty_like_target(p, tuple(meta.shape), dt)
                     if dest.dtype != dt:
                         raise ShapeMismatchError(f"{where}: tensor {fqn!r}: cannot allocate {meta.dtype}, got {dtype_name(dest.dtype)}")
                     tgt = load_target(fqn, dest)
@@ -170,6 +174,38 @@ class OptimizerAdapter:
 
         part.finish = finish
         return part
+
+
+def reusable_state(current: Any, field: str | None, p: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """The optimizer's current state tensor ``field`` of ``p`` if the load can fill it in place, else None.
+
+    In place means no second copy of the optimizer state while the load runs
+    (the old state stays referenced until the new one is installed) and no
+    page faults on fresh memory. Only a tensor exactly like the one the load
+    would allocate qualifies: same global shape and dtype, a plain tensor on
+    ``p``'s device for a plain ``p``, a DTensor on ``p``'s mesh with ``p``'s
+    placements for a DTensor ``p``.
+    """
+    if field is None or not isinstance(current, Mapping):
+        return None
+    t = current.get(field)
+    if not isinstance(t, torch.Tensor) or t.requires_grad or tuple(t.shape) != shape or t.dtype != dtype:
+        return None
+    if tuple(p.shape) != shape:
+        return None  # state not shaped like p (a scalar step) is allocated as usual
+    if is_dtensor(p):
+        if not is_dtensor(t) or t.device_mesh != p.device_mesh or tuple(t.placements) != tuple(p.placements):
+            return None
+        local, plocal = t._local_tensor, p._local_tensor
+        if tuple(local.shape) != tuple(plocal.shape):
+            return None
+    elif is_dtensor(t) or t.device != p.device:
+        return None
+    else:
+        local, plocal = t, p
+    if not local.is_contiguous() or local.untyped_storage().data_ptr() == plocal.untyped_storage().data_ptr():
+        return None  # not laid out like a fresh tensor, or the parameter itself
+    return t.detach()
 
 
 def _on_state(p, ctx: AdapterContext, on_tensor, part: SavePart):

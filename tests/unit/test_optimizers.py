@@ -39,3 +39,33 @@ def test_round_trip_and_next_step(tmp_path, kind):
     assert train_step(m, opt, 3, CFG) == train_step(m2, opt2, 3, CFG)
     for a, b in zip(m.parameters(), m2.parameters()):
         assert torch.equal(a, b)
+
+
+def test_existing_state_is_filled_in_place(tmp_path):
+    """Loading into an optimizer that already has state reuses its tensors: no second copy while loading."""
+    torch.manual_seed(0)
+    m = TinyGPT(CFG)
+    opt = MAKERS["adamw"](m.parameters())
+    for s in range(3):
+        train_step(m, opt, s, CFG)
+    path = str(tmp_path / "ck")
+    sp.save(path, {"model": m, "optimizer": opt})
+    torch.manual_seed(1)
+    m2 = TinyGPT(CFG)
+    opt2 = MAKERS["adamw"](m2.parameters())
+    train_step(m2, opt2, 7, CFG)  # different state, same shapes
+    params = list(m2.parameters())
+    before = {(i, k): v.data_ptr() for i, p in enumerate(params) for k, v in opt2.state[p].items() if v.dim() > 0}
+    assert before and len(before) == 2 * len(params)  # exp_avg and exp_avg_sq of every parameter
+    # One state tensor of another dtype cannot be reused: it is replaced, at the saved dtype.
+    opt2.state[params[0]]["exp_avg"] = opt2.state[params[0]]["exp_avg"].double()
+    sp.load(path, {"model": m2, "optimizer": opt2})
+    after = {(i, k): v.data_ptr() for i, p in enumerate(params) for k, v in opt2.state[p].items() if v.dim() > 0}
+    reused = {key for key in before if after[key] == before[key]}
+    assert reused == set(before) - {(0, "exp_avg")}
+    assert opt2.state[params[0]]["exp_avg"].dtype == torch.float32
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    for i in s1["state"]:
+        for k, v in s1["state"][i].items():
+            assert torch.equal(v, s2["state"][i][k]), (i, k)
+    assert train_step(m, opt, 3, CFG) == train_step(m2, opt2, 3, CFG)
