@@ -4,7 +4,9 @@ Each per-parameter state tensor is stored as ``<key>.state.<param fqn>.<name>``
 and follows its parameter's geometry (a DTensor for FSDP2/TP, a replicated
 tensor for DDP). Loading works on a freshly built optimizer that has never
 stepped: state tensors are allocated from the manifest, sharded like their
-parameter, and installed without running a step.
+parameter, and installed without running a step. Existing state tensors
+that match what would be allocated are filled in place instead
+(:func:`reusable_state`).
 
 A parameter that packs several original parameters (an FSDP1 flat
 parameter, or a ``use_orig_params`` 1-D view of one) has *views* in the
@@ -31,7 +33,7 @@ from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
 # State that is one value per parameter even when the parameter itself is 0-d.
 _SCALAR_STATE = frozenset({"step"})
 
-__all__ = ["OptimizerAdapter", "param_name"]
+__all__ = ["OptimizerAdapter", "param_name", "reusable_state"]
 
 
 def param_name(key: str, p: torch.Tensor, gi: int, i: int, ctx: AdapterContext) -> str:
