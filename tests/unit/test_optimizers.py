@@ -17,7 +17,8 @@ MAKERS = {
 
 
 @pytest.mark.parametrize("kind", sorted(MAKERS))
-def test_round_trip_and_next_step(tmp_path, kind):
+def _saved_and_fresh(tmp_path, kind):
+    """A model and optimizer after 3 steps, saved; a second pair built from another seed, never stepped."""
     torch.manual_seed(0)
     m = TinyGPT(CFG)
     opt = MAKERS[kind](m.parameters())
@@ -27,7 +28,11 @@ def test_round_trip_and_next_step(tmp_path, kind):
     sp.save(path, {"model": m, "optimizer": opt})
     torch.manual_seed(1)
     m2 = TinyGPT(CFG)
-    opt2 = MAKERS[kind](m2.parameters())  # fresh, never stepped
+    return m, opt, path, m2, MAKERS[kind](m2.parameters())
+
+
+def test_round_trip_and_next_step(tmp_path, kind):
+    m, opt, path, m2, opt2 = _saved_and_fresh(tmp_path, kind)
     sp.load(path, {"model": m2, "optimizer": opt2})
     s1, s2 = opt.state_dict(), opt2.state_dict()
     assert s1["param_groups"] == s2["param_groups"]
@@ -43,16 +48,7 @@ def test_round_trip_and_next_step(tmp_path, kind):
 
 def test_existing_state_is_filled_in_place(tmp_path):
     """Loading into an optimizer that already has state reuses its tensors: no second copy while loading."""
-    torch.manual_seed(0)
-    m = TinyGPT(CFG)
-    opt = MAKERS["adamw"](m.parameters())
-    for s in range(3):
-        train_step(m, opt, s, CFG)
-    path = str(tmp_path / "ck")
-    sp.save(path, {"model": m, "optimizer": opt})
-    torch.manual_seed(1)
-    m2 = TinyGPT(CFG)
-    opt2 = MAKERS["adamw"](m2.parameters())
+    m, opt, path, m2, opt2 = _saved_and_fresh(tmp_path, "adamw")
     train_step(m2, opt2, 7, CFG)  # different state, same shapes
     params = list(m2.parameters())
     before = {(i, k): v.data_ptr() for i, p in enumerate(params) for k, v in opt2.state[p].items() if v.dim() > 0}
