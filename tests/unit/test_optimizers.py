@@ -16,7 +16,6 @@ MAKERS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(MAKERS))
 def _saved_and_fresh(tmp_path, kind):
     """A model and optimizer after 3 steps, saved; a second pair built from another seed, never stepped."""
     torch.manual_seed(0)
@@ -31,6 +30,7 @@ def _saved_and_fresh(tmp_path, kind):
     return m, opt, path, m2, MAKERS[kind](m2.parameters())
 
 
+@pytest.mark.parametrize("kind", sorted(MAKERS))
 def test_round_trip_and_next_step(tmp_path, kind):
     m, opt, path, m2, opt2 = _saved_and_fresh(tmp_path, kind)
     sp.load(path, {"model": m2, "optimizer": opt2})
