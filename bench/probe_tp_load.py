@@ -114,6 +114,7 @@ def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: boo
             phases["first_read"] = round(min(a for a, _ in spans) - t, 3)
             phases["last_read_end"] = round(max(b for _, b in spans) - t, 3)
         out.append((round(wall, 3), st.stats.reads, st.stats.bytes_read, phases, log))
+        st.close()  # unmap: mapped pages would survive the next drop of the page cache
     return out
 
 

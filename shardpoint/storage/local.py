@@ -20,6 +20,7 @@ for when O_DIRECT pays.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -63,9 +64,12 @@ class LocalOptions:
       write sizes for ``O_DIRECT`` (a power of two, at least 512). 4096 suits
       Linux filesystems on 512-byte and 4 KiB-sector devices.
     - ``mmap_reads``: let the load engine hash and copy the parts of data
-      files it must narrow straight from a read-only mapping (default
-      ``True``), instead of reading them into a buffer first: one memory
-      copy less per byte (docs/design.md, "Mapped reads").
+      files it must narrow straight from a read-only mapping instead of
+      reading them into a buffer first: one memory copy less per byte
+      (docs/design.md, "Mapped reads"). ``"auto"`` (the default) maps a
+      span only when most of its pages are already in the page cache
+      (``mincore``): from a cold cache, reading into a buffer in a reader
+      thread is faster; ``True`` always maps, ``False`` never does.
 
     Example::
 
@@ -77,9 +81,11 @@ class LocalOptions:
     direct_buffer_size: int = 8 << 20
     direct_buffers: int = 2
     direct_alignment: int = 4096
-    mmap_reads: bool = True
+    mmap_reads: bool | str = "auto"
 
     def __post_init__(self) -> None:
+        if self.mmap_reads not in (True, False, "auto"):
+            raise ValueError(f"LocalOptions.mmap_reads must be True, False or 'auto', got {self.mmap_reads!r}")
         a = self.direct_alignment
         if a < 512 or a & (a - 1):
             raise ValueError(f"LocalOptions.direct_alignment must be a power of two >= 512, got {a}")
@@ -90,6 +96,37 @@ class LocalOptions:
             )
         if self.direct_buffers < 1:
             raise ValueError(f"LocalOptions.direct_buffers must be at least 1, got {self.direct_buffers}")
+
+
+_LIBC: Any = None
+
+
+def resident_fraction(mm: mmap.mmap, offset: int, length: int) -> float:
+    """The fraction of the pages of ``[offset, offset + length)`` of a writable mapping in the page cache.
+
+    One ``mincore`` call. 1.0 where the call is not available (then the
+    caller maps, as with ``mmap_reads=True``).
+    """
+    global _LIBC
+    page = mmap.PAGESIZE
+    start = offset - offset % page
+    n = (offset + length - start + page - 1) // page
+    if n <= 0:
+        return 1.0
+    try:
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+        mincore = _LIBC.mincore
+    except (OSError, AttributeError):
+        return 1.0
+    ref = ctypes.c_char.from_buffer(mm, start)  # the mapping's address; released below so it can close
+    try:
+        vec = (ctypes.c_ubyte * n)()
+        if mincore(ctypes.c_void_p(ctypes.addressof(ref)), ctypes.c_size_t(n * page), vec) != 0:
+            return 1.0
+        return float((np.frombuffer(vec, dtype=np.uint8) & 1).mean())
+    finally:
+        del ref
 
 
 def fsync_path(path: str) -> None:
@@ -564,6 +601,8 @@ class LocalStorage(Storage):
         mm = self._reads.mapping(self._path(name))
         if mm is None or offset + length > len(mm):
             return None
+        if self.options.mmap_reads == "auto" and resident_fraction(mm, offset, length) < 0.5:
+            return None  # cold: a reader thread reads it into a buffer and verifies it there
         self.stats.add_read(length if count is None else count)
         return memoryview(mm)[offset : offset + length]
 

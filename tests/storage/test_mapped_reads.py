@@ -154,3 +154,66 @@ def test_strided_span_is_hinted_in_few_calls(tmp_path):
     (view,) = _mapped(st, [r], None)
     assert bytes(view.numpy()) == DATA
     assert calls == [(0, n)]  # one hint, not one system call per run
+
+
+def test_auto_maps_only_what_the_page_cache_holds(tmp_path, monkeypatch):
+    """``mmap_reads="auto"`` (the default) maps a span only when most of its pages are resident."""
+    import shardpoint.storage.local as local
+
+    assert LocalStorage(str(tmp_path / "d")).options.mmap_reads == "auto"
+    seen = []
+
+    def fraction(value):
+        def f(mm, offset, length):
+            seen.append((offset, length))
+            return value
+        return f
+
+    monkeypatch.setattr(local, "resident_fraction", fraction(0.49))
+    st = _storage(tmp_path / "cold")
+    assert st.map_range("data/x.bin", 10, 1000) is None  # cold: read it into a buffer instead
+    assert seen == [(10, 1000)] and st.stats.bytes_read == 0
+    always = _storage(tmp_path / "always", mmap_reads=True)
+    assert bytes(always.map_range("data/x.bin", 10, 1000)) == DATA[10:1010]  # True ignores residency
+    assert seen == [(10, 1000)]
+    monkeypatch.setattr(local, "resident_fraction", fraction(0.5))
+    assert bytes(st.map_range("data/x.bin", 10, 1000)) == DATA[10:1010]
+    with pytest.raises(ValueError, match=r"mmap_reads must be True, False or 'auto', got 'sometimes'"):
+        LocalStorage(str(tmp_path / "bad"), mmap_reads="sometimes")
+
+
+def test_resident_fraction_of_pages_just_read(tmp_path):
+    import mmap
+
+    from shardpoint.storage.local import resident_fraction
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(64 << 10))
+    with open(path, "rb") as f:
+        assert f.read() is not None  # in the page cache now
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        assert resident_fraction(mm, 5, 60 << 10) == 1.0
+        assert resident_fraction(mm, 0, 0) == 1.0
+    finally:
+        mm.close()  # no export left behind: the mapping closes
+
+
+def test_a_cold_load_through_auto_is_bit_exact_and_reads_into_buffers(tmp_path, monkeypatch):
+    import shardpoint.storage.local as local
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(300, 300), nn.Linear(300, 8))
+    path = str(tmp_path / "ck")
+    sp.save(path, {"model": m})
+    for value, mapped in ((0.0, False), (1.0, True)):
+        monkeypatch.setattr(local, "resident_fraction", lambda mm, o, n, v=value: v)
+        st = LocalStorage(path)
+        calls = []
+        orig = st.map_range
+        st.map_range = lambda *a, **k: calls.append(orig(*a, **k)) or calls[-1]
+        torch.manual_seed(1)
+        m2 = nn.Sequential(nn.Linear(300, 300), nn.Linear(300, 8))
+        sp.load(st, {"model": m2}, keys="model.*")
+        assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))
+        assert calls and all((c is not None) == mapped for c in calls), value
