@@ -51,15 +51,16 @@ def test_existing_state_is_filled_in_place(tmp_path):
     m, opt, path, m2, opt2 = _saved_and_fresh(tmp_path, "adamw")
     train_step(m2, opt2, 7, CFG)  # different state, same shapes
     params = list(m2.parameters())
+    # One state tensor of another dtype cannot be reused: it is replaced, at the saved dtype. (Kept
+    # alive here so that the replacement cannot be allocated at its address.)
+    wrong = opt2.state[params[0]]["exp_avg"] = opt2.state[params[0]]["exp_avg"].double()
     before = {(i, k): v.data_ptr() for i, p in enumerate(params) for k, v in opt2.state[p].items() if v.dim() > 0}
     assert before and len(before) == 2 * len(params)  # exp_avg and exp_avg_sq of every parameter
-    # One state tensor of another dtype cannot be reused: it is replaced, at the saved dtype.
-    opt2.state[params[0]]["exp_avg"] = opt2.state[params[0]]["exp_avg"].double()
     sp.load(path, {"model": m2, "optimizer": opt2})
     after = {(i, k): v.data_ptr() for i, p in enumerate(params) for k, v in opt2.state[p].items() if v.dim() > 0}
     reused = {key for key in before if after[key] == before[key]}
     assert reused == set(before) - {(0, "exp_avg")}
-    assert opt2.state[params[0]]["exp_avg"].dtype == torch.float32
+    assert opt2.state[params[0]]["exp_avg"].dtype == torch.float32 and wrong.dtype == torch.float64
     s1, s2 = opt.state_dict(), opt2.state_dict()
     for i in s1["state"]:
         for k, v in s1["state"][i].items():
