@@ -65,7 +65,7 @@ def save_job(rank: int, world: int, root: str, cfg: dict) -> None:
 
 
 def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: bool, verify: bool, trace: bool = False,
-             mmap_reads: bool = True, trace_dir: str | None = None, warm: bool = False, profile: bool = False,
+             mmap_reads: bool | str = "auto", trace_dir: str | None = None, warm: bool = False, profile: bool = False,
              record: bool = False) -> list:
     import torch.distributed as dist
 
@@ -99,7 +99,6 @@ def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: boo
                 trace_dir=trace_dir if n == loads - 1 else None)
         wall = time.perf_counter() - t
         if prof is not None:
-            import pstats
             prof.disable()
             out_path = os.path.join(tempfile.gettempdir(), "probe_tp_load.prof")
             prof.dump_stats(out_path)
@@ -324,7 +323,7 @@ def _run(args, root: str, launch) -> int:
     if args.loads <= 0:
         return 0
     ranks = launch(2, "probe_tp_load:load_job", {"root": root, "cfg": cfg, "loads": args.loads, "share": args.share, "verify": not args.no_verify,
-                                                         "trace": args.trace, "mmap_reads": not args.no_mmap, "warm": args.warm, "record": bool(args.replay), "profile": args.profile,
+                                                         "trace": args.trace, "mmap_reads": False if args.no_mmap else "auto", "warm": args.warm, "record": bool(args.replay), "profile": args.profile,
                                                          "trace_dir": os.path.abspath(args.trace_dir) if args.trace_dir else None})
     for rank, runs in enumerate(ranks):
         _w, reqs, nbytes, phases, _log = runs[-1]

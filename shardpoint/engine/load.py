@@ -324,8 +324,7 @@ def _fetch_one(storage: Storage, r: ChunkRead, block: int, verify: bool, where: 
         return buf
     rs = r.ranges()
     if verify:  # read and hash block by block: each block is hashed while still in cache
-        rs = [(x, min(y, (x // block + 1) * block)) for a, b in rs for x in range(a, b, block) for y in (b,)]
-        rs = [(x, y) for x, y in rs if x < y]
+        rs = [piece for a, b in rs for piece in _at_blocks(a, b, block)]
     for a, b in rs:
         part = mv[a - r.lo : b - r.lo]
         t0 = time.monotonic()
@@ -338,6 +337,12 @@ def _fetch_one(storage: Storage, r: ChunkRead, block: int, verify: bool, where: 
             if verify:
                 rec.add("verify", t1, time.monotonic(), len(part))
     return buf
+
+
+def _at_blocks(a: int, b: int, block: int) -> list[tuple[int, int]]:
+    """``[a, b)`` cut at every multiple of ``block``; pure."""
+    cuts = [a, *range((a // block + 1) * block, b, block), b]
+    return list(zip(cuts, cuts[1:]))
 
 
 def _copy_timed(r: ChunkRead, buf: torch.Tensor, rec) -> None:
@@ -507,12 +512,11 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
                 ahead += _size(g)
                 i += 1
             g, direct, fut, pv = pending.pop(0)
-            if rec is not None and not fut.done():  # the loading thread idles until the read lands
-                t0 = time.monotonic()
-                bufs = fut.result()
+            waiting = rec is not None and not fut.done()  # the loading thread idles until the read lands
+            t0 = time.monotonic()
+            bufs = fut.result()
+            if waiting:
                 rec.add("wait", t0, time.monotonic())
-            else:
-                bufs = fut.result()
             ahead -= _size(g)
             if len(g) == 1:
                 bufs = [bufs]

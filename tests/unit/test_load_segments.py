@@ -134,3 +134,11 @@ def test_sharing_picks_one_needer_per_span_and_balances_bytes():
 def test_nothing_shared_gives_an_empty_plan():
     assert plan_sharing([_rows([1, 10, 0, 0]), _rows([2, 10, 0, 10]), _rows()], 3) == []
     assert plan_sharing([_rows(), _rows()], 2) == []
+
+
+def test_ranges_cut_at_checksum_blocks():
+    from shardpoint.engine.load import _at_blocks
+
+    assert _at_blocks(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert _at_blocks(3, 10, 4) == [(3, 4), (4, 8), (8, 10)]  # an unaligned start keeps every byte
+    assert _at_blocks(4, 8, 4) == [(4, 8)]

@@ -10,6 +10,7 @@ import torch
 import shardpoint as sp
 from shardpoint.storage import LocalStorage, MemoryStorage
 from shardpoint.storage.tiers import TieredStorage
+from shardpoint.testing import flip_byte
 
 
 def _model(seed=0):
@@ -50,11 +51,7 @@ def test_reads_fall_back_to_slower_tiers(tiers, tmp_path):
     t.wait("remote")
     host = LocalStorage(str(tmp_path / "host" / "step_1"))
     f = next(n for n in host.list("data/"))
-    with open(os.path.join(host.root, f), "r+b") as fh:  # corrupt the fast copy
-        fh.seek(100)
-        b = fh.read(1)
-        fh.seek(100)
-        fh.write(bytes([b[0] ^ 1]))
+    flip_byte(os.path.join(host.root, f), 100, mask=1)  # corrupt the fast copy
     m2 = _model(1)
     sp.load(t.child("step_1"), {"model": m2})
     assert _same(m, m2)
@@ -104,11 +101,7 @@ def test_a_corrupt_large_span_on_the_fast_tier_comes_from_below(tiers, tmp_path)
     t.wait("remote")
     host = LocalStorage(str(tmp_path / "host" / "step_1"))
     chunk = sp.read_manifest(host).tensors["w"].chunks[0]
-    with open(os.path.join(host.root, chunk.file), "r+b") as fh:
-        fh.seek(chunk.offset + 3 * (256 << 10) + 11)  # the fourth block
-        b = fh.read(1)
-        fh.seek(chunk.offset + 3 * (256 << 10) + 11)
-        fh.write(bytes([b[0] ^ 0x10]))
+    flip_byte(os.path.join(host.root, chunk.file), chunk.offset + 3 * (256 << 10) + 11)  # the fourth block
     state = {"w": torch.zeros(300_000)}
     sp.load(t.child("step_1"), state)
     assert torch.equal(state["w"], w)
