@@ -66,7 +66,7 @@ def save_job(rank: int, world: int, root: str, cfg: dict) -> None:
 
 def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: bool, verify: bool, trace: bool = False,
              mmap_reads: bool | str = "auto", trace_dir: str | None = None, warm: bool = False, profile: bool = False,
-             record: bool = False) -> list:
+             record: bool = False, alternate: tuple | None = None) -> list:
     import torch.distributed as dist
 
     import shardpoint as sp
@@ -80,6 +80,9 @@ def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: boo
         if rank == 0 and not warm:
             C.drop_caches()
         dist.barrier()
+        if alternate:  # an A/B switch read by code under test: load n gets value n mod k
+            os.environ[alternate[0]] = alternate[1][n % len(alternate[1])]
+        resident = _resident(root)  # what of the data files the page cache still holds: 0 when cold
         st = LocalStorage(root, mmap_reads=mmap_reads)
         spans: list = []
         if trace:
@@ -105,6 +108,7 @@ def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: boo
         cpu1, sys1 = resource.getrusage(resource.RUSAGE_SELF), _cpu_idle()
         phases = {k: round(v, 3) for k, v in rep.timings.items()}
         # this process's CPU seconds (all threads), and the machine's idle and I/O-wait seconds, over the call
+        phases["resident_before"] = round(resident, 3)
         phases["cpu_user"] = round(cpu1.ru_utime - cpu0.ru_utime, 3)
         phases["cpu_sys"] = round(cpu1.ru_stime - cpu0.ru_stime, 3)
         phases["host_idle"], phases["host_iowait"], phases["host_irq"], phases["host_steal"], phases["host_busy"] = (
@@ -115,6 +119,25 @@ def load_job(rank: int, world: int, root: str, cfg: dict, loads: int, share: boo
         out.append((round(wall, 3), st.stats.reads, st.stats.bytes_read, phases, log))
         st.close()  # unmap: mapped pages would survive the next drop of the page cache
     return out
+
+
+def _resident(root: str) -> float:
+    """Fraction of the data files' pages in the page cache (mincore), over all of them."""
+    import mmap
+
+    from shardpoint.storage.local import resident_fraction
+
+    have = total = 0
+    data = os.path.join(root, "data")
+    for name in sorted(os.listdir(data)):
+        with open(os.path.join(data, name), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if not size:
+                continue
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+                have += resident_fraction(mm, 0, size) * size
+                total += size
+    return have / total if total else 0.0
 
 
 def _cpu_idle() -> tuple[float, ...]:
@@ -303,6 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="profile rank 0's last load (cProfile; saved as probe_tp_load.prof in the temp folder)")
     ap.add_argument("--trace-dir", default=None, help="write the last load's Chrome traces (one per rank) here")
     ap.add_argument("--size", default=None, help="a suite state size (100mb, 1.5gb) instead of the bench_load state")
+    ap.add_argument("--alternate-env", default=None, metavar="NAME=A,B",
+                    help="set environment variable NAME to A, B, ... in turn, one value per load, and report each value's loads")
     ap.add_argument("--read-patterns", type=int, default=0, metavar="N", help="time plain cold reads of the data files first, N times")
     args = ap.parse_args(argv)
     C.setup_env()
@@ -322,9 +347,14 @@ def _run(args, root: str, launch) -> int:
         read_patterns(root, args.read_patterns)
     if args.loads <= 0:
         return 0
+    alt = None
+    if args.alternate_env:
+        name, _, vals = args.alternate_env.partition("=")
+        alt = (name, vals.split(","))
     ranks = launch(2, "probe_tp_load:load_job", {"root": root, "cfg": cfg, "loads": args.loads, "share": args.share, "verify": not args.no_verify,
                                                          "trace": args.trace, "mmap_reads": False if args.no_mmap else "auto", "warm": args.warm, "record": bool(args.replay), "profile": args.profile,
-                                                         "trace_dir": os.path.abspath(args.trace_dir) if args.trace_dir else None})
+                                                         "trace_dir": os.path.abspath(args.trace_dir) if args.trace_dir else None,
+                                                         "alternate": alt})
     for rank, runs in enumerate(ranks):
         _w, reqs, nbytes, phases, _log = runs[-1]
         print(f"rank {rank}: wall s {[w for w, *_ in runs]}")
@@ -334,6 +364,11 @@ def _run(args, root: str, launch) -> int:
     if len(slowest) > 3:  # the first loads also fault in the optimizer state and the mappings' page tables
         rest = slowest[2:]
         print(f"slower rank, loads 3 on: median {statistics.median(rest):.3f} s [{min(rest):.3f}, {max(rest):.3f}]")
+    if alt:  # loads 3 on, by value
+        for k, v in enumerate(alt[1]):
+            ws = [w for i, w in enumerate(slowest) if i >= 2 and i % len(alt[1]) == k]
+            if ws:
+                print(f"{alt[0]}={v}: median {statistics.median(ws):.3f} s [{min(ws):.3f}, {max(ws):.3f}] over {len(ws)} loads")
     if args.replay:
         logs = [runs[-1][4] for runs in ranks]
         variants = {"as asked": logs}

@@ -467,10 +467,13 @@ def _rank_entry(rank: int, world: int, port: int, target: str, args: dict, outdi
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    import faulthandler
+
+    # A crash (SIGSEGV, SIGBUS) leaves every thread's stack in the launch's folder, for the error.
+    crash = open(os.path.join(outdir, f"rank{rank}.crash"), "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(crash, all_threads=True)
     hang = float(os.environ.get("SHARDPOINT_HANG_DUMP_S", "0"))
     if hang > 0:  # print every thread's stack if this rank is still running then
-        import faulthandler
-
         faulthandler.dump_traceback_later(hang, exit=True)
     result: dict[str, Any]
     try:
@@ -547,7 +550,9 @@ def launch(world: int, target: str, args: dict | None = None, timeout: float = 3
         for r in range(world):
             p = os.path.join(d, f"rank{r}.json")
             if not os.path.exists(p):
-                failures.append(f"rank {r}: no result (crashed?)")
+                crash = os.path.join(d, f"rank{r}.crash")
+                dump = open(crash).read()[-4000:] if os.path.exists(crash) else ""
+                failures.append(f"rank {r}: no result (crashed?)" + (f"\n{dump}" if dump.strip() else ""))
                 results.append(None)
                 continue
             with open(p) as f:

@@ -442,45 +442,94 @@ def _done(value) -> Future:
 PREFETCH_GAP = 64 << 10
 
 
-def _mapped(storage, group: Sequence[ChunkRead], rec) -> list[torch.Tensor] | None:
+def _mapped(storage, group: Sequence[ChunkRead]) -> list[memoryview] | None:
     """Views of ``group``'s spans in mappings of their files, or None to read them instead.
 
     Where the bytes must be narrowed or hashed in memory anyway, reading them
     into a buffer first is one more copy of every byte; a view of the page
-    cache skips it. The kernel is asked to start reading each span as it
-    enters the window, so page faults mostly find the pages there.
+    cache skips it. The views are not yet backed by memory:
+    :func:`_fault_in` brings them in.
     """
     map_range = getattr(storage, "map_range", None)
     if map_range is None:
         return None
-    t0 = time.monotonic()
     views = []
     for r in group:
         mv = map_range(r.chunk.file, r.chunk.offset + r.lo, r.hi - r.lo, r.nread)
         if mv is None:
             return None
         views.append(mv)
+    return views
+
+
+def _hint(storage, group: Sequence[ChunkRead]) -> None:
+    """Ask the kernel to start reading mapped spans it cannot populate (before Linux 5.14)."""
     for r in group:
         ranges = r.ranges()
         if len(ranges) > 1:
             ranges = _merge(np.array([a for a, _ in ranges]), np.array([b for _, b in ranges]), PREFETCH_GAP)
         for a, b in ranges:
             storage.prefetch(r.chunk.file, r.chunk.offset + a, b - a)
-    if rec is not None:
-        rec.add("read", t0, time.monotonic(), sum(r.nread for r in group))
-    return [torch.frombuffer(mv, dtype=torch.uint8) for mv in views]
+
+
+def _fault_in(storage, group: Sequence[ChunkRead], views: Sequence[memoryview], block: int, verify: bool, where: str, rec) -> list[torch.Tensor]:
+    """In a reader thread: bring mapped spans into memory, verifying each block as it lands.
+
+    ``storage.populate`` reads the cold pages of each piece (a checksum
+    block, or a needed range) and maps them without holding the
+    interpreter lock; the piece is hashed right after, while it is still
+    in the CPU cache. The loading thread then only copies. Where populating
+    is not available, the hash's own page faults bring the pages in.
+    """
+    populate = getattr(storage, "populate", None)
+    out = []
+    for r, mv in zip(group, views):
+        rs = r.ranges()
+        if verify:
+            rs = [piece for a, b in rs for piece in _at_blocks(a, b, block)]
+        for a, b in rs:
+            t0 = time.monotonic()
+            if populate is not None:
+                try:
+                    populate(r.chunk.file, r.chunk.offset + a, b - a)
+                except ShortReadError as e:
+                    raise CorruptCheckpointError(
+                        f"{where}: data file {r.chunk.file} of tensor {r.fqn!r} is shorter than the manifest says "
+                        f"(truncated?): {e}"
+                    ) from None
+            t1 = time.monotonic()
+            if rec is not None:
+                rec.add("read", t0, t1, b - a)
+            if verify:
+                _verify(mv[a - r.lo : b - r.lo], r.chunk, a // block, block, r.fqn, where)
+                if rec is not None:
+                    rec.add("verify", t1, time.monotonic(), b - a)
+        out.append(torch.frombuffer(mv, dtype=torch.uint8))
+    return out
+
+
+def _fault_in_or_fetch(storage, group, views, block, verify, where, rec) -> list[torch.Tensor]:
+    """:func:`_fault_in`; a span whose mapped bytes fail their checksum is read again, from every tier."""
+    try:
+        return _fault_in(storage, group, views, block, verify, where, rec)
+    except CorruptCheckpointError:
+        if not verify:
+            raise
+        # Name the damaged span exactly, and let tiered storage fall back to a slower copy.
+        return [_fetch(storage, r, block, True, where, None, rec) for r in group]
 
 
 def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, stats, window: int, threads: int, rec=None) -> None:
     """Fetch in a thread pool, at most ``window`` bytes ahead of the copies.
 
-    A reader thread verifies each block of a span it read right after
-    reading it, while the block is still in the CPU cache (xxhash releases
-    the GIL, so this runs beside the loading thread). This thread verifies
-    what was not read into memory by a reader (spans viewed in a mapping,
-    batches of small spans) and does every copy. Spans that land whole on
-    their destination are read straight into it; the rest are viewed in a
-    mapping of the file where the backend offers one (:func:`_mapped`).
+    A reader thread verifies each block of a span it read or faulted in
+    right after it landed, while the block is still in the CPU cache
+    (xxhash releases the GIL, so this runs beside the loading thread). This
+    thread verifies the batches of small spans read with one request, and
+    does every copy. Spans that land whole on their destination are read
+    straight into it; the rest are viewed in a mapping of the file where
+    the backend offers one (:func:`_mapped`, :func:`_fault_in`), else read
+    into a buffer.
     """
     groups = batch_reads(reads)
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardpoint-read") as pool:
@@ -491,11 +540,14 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
             while i < len(groups) and (not pending or ahead + _size(groups[i]) <= window):
                 g = groups[i]
                 direct = _direct_view(g[0]) if len(g) == 1 else None
-                views = _mapped(storage, g, rec) if direct is None else None
-                # A single span read into memory is verified by its reader, block by block.
-                pv = verify and views is None and len(g) == 1
+                # A batch of small spans is one request into one buffer; a mapping would cost a call per span.
+                views = _mapped(storage, g) if direct is None and len(g) == 1 else None
+                # Spans read into memory alone, or mapped, are verified by their reader, block by block.
+                pv = verify and (views is not None or len(g) == 1)
                 if views is not None:
-                    fut = _done(views[0] if len(g) == 1 else views)
+                    if not hasattr(storage, "populate"):
+                        _hint(storage, g)
+                    fut = pool.submit(_fault_in_or_fetch, storage, g, views, block, pv, where, rec)
                     for r in g:
                         _count(stats, r)
                 elif len(g) == 1:
@@ -508,17 +560,17 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
                     gap = _size(g) - sum(r.hi - r.lo for r in g)
                     stats.bytes_read += gap
                     stats.per_file[g[0].chunk.file] += gap
-                pending.append((g, direct, fut, pv))
+                pending.append((g, direct, fut, pv, views is not None or len(g) > 1))
                 ahead += _size(g)
                 i += 1
-            g, direct, fut, pv = pending.pop(0)
+            g, direct, fut, pv, many = pending.pop(0)
             waiting = rec is not None and not fut.done()  # the loading thread idles until the read lands
             t0 = time.monotonic()
             bufs = fut.result()
             if waiting:
                 rec.add("wait", t0, time.monotonic())
             ahead -= _size(g)
-            if len(g) == 1:
+            if not many:
                 bufs = [bufs]
             for r, buf in zip(g, bufs):
                 if verify and not pv:

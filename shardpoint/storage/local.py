@@ -26,6 +26,7 @@ import logging
 import mmap
 import os
 import queue
+import sys
 import threading
 import uuid
 import weakref
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import StorageError
-from .base import Storage, Writer, merged_options
+from .base import ShortReadError, Storage, Writer, merged_options
 
 __all__ = ["LocalOptions", "LocalStorage"]
 
@@ -66,10 +67,14 @@ class LocalOptions:
     - ``mmap_reads``: let the load engine hash and copy the parts of data
       files it must narrow straight from a read-only mapping instead of
       reading them into a buffer first: one memory copy less per byte
-      (docs/design.md, "Mapped reads"). ``"auto"`` (the default) maps a
-      span only when most of its pages are already in the page cache
-      (``mincore``): from a cold cache, reading into a buffer in a reader
-      thread is faster; ``True`` always maps, ``False`` never does.
+      (docs/design.md, "Mapped reads"). A reader thread faults each mapped
+      span in with ``MADV_POPULATE_READ`` (Linux 5.14 and later), which
+      reads cold pages from the disk without the copy ``read`` makes, and
+      hashes it there. ``"auto"`` (the default) maps every such span where
+      that call works; on older kernels it maps a span only when most of
+      its pages are already in the page cache (``mincore``), since page
+      faults on cold pages are slower than reading into a buffer. ``True``
+      always maps, ``False`` never does.
 
     Example::
 
@@ -99,6 +104,45 @@ class LocalOptions:
 
 
 _LIBC: Any = None
+
+
+MADV_POPULATE_READ = 22  # Linux 5.14+: fault a range in, reading it from disk, without copying it anywhere
+_POPULATE: list[bool] = []  # [whether MADV_POPULATE_READ works here], found on first use
+
+
+def _madvise(mm: mmap.mmap, offset: int, length: int, advice: int) -> int:
+    """``madvise(2)`` on ``[offset, offset + length)`` of a writable mapping: 0, or the errno.
+
+    Through ctypes, so the interpreter lock is released for the call:
+    ``mmap.madvise`` keeps it, which for ``MADV_POPULATE_READ`` on cold
+    pages means for the whole disk read, stalling every other thread.
+    """
+    global _LIBC
+    page = mmap.PAGESIZE
+    start = offset - offset % page
+    end = min(len(mm), offset + length)
+    if end <= start:
+        return 0
+    try:
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+        fn = _LIBC.madvise
+    except (OSError, AttributeError):
+        return errno.ENOSYS
+    ref = ctypes.c_char.from_buffer(mm, start)  # the mapping's address; released below so it can close
+    try:
+        if fn(ctypes.c_void_p(ctypes.addressof(ref)), ctypes.c_size_t(end - start), ctypes.c_int(advice)) == 0:
+            return 0
+        return ctypes.get_errno() or errno.EIO
+    finally:
+        del ref
+
+
+def populate_supported(mm: mmap.mmap) -> bool:
+    """Whether ``MADV_POPULATE_READ`` works on this kernel (tried once, on one page of ``mm``)."""
+    if not _POPULATE:
+        _POPULATE.append(sys.platform.startswith("linux") and len(mm) > 0 and _madvise(mm, 0, 1, MADV_POPULATE_READ) == 0)
+    return _POPULATE[0]
 
 
 def resident_fraction(mm: mmap.mmap, offset: int, length: int) -> float:
@@ -601,10 +645,29 @@ class LocalStorage(Storage):
         mm = self._reads.mapping(self._path(name))
         if mm is None or offset + length > len(mm):
             return None
-        if self.options.mmap_reads == "auto" and resident_fraction(mm, offset, length) < 0.5:
-            return None  # cold: a reader thread reads it into a buffer and verifies it there
+        if self.options.mmap_reads == "auto" and not populate_supported(mm) and resident_fraction(mm, offset, length) < 0.5:
+            return None  # cold, and only page faults would bring it in: a reader thread reads it into a buffer
         self.stats.add_read(length if count is None else count)
         return memoryview(mm)[offset : offset + length]
+
+    def populate(self, name: str, offset: int, length: int) -> bool:
+        """Bring ``[offset, offset + length)`` of a file mapped by :meth:`map_range` into memory now.
+
+        One ``MADV_POPULATE_READ`` call, made without the interpreter lock:
+        cold pages are read from the disk, and every page is mapped, so the
+        hashing and copying that follow take no page faults. False where
+        the call is not available (page faults then bring the pages in as
+        they are touched). A file that shrank after it was mapped raises
+        :class:`ShortReadError` here instead of killing the process with
+        ``SIGBUS`` later.
+        """
+        mm = self._reads.maps.get(self._path(name))
+        if mm is None or length <= 0 or not populate_supported(mm):
+            return False
+        err = _madvise(mm, offset, length, MADV_POPULATE_READ)
+        if err == errno.EFAULT:
+            raise ShortReadError(f"{self.url}/{name}: bytes [{offset}, {offset + length}) are no longer in the file")
+        return err == 0
 
     def prefetch(self, name: str, offset: int, length: int) -> None:
         """Ask the kernel to start reading ``[offset, offset + length)`` of a mapped data file."""
