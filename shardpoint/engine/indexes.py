@@ -35,6 +35,7 @@ class IndexReader:
     def __init__(self, storage: Storage, manifest: Manifest, where: str):
         self.storage, self.manifest, self.where = storage, manifest, where
         self._cache: dict[int, ChunkIndex] = {}
+        self._grid_cache: dict[tuple, list] = {}
         self.bytes_read = 0
 
     def index(self, rank: int) -> ChunkIndex | None:
@@ -82,12 +83,23 @@ class IndexReader:
         grid = meta.grid
         found: dict[tuple, ChunkMeta] = {}
         for box in [Box.full(meta.shape)] if boxes is None else boxes:
-            for coord, shard in grid.shards(meta.shape, box):
-                if coord in found:
-                    continue
-                rank = grid.writer(coord, meta.copy)
-                found[coord] = self._shard_chunk(fqn, meta, rank, shard, what)
+            for coord, rank, shard in self._shards(grid, tuple(meta.shape), meta.copy, box):
+                if coord not in found:
+                    found[coord] = self._shard_chunk(fqn, meta, rank, shard, what)
         return tuple(found[k] for k in sorted(found))
+
+    def _shards(self, grid, shape: tuple, copy: int, box: Box) -> list[tuple[tuple, int, Box]]:
+        """``(coord, writer rank, shard)`` of every shard of ``grid`` touching ``box``, memoised.
+
+        Tensors of one shape on one grid (every layer's weights, and each of
+        their optimizer states) ask the same question; the manifest shares
+        one ``Grid`` object per distinct grid, so its id names it.
+        """
+        key = (id(grid), shape, copy, box)
+        hit = self._grid_cache.get(key)
+        if hit is None:
+            hit = self._grid_cache[key] = [(c, grid.writer(c, copy), s) for c, s in grid.shards(shape, box)]
+        return hit
 
     def _shard_chunk(self, fqn: str, meta: TensorMeta, rank: int, shard: Box, what: str) -> ChunkMeta:
         idx = self.index(rank)

@@ -162,6 +162,25 @@ def plan_segments(r: ChunkRead, verify: bool, block: int, coalesce: int) -> list
     return segs
 
 
+def _plan_target(idx: SourceIndex, box, flat) -> tuple[int, list]:
+    """Geometry of one target: its coverage gap (0: exact, <0: overlaps) and, per saved
+    chunk, ``(chunk index, ops, first element, end element, elements needed)``; pure."""
+    ops = plan_reads(idx, box, flat)
+    gap = coverage_gaps(ops, box, flat)
+    if gap == 0 and len(ops) <= 256 and _overlapping(ops):
+        gap = -1  # an overlap hidden by an equal-sized hole
+    by_chunk: dict[int, list[ReadOp]] = defaultdict(list)
+    for op in ops:
+        by_chunk[op.chunk].append(op)
+    groups = []
+    for ci, cops in by_chunk.items():
+        spans = [runs_within(op.src.box, op.region).span for op in cops]
+        lo_e = min(op.src.start + a for op, (a, _b) in zip(cops, spans))
+        hi_e = max(op.src.start + b for op, (_a, b) in zip(cops, spans))
+        groups.append((ci, cops, lo_e, hi_e, sum(op.region.numel for op in cops)))
+    return gap, groups
+
+
 def plan_chunk_reads(
     manifest: Manifest, targets: Sequence[LoadTarget], where: str, verify: bool, stats: LoadStats,
     coalesce: int = DEFAULT_COALESCE,
@@ -171,9 +190,12 @@ def plan_chunk_reads(
     Where the target needs only some strided runs of a chunk, the span's
     ``segments`` list the byte ranges to read (see :func:`plan_segments`).
     """
-    indexes: dict[str, SourceIndex] = {}
     block = manifest.block_size
     reads: dict[tuple[str, int], ChunkRead] = {}
+    # The plan of a target depends only on the geometry (saved chunk boxes, target box), which
+    # every layer's weights and their optimizer states share: planned once per geometry.
+    indexes: dict[tuple, SourceIndex] = {}
+    plans: dict[tuple, tuple[int, list]] = {}
     for tgt in targets:
         meta = manifest.tensors[tgt.fqn]
         dt = torch_dtype(meta.dtype)
@@ -182,28 +204,24 @@ def plan_chunk_reads(
                 f"{where}: tensor {tgt.fqn!r}: checkpoint has {meta.dtype}{list(meta.shape)}, "
                 f"target has {dtype_name(tgt.dest.dtype)}{list(tgt.shape)}"
             )
-        idx = indexes.get(tgt.fqn)
-        if idx is None:
-            idx = indexes[tgt.fqn] = SourceIndex([(c.box, c.flat) for c in meta.chunks])
-        ops = plan_reads(idx, tgt.box, tgt.flat)
-        gap = coverage_gaps(ops, tgt.box, tgt.flat)
-        if gap == 0 and len(ops) <= 256 and _overlapping(ops):
-            gap = -1  # an overlap hidden by an equal-sized hole
+        src = tuple((c.box, c.flat) for c in meta.chunks)
+        key = (src, tgt.box, tgt.flat)
+        plan = plans.get(key)
+        if plan is None:
+            idx = indexes.get(src)
+            if idx is None:
+                idx = indexes[src] = SourceIndex(list(src))
+            plan = plans[key] = _plan_target(idx, tgt.box, tgt.flat)
+        gap, groups = plan
         if gap != 0:
             raise CorruptCheckpointError(
                 f"{where}: tensor {tgt.fqn!r}: saved chunks cover the target shard "
                 f"{'with overlaps' if gap < 0 else f'with {gap} elements missing'}; the manifest is inconsistent"
             )
-        by_chunk: dict[int, list[ReadOp]] = defaultdict(list)
-        for op in ops:
-            by_chunk[op.chunk].append(op)
         isz = meta.itemsize
-        for ci, cops in by_chunk.items():
+        for ci, cops, lo_e, hi_e, nel in groups:
             chunk = meta.chunks[ci]
-            spans = [runs_within(op.src.box, op.region).span for op in cops]
-            lo_e = min(op.src.start + a for op, (a, _b) in zip(cops, spans))
-            hi_e = max(op.src.start + b for op, (_a, b) in zip(cops, spans))
-            stats.bytes_needed += sum(op.region.numel for op in cops) * isz
+            stats.bytes_needed += nel * isz
             r = reads.get((tgt.fqn, ci))
             if r is None:
                 r = reads[(tgt.fqn, ci)] = ChunkRead(tgt.fqn, ci, chunk, lo_e * isz, hi_e * isz, dt, isz)

@@ -164,7 +164,7 @@ class ChunkIndex:
     the reader supplied; they go into every returned ``ChunkMeta``.
     """
 
-    __slots__ = ("file", "rank", "_rows", "_keys", "_dims", "_sums", "_dstart", "_sstart")
+    __slots__ = ("file", "rank", "_rows", "_keys", "_dims", "_sums", "_dstart", "_sstart", "_spans", "_lists")
 
     def __init__(self, *args, **kwargs):  # pragma: no cover - guard only
         raise TypeError("build a ChunkIndex with ChunkIndex.parse")
@@ -275,6 +275,11 @@ class ChunkIndex:
         self._rows, self._keys, self._dims, self._sums = rows, keys, dims, sums
         self._dstart = dstart
         self._sstart = (send - nsum).astype(np.int64)  # <= ns, fits
+        # Each key's rows [lo, hi), found once: a load asks for every tensor it needs.
+        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if n else np.zeros(0, dtype=np.int64)
+        ends = np.r_[starts[1:], n] if n else starts
+        self._spans = dict(zip(keys[starts].tolist(), zip(starts.tolist(), ends.tolist())))
+        self._lists = None
         return self
 
     def __len__(self) -> int:
@@ -289,8 +294,7 @@ class ChunkIndex:
         return out
 
     def _span(self, fqn: str) -> tuple[int, int]:
-        key = _U64(fqn_key(fqn))
-        return int(np.searchsorted(self._keys, key, "left")), int(np.searchsorted(self._keys, key, "right"))
+        return self._spans.get(fqn_key(fqn), (0, 0))
 
     def rows_for(self, fqn: str) -> int:
         """Number of rows whose key is ``fqn_key(fqn)`` (O(log rows))."""
@@ -307,22 +311,28 @@ class ChunkIndex:
         """
         lo, hi = self._span(fqn)
         out: list[ChunkMeta] = []
-        for i, row in zip(range(lo, hi), self._rows[lo:hi].tolist()):
-            _, offset, nbytes, fa, fb, nsum, ndim, flags = row
-            where = f"{what}: chunk at row {i} of the index of {self.file}"
+        if lo == hi:
+            return out
+        if self._lists is None:  # Python lists of the arrays, made once: per-row numpy access is slow
+            self._lists = (self._rows.tolist(), self._dstart.tolist(), self._sstart.tolist(), self._dims.tolist())
+        rows, dstart, sstart, dims = self._lists
+        for i in range(lo, hi):
+            _, offset, nbytes, fa, fb, nsum, ndim, flags = rows[i]
+            ds, ss = dstart[i], sstart[i]
             if ndim != len(shape):
-                raise FormatError(f"{where} has rank {ndim}, the tensor has shape {tuple(shape)}")
-            ds = int(self._dstart[i])
-            d = self._dims[ds : ds + 2 * ndim].tolist()
+                raise FormatError(f"{self._where(what, i)} has rank {ndim}, the tensor has shape {tuple(shape)}")
+            d = dims[ds : ds + 2 * ndim]
             box = Box(tuple(d[:ndim]), tuple(d[ndim:]))
             if not box.within(shape):
-                raise FormatError(f"{where}: {box.offsets}+{box.sizes} lies outside shape {tuple(shape)}")
+                raise FormatError(f"{self._where(what, i)}: {box.offsets}+{box.sizes} lies outside shape {tuple(shape)}")
             flat = (fa, fb) if flags & _FLAT else None
             numel = box.numel if flat is None else fb - fa
             if nbytes != numel * itemsize:
-                raise FormatError(f"{where}: nbytes {nbytes} != {numel} elements x {itemsize} bytes")
-            ss = int(self._sstart[i])
+                raise FormatError(f"{self._where(what, i)}: nbytes {nbytes} != {numel} elements x {itemsize} bytes")
             hx = self._sums[ss : ss + nsum].astype(">u8").tobytes().hex()
             sums = tuple(hx[k : k + 16] for k in range(0, len(hx), 16))
             out.append(ChunkMeta(box, self.file, offset, nbytes, sums, flat, self.rank))
         return out
+
+    def _where(self, what: str, i: int) -> str:
+        return f"{what}: chunk at row {i} of the index of {self.file}"

@@ -142,3 +142,34 @@ def test_ranges_cut_at_checksum_blocks():
     assert _at_blocks(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert _at_blocks(3, 10, 4) == [(3, 4), (4, 8), (8, 10)]  # an unaligned start keeps every byte
     assert _at_blocks(4, 8, 4) == [(4, 8)]
+
+
+def test_tensors_of_one_geometry_share_a_plan_but_keep_their_own_chunks():
+    """Same chunk boxes and target box: planned once, yet each read points at its own tensor's bytes."""
+    import pytest
+
+    a = _manifest((8, 16), [(0, 4), (4, 8)], block=1 << 20)
+    b = _manifest((8, 16), [(0, 4), (4, 8)], block=1 << 20)
+    tb = b.tensors["w"]
+    moved = tuple(ChunkMeta(c.box, "data/y-r00001.bin", c.offset + 4096, c.nbytes, c.checksums, None, 1) for c in tb.chunks)
+    holey = (ChunkMeta(Box((0, 0), (3, 16)), "data/z.bin", 0, 3 * 16 * 4, ("0" * 16,), None, 0), tb.chunks[1])
+    tensors = {"w": a.tensors["w"], "v": TensorMeta("float32", (8, 16), moved), "h": TensorMeta("float32", (8, 16), holey)}
+    m = Manifest(save_id="x", world_size=2, block_size=1 << 20, tensors=tensors, values={}, layout={},
+                 files={"data/x-r00000.bin": 512, "data/y-r00001.bin": 4608, "data/z.bin": 192})
+    box = Box((2, 0), (4, 16))  # rows 2..5: the end of one chunk, the start of the next
+    tw = LoadTarget("w", torch.empty(4, 16), (8, 16), box)
+    tv = LoadTarget("v", torch.empty(4, 16), (8, 16), box)
+    stats = LoadStats()
+    reads = plan_chunk_reads(m, [tw, tv], "t", False, stats, 0)
+    got = sorted((r.fqn, r.chunk.file, r.chunk.offset + r.lo, r.chunk.offset + r.hi) for r in reads)
+    assert got == [
+        ("v", "data/y-r00001.bin", 4096 + 2 * 64, 4096 + 4 * 64),
+        ("v", "data/y-r00001.bin", 4096 + 256, 4096 + 256 + 2 * 64),
+        ("w", "data/x-r00000.bin", 2 * 64, 4 * 64),
+        ("w", "data/x-r00000.bin", 256, 256 + 2 * 64),
+    ]
+    assert stats.bytes_needed == 2 * 4 * 16 * 4
+    # A tensor whose chunks leave a hole is named, even after a clean tensor of the same target box.
+    th = LoadTarget("h", torch.empty(4, 16), (8, 16), box)
+    with pytest.raises(sp.CorruptCheckpointError, match=r"tensor 'h': saved chunks cover the target shard with 16 elements missing"):
+        plan_chunk_reads(m, [tw, tv, th], "t", False, LoadStats(), 0)

@@ -184,3 +184,26 @@ def test_v2_manifest_needs_resolving_before_v1_serialisation():
     _, m = _build()
     with pytest.raises(ValueError, match="chunks are not resolved"):
         dataclasses.replace(m, format_version=1).to_json()
+
+
+def test_tensors_on_one_grid_share_shard_lookups_but_not_chunks():
+    """The grid's shard lookup is memoised per (grid, shape, copy, box); chunks stay per tensor."""
+    store = MemoryStorage()
+    ranks, files = [], {}
+    for r in range(4):
+        box = GRID.box(SHAPE, GRID.coord_of(r))
+        data, index = f"data/cd-r{r:05d}.bin", f"data/cd-r{r:05d}.idx"
+        n = box.numel * 4
+        blob = encode_index([("a", ChunkMeta(box, data, 0, n, (H,), None, r)), ("b", ChunkMeta(box, data, n, n, (H,), None, r))])
+        store.put_atomic(index, blob)
+        files[data], files[index] = 2 * n, len(blob)
+        ranks.append(RankFiles(data, index, index_digest(blob)))
+    m = Manifest(save_id="cd" * 8, world_size=4, block_size=1 << 20, files=files, values={}, format_version=2, ranks=tuple(ranks),
+                 tensors={k: TensorMeta("float32", SHAPE, None, GRID, 0) for k in ("a", "b")})
+    reader = IndexReader(store, m, "ck")
+    want = [Box((0, 0), (8, 3))]  # every shard
+    a, b = reader.chunks("a", want), reader.chunks("b", want)
+    assert len(reader._grid_cache) == 1  # the second tensor reused the first one's lookup
+    assert [(c.rank, c.box, c.offset) for c in a] == [(c.rank, c.box, 0) for c in a]
+    assert [(c.rank, c.box, c.offset) for c in b] == [(c.rank, c.box, c.numel * 4) for c in a]
+    assert sorted(c.rank for c in b) == [0, 1, 2, 3]
