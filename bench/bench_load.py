@@ -134,7 +134,10 @@ def load_job(rank: int, world: int, target: str, cfg: dict, root: str, systems: 
     sampler = C.RssSampler(interval=0.005).start()
     runs = []
     for rep in range(repeats):
-        for s in systems:
+        # Each repeat starts one system later: a load measured right after DCP's ran slower
+        # (0.07 to 0.14 s at 1.46 GB, whichever system it was), so no system always follows it.
+        k = rep % len(systems)
+        for pos, s in enumerate(systems[k:] + systems[:k]):
             _scramble(model, opt)
             if collect:
                 gc.collect()  # no load pays for a full collection of the garbage its predecessors left
@@ -144,7 +147,7 @@ def load_job(rank: int, world: int, target: str, cfg: dict, root: str, systems: 
             io0 = C.proc_io()
             sampler.reset()
             rss0 = sampler.rss()
-            run = {"system": s, "rep": rep, "dropped_cache": dropped}
+            run = {"system": s, "rep": rep, "position": pos, "dropped_cache": dropped}
             st = None
             t = time.monotonic()
             try:
@@ -351,14 +354,14 @@ def main(argv=None) -> int:
         "benchmark": "load",
         "command": "python bench/bench_load.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "config": {"model": cfg, "size": args.size, "saved_from": "fsdp2 x4", "optimizer": "AdamW", "repeats": args.repeats, "cold": not args.warm,
-                   "gc_collect_before_each_load": not args.no_collect},
+                   "gc_collect_before_each_load": not args.no_collect, "system_order": "rotated by one each repeat"},
         "machine": C.machine_info(),
         "git": C.git_rev(),
         "bytecheckpoint": bcp_status,
         "load_average_start": quiet["load_average_at_start"],
         "loads": [],
     }
-    print(f"# TinyGPT {cfg} + AdamW saved from FSDP2 x4; {args.repeats} repeat(s), "
+    print(f"# TinyGPT {cfg} + AdamW saved from FSDP2 x4; {args.repeats} repeat(s) (system order rotated each repeat), "
           f"{'warm' if args.warm else 'cold (page cache dropped before each load)'}; load average {results['load_average_start'][0]:.2f}", flush=True)
     try:
         t = time.monotonic()
