@@ -106,6 +106,17 @@ class LocalOptions:
 _LIBC: Any = None
 
 
+def _libc(name: str) -> Any:
+    """The C library's function ``name`` (called without the interpreter lock), or None."""
+    global _LIBC
+    try:
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+        return getattr(_LIBC, name)
+    except (OSError, AttributeError):
+        return None
+
+
 MADV_POPULATE_READ = 22  # Linux 5.14+: fault a range in, reading it from disk, without copying it anywhere
 _POPULATE: list[bool] = []  # [whether MADV_POPULATE_READ works here], found on first use
 
@@ -117,17 +128,13 @@ def _madvise(mm: mmap.mmap, offset: int, length: int, advice: int) -> int:
     ``mmap.madvise`` keeps it, which for ``MADV_POPULATE_READ`` on cold
     pages means for the whole disk read, stalling every other thread.
     """
-    global _LIBC
     page = mmap.PAGESIZE
     start = offset - offset % page
     end = min(len(mm), offset + length)
     if end <= start:
         return 0
-    try:
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-        fn = _LIBC.madvise
-    except (OSError, AttributeError):
+    fn = _libc("madvise")
+    if fn is None:
         return errno.ENOSYS
     ref = ctypes.c_char.from_buffer(mm, start)  # the mapping's address; released below so it can close
     try:
@@ -151,17 +158,13 @@ def resident_fraction(mm: mmap.mmap, offset: int, length: int) -> float:
     One ``mincore`` call. 1.0 where the call is not available (then the
     caller maps, as with ``mmap_reads=True``).
     """
-    global _LIBC
     page = mmap.PAGESIZE
     start = offset - offset % page
     n = (offset + length - start + page - 1) // page
     if n <= 0:
         return 1.0
-    try:
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-        mincore = _LIBC.mincore
-    except (OSError, AttributeError):
+    mincore = _libc("mincore")
+    if mincore is None:
         return 1.0
     ref = ctypes.c_char.from_buffer(mm, start)  # the mapping's address; released below so it can close
     try:
