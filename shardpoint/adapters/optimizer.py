@@ -207,7 +207,7 @@ def reusable_state(current: Any, field: str | None, p: torch.Tensor, shape: tupl
         local, plocal = t, p
     if not local.is_contiguous() or local.untyped_storage().data_ptr() == plocal.untyped_storage().data_ptr():
         return None  # not laid out like a fresh tensor, or the parameter itself
-    return t.detach()
+    return t  # needs no grad (checked above): the state keeps its own tensor object
 
 
 def _on_state(p, ctx: AdapterContext, on_tensor, part: SavePart):

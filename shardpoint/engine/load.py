@@ -670,8 +670,7 @@ def route_sharing(rows: np.ndarray, comm, auto: bool) -> list[SharedSpan]:
     With ``auto``, nothing is shared when every rank runs on one host.
     """
     world, me = comm.world, comm.rank
-    hosts = comm.all_gather_rows(torch.tensor([[_host_id()]], dtype=torch.int64))
-    if auto and len({int(h[0, 0]) for h in hosts}) == 1:
+    if auto and _one_host(comm):
         return []  # re-reads on one host come from its page cache: cheaper than sending
     got = comm.all_to_all_rows([torch.from_numpy(p) for p in route_rows(rows, world)], 4)
     replies = owner_replies([g.numpy() for g in got], world, me)
@@ -711,6 +710,12 @@ def collect_replies(back: Sequence[np.ndarray]) -> list[SharedSpan]:
             spans.setdefault(sid, [f, off, size, reader, []])[4].append(n)
     order = sorted(spans.items(), key=lambda kv: (kv[1][0], kv[1][1], kv[0]))
     return [SharedSpan(sid, size, reader, tuple(sorted(set(ns) | {reader}))) for sid, (_f, _o, size, reader, ns) in order]
+
+
+def _one_host(comm) -> bool:
+    """Whether every rank of ``comm`` runs on this host (a collective: one all-gather)."""
+    hosts = comm.all_gather_rows(torch.tensor([[_host_id()]], dtype=torch.int64))
+    return len({int(h[0, 0]) for h in hosts}) == 1
 
 
 def _host_id() -> int:
@@ -891,7 +896,10 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
     # and for wider coalescing of nearby runs.
     threads = max(threads, int(getattr(storage, "read_threads", threads)))
     coalesce = int(getattr(storage, "coalesce_bytes", DEFAULT_COALESCE))
+    if comm is not None and share and comm.active and comm.world > 1 and auto and _one_host(comm):
+        share = False  # every rank on one host, page-cached storage: re-reads come from memory
     if comm is not None and share and comm.active and comm.world > 1:
+        auto = False  # decided above
         try:
             reads = plan_chunk_reads(manifest, targets, where, verify, stats, coalesce)
             if recorder is not None:
