@@ -23,7 +23,7 @@ import math
 import socket
 import time
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -446,13 +446,6 @@ def _verified(storage: Storage, r: ChunkRead, buf: torch.Tensor, block: int, whe
     if rec is not None:
         rec.add("verify", t0, time.monotonic(), r.nread)
     return buf
-
-
-def _done(value) -> Future:
-    """A future that already holds ``value``: spans viewed in a mapping need no reader."""
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
 
 
 # Needed ranges of a mapped span closer than this are hinted to the kernel as
