@@ -204,6 +204,42 @@ class RssSampler:
         }
 
 
+class PeakRss:
+    """This process's peak RSS over a stretch of code, from the kernel's own high-water mark.
+
+    ``reset()`` writes 5 to ``/proc/self/clear_refs`` (Linux 4.0+), which
+    sets the high-water mark (``VmHWM``) back to the current RSS; ``peak()``
+    reads it. Nothing runs while the measured code does, unlike a sampling
+    thread (a 5 ms sampler cost a cold 1.46 GB load about 0.03 s). Where the
+    reset is refused, ``available`` is False and the caller samples instead.
+    """
+
+    def __init__(self) -> None:
+        self.available = self.reset()
+
+    @staticmethod
+    def _status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+        raise OSError(f"no {field} in /proc/self/status")
+
+    def reset(self) -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def rss(self) -> int:
+        return self._status("VmRSS")
+
+    def peak(self) -> int:
+        return self._status("VmHWM")
+
+
 # ------------------------------------------------------------------ state fingerprints
 def _local(t):
     t = t.detach()
