@@ -649,7 +649,7 @@ def plan_sharing(tables: Sequence[np.ndarray], world: int, rotate: int = 0) -> l
     return [SharedSpan(sid, size, reader[sid], needers) for _f, _o, sid, size, needers in spans]
 
 
-def route_sharing(rows: np.ndarray, comm, auto: bool) -> list[SharedSpan]:
+def route_sharing(rows: np.ndarray, comm) -> list[SharedSpan]:
     """The shared spans this rank takes part in, planned by owners: no all-gather of plans.
 
     ``rows`` are this rank's ``(span id, size, file index, offset)``. Span
@@ -660,11 +660,8 @@ def route_sharing(rows: np.ndarray, comm, auto: bool) -> list[SharedSpan]:
     rank receives O(its own spans x their needers), never world x spans.
     The spans come back in one global order (file, offset, id) that every
     rank shares, which keeps the point-to-point transfers deadlock-free.
-    With ``auto``, nothing is shared when every rank runs on one host.
     """
     world, me = comm.world, comm.rank
-    if auto and _one_host(comm):
-        return []  # re-reads on one host come from its page cache: cheaper than sending
     got = comm.all_to_all_rows([torch.from_numpy(p) for p in route_rows(rows, world)], 4)
     replies = owner_replies([g.numpy() for g in got], world, me)
     back = comm.all_to_all_rows([torch.from_numpy(r) for r in replies], 6)
@@ -715,15 +712,13 @@ def _host_id() -> int:
     return xxhash.xxh3_64_intdigest(socket.gethostname().encode()) >> 1
 
 
-def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, where, stats, window: int, rec=None, threads: int = 2, file_index=None, auto: bool = False, sizes=None, saved_world: int = 1) -> None:
+def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, where, stats, window: int, rec=None, threads: int = 2, file_index=None, sizes=None, saved_world: int = 1) -> None:
     """Read each span once across the ranks that need it; send it to the others.
 
     Ranks exchange a table of span ids (int64 rows, no pickling). Spans only
     one rank needs are read locally, in a background thread, while the shared
     ones stream: readers prefetch and send point to point, needers receive
-    ahead into buffers, both bounded by ``window`` bytes. With ``auto``,
-    nothing is shared when every rank runs on one host and the storage is
-    page-cached (its re-reads are memory copies). Every rank walks the
+    ahead into buffers, both bounded by ``window`` bytes. Every rank walks the
     shared spans in the same order and only ever waits on an earlier or the
     current span, so the exchange cannot deadlock.
     """
@@ -734,7 +729,7 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
         dtype=np.int64,
     ).reshape(-1, 4)
     tc = time.monotonic()
-    mine = route_sharing(rows, comm, auto)
+    mine = route_sharing(rows, comm)
     if rec is not None:
         rec.add("communicate", tc, time.monotonic())
     shared_ids = {sp.sid for sp in mine}
@@ -825,13 +820,13 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
         raise errors[0]
 
 
-def _exchange_only(comm, auto: bool) -> None:
+def _exchange_only(comm) -> None:
     """Join the span exchange with no spans after a local failure.
 
     Peers then plan no sharing with this rank; the failure itself is reported
     by the collective check that follows the read phase.
     """
-    route_sharing(np.zeros((0, 4), dtype=np.int64), comm, auto)
+    route_sharing(np.zeros((0, 4), dtype=np.int64), comm)
 
 
 def execute_reads(
@@ -892,17 +887,16 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
     if comm is not None and share and comm.active and comm.world > 1 and auto and _one_host(comm):
         share = False  # every rank on one host, page-cached storage: re-reads come from memory
     if comm is not None and share and comm.active and comm.world > 1:
-        auto = False  # decided above
         try:
             reads = plan_chunk_reads(manifest, targets, where, verify, stats, coalesce)
             if recorder is not None:
                 recorder.add("plan", t_plan, time.monotonic())
         except Exception:
             # Still take part in the exchange (with nothing), so no peer waits for this rank.
-            _exchange_only(comm, auto)
+            _exchange_only(comm)
             raise
         files = {f: i for i, f in enumerate(sorted(manifest.files))}
-        _execute_shared(storage, reads, comm, manifest.block_size, verify, where, stats, window, recorder, threads, files, auto, dict(manifest.files), manifest.world_size)
+        _execute_shared(storage, reads, comm, manifest.block_size, verify, where, stats, window, recorder, threads, files, dict(manifest.files), manifest.world_size)
     else:
         reads = plan_chunk_reads(manifest, targets, where, verify, stats, coalesce)
         if comm is not None and comm.active and comm.world > 1:
