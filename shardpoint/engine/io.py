@@ -108,10 +108,14 @@ def _readinto(storage: Storage, chunk: ChunkMeta, lo: int, buf: memoryview, fqn:
             f"{where}: data file {chunk.file} of tensor {fqn!r} is missing; the checkpoint is damaged"
         ) from None
     except ShortReadError as e:
-        raise CorruptCheckpointError(
-            f"{where}: data file {chunk.file} of tensor {fqn!r} is shorter than the manifest says "
-            f"(truncated?): {e}"
-        ) from None
+        raise short_file_error(chunk, fqn, where, e) from None
+
+
+def short_file_error(chunk: ChunkMeta, fqn: str, where: str, e: Exception) -> CorruptCheckpointError:
+    """The error for a data file that ends before ``chunk`` does (read or mapped)."""
+    return CorruptCheckpointError(
+        f"{where}: data file {chunk.file} of tensor {fqn!r} is shorter than the manifest says (truncated?): {e}"
+    )
 
 
 def verify_chunk(storage: Storage, manifest: Manifest, fqn: str, chunk: ChunkMeta) -> None:

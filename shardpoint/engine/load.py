@@ -38,7 +38,7 @@ from ..format.manifest import ChunkMeta, Manifest
 from ..geometry import row_major_strides, runs_within
 from ..planning.load_plan import ReadOp, SourceIndex, coverage_gaps, plan_reads
 from ..storage.base import ShortReadError, Storage
-from .io import ALIGN, _dst_view, _readinto, _verify
+from .io import ALIGN, _dst_view, _readinto, _verify, short_file_error
 
 __all__ = [
     "LoadStats", "ChunkRead", "SharedSpan", "plan_chunk_reads", "plan_segments", "plan_sharing", "route_sharing",
@@ -448,86 +448,68 @@ def _verified(storage: Storage, r: ChunkRead, buf: torch.Tensor, block: int, whe
     return buf
 
 
-# Needed ranges of a mapped span closer than this are hinted to the kernel as
-# one: a strided span can hold thousands of runs, one system call each.
+# Needed ranges of a mapped span closer than this are brought in with one call:
+# a strided span can hold thousands of runs, one system call each.
 PREFETCH_GAP = 64 << 10
 
 
-def _mapped(storage, group: Sequence[ChunkRead]) -> list[memoryview] | None:
-    """Views of ``group``'s spans in mappings of their files, or None to read them instead.
+def _mapped(storage, r: ChunkRead) -> memoryview | None:
+    """A view of ``r``'s span in a mapping of its file, or None to read it instead.
 
     Where the bytes must be narrowed or hashed in memory anyway, reading them
     into a buffer first is one more copy of every byte; a view of the page
-    cache skips it. The views are not yet backed by memory:
-    :func:`_fault_in` brings them in.
+    cache skips it. The view is not yet backed by memory: :func:`_fault_in`
+    brings it in.
     """
     map_range = getattr(storage, "map_range", None)
-    if map_range is None:
-        return None
-    views = []
-    for r in group:
-        mv = map_range(r.chunk.file, r.chunk.offset + r.lo, r.hi - r.lo, r.nread)
-        if mv is None:
-            return None
-        views.append(mv)
-    return views
+    return None if map_range is None else map_range(r.chunk.file, r.chunk.offset + r.lo, r.hi - r.lo, r.nread)
 
 
-def _hint(storage, group: Sequence[ChunkRead]) -> None:
-    """Ask the kernel to start reading mapped spans it cannot populate (before Linux 5.14)."""
-    for r in group:
-        ranges = r.ranges()
-        if len(ranges) > 1:
-            ranges = _merge(np.array([a for a, _ in ranges]), np.array([b for _, b in ranges]), PREFETCH_GAP)
-        for a, b in ranges:
-            storage.prefetch(r.chunk.file, r.chunk.offset + a, b - a)
+def _fault_pieces(r: ChunkRead, verify: bool, block: int) -> list[tuple[int, int]]:
+    """The pieces of ``r`` to bring in one call each: checksum blocks when verifying
+    (each is hashed as it lands), else its needed ranges joined across small gaps; pure."""
+    rs = r.ranges()
+    if verify:
+        return [piece for a, b in rs for piece in _at_blocks(a, b, block)]
+    if len(rs) > 1:
+        return _merge(np.array([a for a, _ in rs]), np.array([b for _, b in rs]), PREFETCH_GAP)
+    return rs
 
 
-def _fault_in(storage, group: Sequence[ChunkRead], views: Sequence[memoryview], block: int, verify: bool, where: str, rec) -> list[torch.Tensor]:
-    """In a reader thread: bring mapped spans into memory, verifying each block as it lands.
+def _fault_in(storage, r: ChunkRead, mv: memoryview, block: int, verify: bool, where: str, rec) -> torch.Tensor:
+    """In a reader thread: bring a mapped span into memory, verifying each block as it lands.
 
-    ``storage.populate`` reads the cold pages of each piece (a checksum
-    block, or a needed range) and maps them without holding the
-    interpreter lock; the piece is hashed right after, while it is still
-    in the CPU cache. The loading thread then only copies. Where populating
-    is not available, the hash's own page faults bring the pages in.
+    ``storage.populate`` reads the cold pages of each piece and maps them
+    without holding the interpreter lock; the piece is hashed right after,
+    while it is still in the CPU cache. The loading thread then only copies.
     """
-    populate = getattr(storage, "populate", None)
-    out = []
-    for r, mv in zip(group, views):
-        rs = r.ranges()
-        if verify:
-            rs = [piece for a, b in rs for piece in _at_blocks(a, b, block)]
-        for a, b in rs:
-            t0 = time.monotonic()
+    populate = getattr(storage, "populate", None)  # without it, the hash's page faults bring pages in
+    for a, b in _fault_pieces(r, verify, block):
+        t0 = time.monotonic()
+        try:
             if populate is not None:
-                try:
-                    populate(r.chunk.file, r.chunk.offset + a, b - a)
-                except ShortReadError as e:
-                    raise CorruptCheckpointError(
-                        f"{where}: data file {r.chunk.file} of tensor {r.fqn!r} is shorter than the manifest says "
-                        f"(truncated?): {e}"
-                    ) from None
-            t1 = time.monotonic()
+                populate(r.chunk.file, r.chunk.offset + a, b - a)
+        except ShortReadError as e:
+            raise short_file_error(r.chunk, r.fqn, where, e) from None
+        t1 = time.monotonic()
+        if rec is not None:
+            rec.add("read", t0, t1, b - a)
+        if verify:
+            _verify(mv[a - r.lo : b - r.lo], r.chunk, a // block, block, r.fqn, where)
             if rec is not None:
-                rec.add("read", t0, t1, b - a)
-            if verify:
-                _verify(mv[a - r.lo : b - r.lo], r.chunk, a // block, block, r.fqn, where)
-                if rec is not None:
-                    rec.add("verify", t1, time.monotonic(), b - a)
-        out.append(torch.frombuffer(mv, dtype=torch.uint8))
-    return out
+                rec.add("verify", t1, time.monotonic(), b - a)
+    return torch.frombuffer(mv, dtype=torch.uint8)
 
 
-def _fault_in_or_fetch(storage, group, views, block, verify, where, rec) -> list[torch.Tensor]:
+def _fault_in_or_fetch(storage, r: ChunkRead, mv: memoryview, block: int, verify: bool, where: str, rec) -> torch.Tensor:
     """:func:`_fault_in`; a span whose mapped bytes fail their checksum is read again, from every tier."""
     try:
-        return _fault_in(storage, group, views, block, verify, where, rec)
+        return _fault_in(storage, r, mv, block, verify, where, rec)
     except CorruptCheckpointError:
         if not verify:
             raise
         # Name the damaged span exactly, and let tiered storage fall back to a slower copy.
-        return [_fetch(storage, r, block, True, where, None, rec) for r in group]
+        return _fetch(storage, r, block, True, where, None, rec)
 
 
 def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, stats, window: int, threads: int, rec=None) -> None:
@@ -552,15 +534,12 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
                 g = groups[i]
                 direct = _direct_view(g[0]) if len(g) == 1 else None
                 # A batch of small spans is one request into one buffer; a mapping would cost a call per span.
-                views = _mapped(storage, g) if direct is None and len(g) == 1 else None
-                # Spans read into memory alone, or mapped, are verified by their reader, block by block.
-                pv = verify and (views is not None or len(g) == 1)
-                if views is not None:
-                    if not hasattr(storage, "populate"):
-                        _hint(storage, g)
-                    fut = pool.submit(_fault_in_or_fetch, storage, g, views, block, pv, where, rec)
-                    for r in g:
-                        _count(stats, r)
+                view = _mapped(storage, g[0]) if direct is None and len(g) == 1 else None
+                # A span read into memory alone, or mapped, is verified by its reader, block by block.
+                pv = verify and len(g) == 1
+                if view is not None:
+                    fut = pool.submit(_fault_in_or_fetch, storage, g[0], view, block, pv, where, rec)
+                    _count(stats, g[0])
                 elif len(g) == 1:
                     fut = pool.submit(_fetch, storage, g[0], block, pv, where, direct, rec)
                     _count(stats, g[0])
@@ -571,17 +550,17 @@ def _execute_local(storage, reads: Sequence[ChunkRead], block, verify, where, st
                     gap = _size(g) - sum(r.hi - r.lo for r in g)
                     stats.bytes_read += gap
                     stats.per_file[g[0].chunk.file] += gap
-                pending.append((g, direct, fut, pv, views is not None or len(g) > 1))
+                pending.append((g, direct, fut, pv))
                 ahead += _size(g)
                 i += 1
-            g, direct, fut, pv, many = pending.pop(0)
+            g, direct, fut, pv = pending.pop(0)
             waiting = rec is not None and not fut.done()  # the loading thread idles until the read lands
             t0 = time.monotonic()
             bufs = fut.result()
             if waiting:
                 rec.add("wait", t0, time.monotonic())
             ahead -= _size(g)
-            if not many:
+            if len(g) == 1:
                 bufs = [bufs]
             for r, buf in zip(g, bufs):
                 if verify and not pv:

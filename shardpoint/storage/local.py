@@ -117,6 +117,7 @@ def _libc(name: str) -> Any:
         return None
 
 
+_MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)  # 3 on Linux and the BSDs
 MADV_POPULATE_READ = 22  # Linux 5.14+: fault a range in, reading it from disk, without copying it anywhere
 _POPULATE: list[bool] = []  # [whether MADV_POPULATE_READ works here], found on first use
 
@@ -658,14 +659,18 @@ class LocalStorage(Storage):
 
         One ``MADV_POPULATE_READ`` call, made without the interpreter lock:
         cold pages are read from the disk, and every page is mapped, so the
-        hashing and copying that follow take no page faults. False where
-        the call is not available (page faults then bring the pages in as
-        they are touched). A file that shrank after it was mapped raises
-        :class:`ShortReadError` here instead of killing the process with
-        ``SIGBUS`` later.
+        hashing and copying that follow take no page faults. Where the call
+        is not available (before Linux 5.14) the range is only hinted
+        (:meth:`prefetch`) and False returned: page faults then bring the
+        pages in as they are touched. A file that shrank after it was
+        mapped raises :class:`ShortReadError` here instead of killing the
+        process with ``SIGBUS`` later.
         """
         mm = self._reads.maps.get(self._path(name))
-        if mm is None or length <= 0 or not populate_supported(mm):
+        if mm is None or length <= 0:
+            return False
+        if not populate_supported(mm):
+            self.prefetch(name, offset, length)
             return False
         err = _madvise(mm, offset, length, MADV_POPULATE_READ)
         if err == errno.EFAULT:
@@ -675,16 +680,8 @@ class LocalStorage(Storage):
     def prefetch(self, name: str, offset: int, length: int) -> None:
         """Ask the kernel to start reading ``[offset, offset + length)`` of a mapped data file."""
         mm = self._reads.maps.get(self._path(name))
-        if mm is None or not hasattr(mm, "madvise") or length <= 0:
-            return
-        page = mmap.PAGESIZE
-        start = offset - offset % page
-        end = min(len(mm), offset + length)
-        if start < end:
-            try:
-                mm.madvise(mmap.MADV_WILLNEED, start, end - start)
-            except (OSError, ValueError):  # only a hint
-                pass
+        if mm is not None and length > 0:
+            _madvise(mm, offset, length, _MADV_WILLNEED)  # only a hint: an error changes nothing
 
     def close(self) -> None:
         """Close the descriptors and mappings kept open for reading (the storage stays usable)."""
