@@ -10,6 +10,30 @@ import statistics
 from typing import Any, Iterable, Sequence
 
 
+def carryover_order(n: int, rep: int) -> list[int]:
+    """The order of ``n`` systems in repeat ``rep``: a Williams design, balanced for what ran just before.
+
+    Across ``n`` consecutive repeats (``2n`` when ``n`` is odd) each system
+    runs once in every position, and every system runs right after every
+    other system equally often inside a repeat. Rotating one list instead
+    keeps its cyclic order, so the system after DCP in the list would run
+    right after DCP in every repeat but one in ``n``.
+    """
+    if n <= 0:
+        return []
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    r = rep % (n if n % 2 == 0 else 2 * n)
+    if r < n:
+        return [(x + r) % n for x in base]
+    return [(x + r - n) % n for x in reversed(base)]
+
+
 def summary(values: Iterable[float | None]) -> dict[str, Any]:
     """Median, min, max and count of ``values`` (None values skipped; None fields when empty)."""
     v = [float(x) for x in values if x is not None]

@@ -14,7 +14,10 @@ Systems: shardpoint ``sp.load`` with ``share_reads=True`` and ``False`` (and
 cache holds; the default maps only spans already in the cache), DCP
 ``dcp.load`` (with ``get_state_dict``/``set_state_dict``, as its docs do), and
 ByteCheckpoint 0.0.2 ``load(fast_loading=True)`` where it supports the layout.
-Repeats are interleaved across systems; the page cache is dropped before
+Repeats are interleaved across systems, in orders balanced for the load
+that ran just before (a Williams design: over ``n`` repeats of ``n``
+systems, ``2n`` when ``n`` is odd, each runs right after each other equally
+often; each load records its predecessor in ``after_values``); the page cache is dropped before
 every load when the process may (root), so the numbers are cold reads, and
 a full garbage collection runs before every load (outside the timing;
 ``--no-collect`` skips it), so that no load pays for a collection of the
@@ -54,6 +57,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
+import _report as R  # noqa: E402
 
 TARGETS = {"fsdp2-4": ("fsdp2", 4), "tp-2": ("tp", 2), "ddp-4": ("ddp", 4)}
 SYSTEMS = {
@@ -134,11 +138,11 @@ def load_job(rank: int, world: int, target: str, cfg: dict, root: str, systems: 
     hwm = C.PeakRss()  # the kernel's high-water mark: no sampling thread beside the loads
     sampler = None if hwm.available else C.RssSampler(interval=0.005).start()
     runs = []
+    prev = None
     for rep in range(repeats):
-        # Each repeat starts one system later: a load measured right after DCP's ran slower
-        # (0.07 to 0.14 s at 1.46 GB, whichever system it was), so no system always follows it.
-        k = rep % len(systems)
-        for pos, s in enumerate(systems[k:] + systems[:k]):
+        # A load measured right after DCP's ran slower (0.07 to 0.14 s at 1.46 GB, whichever system
+        # it was), so the order is balanced: every system runs right after every other equally often.
+        for pos, s in enumerate(systems[j] for j in R.carryover_order(len(systems), rep)):
             _scramble(model, opt)
             if collect:
                 gc.collect()  # no load pays for a full collection of the garbage its predecessors left
@@ -151,7 +155,8 @@ def load_job(rank: int, world: int, target: str, cfg: dict, root: str, systems: 
             else:
                 hwm.reset()
             rss0 = sampler.rss() if sampler is not None else hwm.rss()
-            run = {"system": s, "rep": rep, "position": pos, "dropped_cache": dropped}
+            run = {"system": s, "rep": rep, "position": pos, "after": prev, "dropped_cache": dropped}
+            prev = s
             st = None
             t = time.monotonic()
             try:
@@ -221,6 +226,7 @@ def aggregate(target: str, ranks: list[dict], ckpt_sizes: dict) -> list[dict]:
                 "peak_rss": max(x["peak_rss"] for x in rr),
                 "peak_rss_over_start": max(x["peak_rss_over_start"] for x in rr),
                 "dropped_cache": rr[0]["dropped_cache"],
+                "after": rr[0]["after"],
                 "error": next((x["error"] for x in rr if not x["ok"]), None),
             }
             if "storage_bytes_read" in rr[0]:
@@ -243,6 +249,7 @@ def aggregate(target: str, ranks: list[dict], ckpt_sizes: dict) -> list[dict]:
             "error": next((e["error"] for e in per if e["error"]), None),
             "wall_s": C.summary(e["wall_s"] for e in good),
             "wall_s_values": [round(e["wall_s"], 4) for e in per],
+            "after_values": [e["after"] for e in per],  # the system whose load ran just before each
             "rchar_sum": C.summary(e["rchar"] for e in good),
             "read_bytes_sum": C.summary(e["read_bytes"] for e in good),
             "peak_rss_mb": C.summary(e["peak_rss"] / 2**20 for e in good),
@@ -360,7 +367,7 @@ def main(argv=None) -> int:
         "benchmark": "load",
         "command": "python bench/bench_load.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "config": {"model": cfg, "size": args.size, "saved_from": "fsdp2 x4", "optimizer": "AdamW", "repeats": args.repeats, "cold": not args.warm,
-                   "gc_collect_before_each_load": not args.no_collect, "system_order": "rotated by one each repeat",
+                   "gc_collect_before_each_load": not args.no_collect, "system_order": "Williams design: each system right after each other equally often",
                    "peak_rss": "kernel high-water mark (VmHWM, reset through /proc/self/clear_refs) where allowed, else a 5 ms sampler"},
         "machine": C.machine_info(),
         "git": C.git_rev(),
@@ -368,7 +375,7 @@ def main(argv=None) -> int:
         "load_average_start": quiet["load_average_at_start"],
         "loads": [],
     }
-    print(f"# TinyGPT {cfg} + AdamW saved from FSDP2 x4; {args.repeats} repeat(s) (system order rotated each repeat), "
+    print(f"# TinyGPT {cfg} + AdamW saved from FSDP2 x4; {args.repeats} repeat(s) (system order balanced for the one before), "
           f"{'warm' if args.warm else 'cold (page cache dropped before each load)'}; load average {results['load_average_start'][0]:.2f}", flush=True)
     try:
         t = time.monotonic()

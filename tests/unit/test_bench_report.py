@@ -9,6 +9,28 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 import _report as R  # noqa: E402
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
+def test_carryover_order_is_balanced(n):
+    rows = [R.carryover_order(n, rep) for rep in range(n if n % 2 == 0 else 2 * n)]
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    per = len(rows) // n  # every system in every position this often
+    for pos in range(n):
+        assert sorted(row[pos] for row in rows) == sorted(list(range(n)) * per)
+    after = {}
+    for row in rows:
+        for a, b in zip(row, row[1:]):
+            after[(a, b)] = after.get((a, b), 0) + 1
+    if n > 1:
+        assert set(after) == {(a, b) for a in range(n) for b in range(n) if a != b}
+        assert len(set(after.values())) == 1  # every ordered pair equally often
+    assert R.carryover_order(n, len(rows)) == rows[0]  # the design repeats
+
+
+def test_carryover_order_four_systems_exactly():
+    assert [R.carryover_order(4, r) for r in range(4)] == [[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]]
+    assert R.carryover_order(0, 3) == []
+
+
 def test_summary_median_min_max_and_none():
     assert R.summary([3, 1, 2, None]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
     assert R.summary([4, 1]) == {"median": 2.5, "min": 1.0, "max": 4.0, "n": 2}
