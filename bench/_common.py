@@ -108,6 +108,65 @@ def drop_caches() -> bool:
         return False
 
 
+def write_scratch(path: str, nbytes: int, block: int = 16 << 20) -> str:
+    """Write ``nbytes`` of incompressible bytes to ``path`` (once) for :func:`prime_page_memory`."""
+    if os.path.exists(path) and os.path.getsize(path) >= nbytes:
+        return path
+    chunk = os.urandom(block)
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            n = min(left, block)
+            f.write(chunk[:n])
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def prime_page_memory(scratch: str, threads: int = 4, block: int = 8 << 20) -> bool:
+    """Fill the page cache with ``scratch`` and drop it again (root only; False when not allowed).
+
+    A diagnostic for ``bench_load.py --prime``. On a VM whose balloon
+    reports free pages to the host (virtio free page reporting, as on the
+    benchmark machine), a cold read into memory the guest has not used
+    recently runs at a third of the rate of one into memory freed just
+    before (``probe_page_memory.py``: 1.1 against 3.5 GB/s), so a cold
+    load's time depends on how much memory the load before it freed.
+    Reading and dropping scratch data right before a load hands it that
+    much recently used memory. It is not a neutral fix: at three times the
+    checkpoint's size it steadied shardpoint's cold loads but slowed DCP's
+    loads that followed shardpoint's (docs/benchmarks.md, "Session 9"), so
+    it is off unless asked for.
+    """
+    import threading
+
+    if not drop_caches():
+        return False
+    size = os.path.getsize(scratch)
+    fd = os.open(scratch, os.O_RDONLY)
+    per = -(-size // threads)
+
+    def work(i: int) -> None:
+        buf = bytearray(block)
+        off, end = i * per, min(size, (i + 1) * per)
+        while off < end:
+            n = os.preadv(fd, [memoryview(buf)[: min(block, end - off)]], off)
+            if n <= 0:
+                return
+            off += n
+
+    try:
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        os.close(fd)
+    return drop_caches()
+
+
 def proc_io() -> dict[str, int]:
     """This process's /proc/self/io counters (rchar: every byte through read(2) and friends,
     page-cache hits and sockets included; read_bytes: bytes fetched from the block device)."""

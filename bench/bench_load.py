@@ -17,12 +17,14 @@ ByteCheckpoint 0.0.2 ``load(fast_loading=True)`` where it supports the layout.
 Repeats are interleaved across systems, in orders balanced for the load
 that ran just before (a Williams design: over ``n`` repeats of ``n``
 systems, ``2n`` when ``n`` is odd, each runs right after each other equally
-often; each load records its predecessor in ``after_values``); the page cache is dropped before
-every load when the process may (root), so the numbers are cold reads, and
-a full garbage collection runs before every load (outside the timing;
-``--no-collect`` skips it), so that no load pays for a collection of the
-garbage earlier loads, of any system, left (one costs 0.15 s or more in
-these processes).
+often; each load records its predecessor in ``after_values``). The page
+cache is dropped before every load when the process may (root), so the
+numbers are cold reads (``--prime X`` first reads and drops scratch data X
+times the checkpoint's size, a diagnostic: ``_common.prime_page_memory``).
+A full garbage collection runs
+before every load (outside the timing; ``--no-collect`` skips it), so that
+no load pays for a collection of the garbage earlier loads, of any system,
+left (one costs 0.15 s or more in these processes).
 
 Per load it reports the wall time (slowest rank), bytes read and needed, and
 the peak RSS of the ranks. Bytes read come from two sources:
@@ -121,7 +123,7 @@ def _scramble(model, opt) -> None:
 
 
 def load_job(rank: int, world: int, target: str, cfg: dict, root: str, systems: list[str], repeats: int,
-             ref: dict, cold: bool, verify: bool, collect: bool = True) -> dict:
+             ref: dict, cold: bool, verify: bool, collect: bool = True, scratch: str | None = None) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -147,7 +149,10 @@ def load_job(rank: int, world: int, target: str, cfg: dict, root: str, systems: 
             if collect:
                 gc.collect()  # no load pays for a full collection of the garbage its predecessors left
             dist.barrier()
-            dropped = C.drop_caches() if (cold and rank == 0) else False
+            if cold and rank == 0:
+                dropped = C.prime_page_memory(scratch) if scratch else C.drop_caches()
+            else:
+                dropped = False
             dist.barrier()
             io0 = C.proc_io()
             if sampler is not None:
@@ -248,6 +253,10 @@ def aggregate(target: str, ranks: list[dict], ckpt_sizes: dict) -> list[dict]:
             "ok": bool(good) and len(good) == len(per),
             "error": next((e["error"] for e in per if e["error"]), None),
             "wall_s": C.summary(e["wall_s"] for e in good),
+            # Split by what ran just before: on the benchmark VM a cold load is faster right after a
+            # load of the same system (docs/benchmarks.md, "Session 9").
+            "wall_s_after_self": C.summary(e["wall_s"] for e in good if e["after"] == s),
+            "wall_s_after_other": C.summary(e["wall_s"] for e in good if e["after"] not in (None, s)),
             "wall_s_values": [round(e["wall_s"], 4) for e in per],
             "after_values": [e["after"] for e in per],  # the system whose load ran just before each
             "rchar_sum": C.summary(e["rchar"] for e in good),
@@ -333,6 +342,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--warm", action="store_true", help="do not drop the page cache between loads")
+    ap.add_argument("--prime", type=float, default=0.0, metavar="X",
+                    help="before each cold load, read and drop scratch data X times the checkpoint's size "
+                         "(a diagnostic for VMs whose balloon reports free pages; see _common.prime_page_memory)")
     ap.add_argument("--root", default=None, help="where checkpoints go (default: a temporary folder)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
@@ -376,7 +388,7 @@ def main(argv=None) -> int:
         "loads": [],
     }
     print(f"# TinyGPT {cfg} + AdamW saved from FSDP2 x4; {args.repeats} repeat(s) (system order balanced for the one before), "
-          f"{'warm' if args.warm else 'cold (page cache dropped before each load)'}; load average {results['load_average_start'][0]:.2f}", flush=True)
+          f"{'warm' if args.warm else ('cold (page cache dropped before each load)' if not args.prime else f'cold (page cache primed with {args.prime}x the checkpoint in scratch data, then dropped, before each load)')}; load average {results['load_average_start'][0]:.2f}", flush=True)
     try:
         t = time.monotonic()
         saved = launch(4, "bench_load:save_job", {"cfg": cfg, "root": root, "systems": systems, "steps": 2}, timeout=args.timeout)
@@ -387,6 +399,10 @@ def main(argv=None) -> int:
         print(f"# saved {results['state_mb']:.0f} MB of state: " + ", ".join(
             f"{k} {v / 1e6:.0f} MB in {saved[0]['save_s'][k]:.1f} s" for k, v in results["ckpt_bytes"].items())
             + f" ({time.monotonic() - t:.0f} s)", flush=True)
+        scratch = None
+        if not args.warm and args.prime > 0:
+            scratch = C.write_scratch(os.path.join(root, "prime.scratch"), int(args.prime * max(results["ckpt_bytes"].values())))
+        results["config"]["prime_factor"] = args.prime if scratch else 0
         print(f"{'target':8s} {'system':10s} {'wall s (median [min,max])':>26s} {'read/needed':>11s} {'read/ckpt':>9s} "
               f"{'rchar/needed':>12s} {'peak +MiB':>9s}  bitexact", flush=True)
         for target in targets:
@@ -401,6 +417,7 @@ def main(argv=None) -> int:
                     ranks = launch(world, "bench_load:load_job", {
                         "target": target, "cfg": cfg, "root": root, "systems": group, "repeats": args.repeats,
                         "ref": ref, "cold": not args.warm, "verify": not args.no_verify, "collect": not args.no_collect,
+                        "scratch": scratch,
                     }, timeout=args.timeout)
                 except LaunchError as e:
                     for s in group:
@@ -433,6 +450,9 @@ def main(argv=None) -> int:
         goals["resharding_speedup_vs_dcp"] = dcp_t["wall_s"]["median"] / best["wall_s"]["median"]
         goals["resharding_speedup_vs_dcp_system"] = best["system"]
         goals["resharding_2x_faster"] = goals["resharding_speedup_vs_dcp"] >= 2
+        a, b = dcp_t["wall_s_after_self"]["median"], best["wall_s_after_self"]["median"]
+        if a and b:  # each system's loads that followed a load of the same system
+            goals["resharding_speedup_vs_dcp_after_self"] = a / b
     for t in ("fsdp2-4", "tp-2"):
         for s in ("sp-share", "sp-noshare"):
             r = find(t, s)
