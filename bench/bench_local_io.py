@@ -16,7 +16,8 @@ the local filesystem, again and again, in these ways:
   page cache, buffered writes leave the whole file there) and, with
   ``--drop-caches`` (root), cold loads too.
 
-Each repetition runs every case once, in a rotated order, on fresh files.
+Each repetition runs every case once, on fresh files, in orders balanced
+for the case that ran before (a Williams design, ``_report.carryover_order``).
 Every load is checked bit-exact. Prints MB/s as median [min, max], the CPU
 seconds of this process per operation, and ratios to the buffered baseline.
 
@@ -48,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
+import _report as R  # noqa: E402
 from shardpoint.storage.local import fsync_path  # noqa: E402
 import shardpoint as sp  # noqa: E402
 from shardpoint.storage import LocalStorage  # noqa: E402
@@ -188,7 +190,7 @@ def main() -> None:
             saves[n](p)
             shutil.rmtree(p)
         for rep in range(reps):
-            order = names[rep % len(names):] + names[: rep % len(names)]
+            order = [names[j] for j in R.carryover_order(len(names), rep)]
             for n in order:
                 p = os.path.join(root, f"r{rep}")
                 if args.drop_caches:

@@ -17,7 +17,8 @@ and loads it back into a freshly built model and a never-stepped AdamW:
 
 Loads run cold (page cache dropped before, when root) and then warm. Every
 load is checked bit-exact (xxh3 of every model and optimizer tensor against
-the state that was saved). Systems rotate which goes first in each repeat;
+the state that was saved). Systems run in orders balanced for the one before (a Williams design:
+each first in turn, and each right after each other equally often);
 times are median [min, max] over the repeats. Throughputs are also shown as a
 fraction of the machine's limits (``bench/limits.py``): saves against
 sequential write + fsync, cold loads against cold sequential reads, warm
@@ -146,7 +147,7 @@ def run(cfg: dict, repeats: int, root: str, drop: bool, log=print) -> dict:
     state_bytes = C.local_state_bytes(model, opt)
     rounds = []
     for i in range(repeats):
-        order = SYSTEMS[i % len(SYSTEMS):] + SYSTEMS[: i % len(SYSTEMS)]
+        order = [SYSTEMS[j] for j in R.carryover_order(len(SYSTEMS), i)]
         rnd: dict[str, Any] = {"order": list(order)}
         for s in order:
             path = os.path.join(root, f"{s}-{i}")
