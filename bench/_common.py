@@ -124,6 +124,32 @@ def write_scratch(path: str, nbytes: int, block: int = 16 << 20) -> str:
     return path
 
 
+def read_threaded(path: str, offset: int, length: int, threads: int = 4, block: int = 8 << 20) -> float:
+    """Read ``[offset, offset + length)`` of ``path`` into scratch buffers, split over ``threads``; seconds."""
+    fd = os.open(path, os.O_RDONLY)
+    per = -(-length // threads)
+
+    def work(i: int) -> None:
+        buf = bytearray(block)
+        off, end = offset + i * per, min(offset + length, offset + (i + 1) * per)
+        while off < end:
+            n = os.preadv(fd, [memoryview(buf)[: min(block, end - off)]], off)
+            if n <= 0:
+                return
+            off += n
+
+    try:
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        t = time.perf_counter()
+        for x in ts:
+            x.start()
+        for x in ts:
+            x.join()
+        return time.perf_counter() - t
+    finally:
+        os.close(fd)
+
+
 def prime_page_memory(scratch: str, threads: int = 4, block: int = 8 << 20) -> bool:
     """Fill the page cache with ``scratch`` and drop it again (root only; False when not allowed).
 
@@ -139,31 +165,9 @@ def prime_page_memory(scratch: str, threads: int = 4, block: int = 8 << 20) -> b
     loads that followed shardpoint's (docs/benchmarks.md, "Session 9"), so
     it is off unless asked for.
     """
-    import threading
-
     if not drop_caches():
         return False
-    size = os.path.getsize(scratch)
-    fd = os.open(scratch, os.O_RDONLY)
-    per = -(-size // threads)
-
-    def work(i: int) -> None:
-        buf = bytearray(block)
-        off, end = i * per, min(size, (i + 1) * per)
-        while off < end:
-            n = os.preadv(fd, [memoryview(buf)[: min(block, end - off)]], off)
-            if n <= 0:
-                return
-            off += n
-
-    try:
-        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-    finally:
-        os.close(fd)
+    read_threaded(scratch, 0, os.path.getsize(scratch), threads, block)
     return drop_caches()
 
 

@@ -32,7 +32,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -57,29 +56,9 @@ def free_page_reporting() -> str:
     return found
 
 
-def read(path: str, offset: int, length: int, threads: int = 4, block: int = 8 << 20) -> float:
-    """Read ``[offset, offset + length)`` of ``path`` on ``threads`` threads; GB/s."""
-    fd = os.open(path, os.O_RDONLY)
-    per = length // threads
-
-    def work(i: int) -> None:
-        buf = bytearray(block)
-        off, end = offset + i * per, offset + (i + 1) * per
-        while off < end:
-            n = os.preadv(fd, [memoryview(buf)[: min(block, end - off)]], off)
-            if n <= 0:
-                return
-            off += n
-
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-    t = time.perf_counter()
-    for x in ts:
-        x.start()
-    for x in ts:
-        x.join()
-    dt = time.perf_counter() - t
-    os.close(fd)
-    return per * threads / dt / 1e9
+def read(path: str, offset: int, length: int) -> float:
+    """Read ``[offset, offset + length)`` of ``path`` on four threads, 8 MiB requests; GB/s."""
+    return length / C.read_threaded(path, offset, length) / 1e9
 
 
 def main(argv=None) -> int:
