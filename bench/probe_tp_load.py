@@ -149,21 +149,43 @@ def _cpu_idle() -> tuple[float, ...]:
 
 
 def _record_reads(st, log: list) -> None:
-    """Log ``(file, offset, length)`` of every data-file read and mapped span, in the order asked."""
-    many, mapr = st.readinto_many, st.map_range  # LocalStorage.readinto goes through readinto_many
+    """Log every data-file read as ``(kind, file, offset, length)``, in the order asked.
+
+    ``kind`` is ``read``, ``map`` (a span mapped by the loading thread) or
+    ``populate`` (a mapped piece brought in by a reader thread, since
+    session 8); :func:`_disk_order` keeps what the disk was asked for.
+    """
+    many, mapr, pop = st.readinto_many, st.map_range, st.populate  # LocalStorage.readinto goes through readinto_many
 
     def readinto_many(name, parts):
         parts = list(parts)
-        log.extend((name, off, len(mv)) for off, mv in parts)
+        log.extend(("read", name, off, len(mv)) for off, mv in parts)
         return many(name, parts)
 
     def map_range(name, offset, length, count=None):
         got = mapr(name, offset, length, count)
         if got is not None:
-            log.append((name, offset, length))
+            log.append(("map", name, offset, length))
         return got
 
-    st.readinto_many, st.map_range = readinto_many, map_range
+    def populate(name, offset, length):
+        ok = pop(name, offset, length)
+        if ok:
+            log.append(("populate", name, offset, length))
+        return ok
+
+    st.readinto_many, st.map_range, st.populate = readinto_many, map_range, populate
+
+
+def _disk_order(log: list) -> list:
+    """``(file, offset, length)`` of a recorded load, in the order its reads reached the disk.
+
+    Where mapped pieces were populated, the disk saw them then, not when
+    their spans were mapped; elsewhere page faults read a mapped span as it
+    was touched, which its mapping's place in the log approximates.
+    """
+    populated = any(k == "populate" for k, *_ in log)
+    return [(f, o, n) for k, f, o, n in log if k == "read" or k == ("populate" if populated else "map")]
 
 
 def _replay_rank(root: str, log: list, threads: int, barrier, out) -> None:
@@ -370,7 +392,7 @@ def _run(args, root: str, launch) -> int:
             if ws:
                 print(f"{alt[0]}={v}: median {statistics.median(ws):.3f} s [{min(ws):.3f}, {max(ws):.3f}] over {len(ws)} loads")
     if args.replay:
-        logs = [runs[-1][4] for runs in ranks]
+        logs = [_disk_order(runs[-1][4]) for runs in ranks]
         variants = {"as asked": logs}
         if args.replay_own:
             # Rank k's own part: the files written by saving ranks 2k and 2k+1 (4 saving ranks, 2 loading).
