@@ -142,8 +142,8 @@ def load_job(rank: int, world: int, target: str, cfg: dict, root: str, systems: 
     runs = []
     prev = None
     for rep in range(repeats):
-        # A load measured right after DCP's ran slower (0.07 to 0.14 s at 1.46 GB, whichever system
-        # it was), so the order is balanced: every system runs right after every other equally often.
+        # A cold load's time depends on what ran just before it (on the benchmark VM, on how much
+        # recently used memory the last load freed), so every system follows every other equally often.
         for pos, s in enumerate(systems[j] for j in R.carryover_order(len(systems), rep)):
             _scramble(model, opt)
             if collect:
