@@ -139,15 +139,20 @@ def read_threaded(path: str, offset: int, length: int, threads: int = 4, block: 
             off += n
 
     try:
-        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-        t = time.perf_counter()
-        for x in ts:
-            x.start()
-        for x in ts:
-            x.join()
-        return time.perf_counter() - t
+        return run_threads(work, [(i,) for i in range(threads)])
     finally:
         os.close(fd)
+
+
+def run_threads(fn, args_list) -> float:
+    """Run ``fn(*args)`` for each ``args`` on its own thread; the wall seconds until all are done."""
+    ts = [threading.Thread(target=fn, args=a) for a in args_list]
+    t = time.perf_counter()
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join()
+    return time.perf_counter() - t
 
 
 def prime_page_memory(scratch: str, threads: int = 4, block: int = 8 << 20) -> bool:

@@ -28,7 +28,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -134,28 +133,17 @@ def _evict(paths: list[str]) -> str:
         return "none"
 
 
-def _parallel(fn, args_list) -> float:
-    """Run ``fn(*args)`` for each args on its own thread; return the wall seconds."""
-    ts = [threading.Thread(target=fn, args=a) for a in args_list]
-    t = time.perf_counter()
-    for th in ts:
-        th.start()
-    for th in ts:
-        th.join()
-    return time.perf_counter() - t
-
-
 def disk_once(root: str, nbytes: int, streams: int) -> dict:
     """Write ``nbytes`` over ``streams`` files (fsync each), read them back cold, then cached."""
     block = os.urandom(1 << 20) * (BLOCK >> 20)
     per = max(BLOCK, nbytes // streams // BLOCK * BLOCK)
     paths = [os.path.join(root, f"limit-{streams}-{i}.bin") for i in range(streams)]
     os.sync()
-    tw = _parallel(_write_file, [(p, per, block) for p in paths])
+    tw = C.run_threads(_write_file, [(p, per, block) for p in paths])
     total = per * streams
     how = _evict(paths)
-    tr = _parallel(_read_file, [(p,) for p in paths])
-    tc = _parallel(_read_file, [(p,) for p in paths])
+    tr = C.run_threads(_read_file, [(p,) for p in paths])
+    tc = C.run_threads(_read_file, [(p,) for p in paths])
     for p in paths:
         os.unlink(p)
     return {"bytes": total, "write_gbps": total / tw / 1e9, "read_cold_gbps": total / tr / 1e9,
