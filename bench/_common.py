@@ -108,19 +108,22 @@ def drop_caches() -> bool:
         return False
 
 
+def write_file(path: str, nbytes: int, block: bytes) -> None:
+    """Write ``nbytes`` to ``path``, ``block`` after ``block`` (the last one cut short), then fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        mv = memoryview(block)
+        for off in range(0, nbytes, len(block)):
+            os.write(fd, mv[: min(len(block), nbytes - off)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_scratch(path: str, nbytes: int, block: int = 16 << 20) -> str:
     """Write ``nbytes`` of incompressible bytes to ``path`` (once) for :func:`prime_page_memory`."""
-    if os.path.exists(path) and os.path.getsize(path) >= nbytes:
-        return path
-    chunk = os.urandom(block)
-    with open(path, "wb") as f:
-        left = nbytes
-        while left > 0:
-            n = min(left, block)
-            f.write(chunk[:n])
-            left -= n
-        f.flush()
-        os.fsync(f.fileno())
+    if not (os.path.exists(path) and os.path.getsize(path) >= nbytes):
+        write_file(path, nbytes, os.urandom(block))
     return path
 
 

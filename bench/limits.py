@@ -93,16 +93,6 @@ def measure_memcpy(nbytes: int, threads: int, repeats: int) -> list[float]:
 
 
 # ---------------------------------------------------------------- disk
-def _write_file(path: str, nbytes: int, block: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for _ in range(max(1, nbytes // len(block))):
-            os.write(fd, block)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _read_file(path: str) -> int:
     buf = bytearray(BLOCK)
     n = 0
@@ -139,7 +129,7 @@ def disk_once(root: str, nbytes: int, streams: int) -> dict:
     per = max(BLOCK, nbytes // streams // BLOCK * BLOCK)
     paths = [os.path.join(root, f"limit-{streams}-{i}.bin") for i in range(streams)]
     os.sync()
-    tw = C.run_threads(_write_file, [(p, per, block) for p in paths])
+    tw = C.run_threads(C.write_file, [(p, per, block) for p in paths])
     total = per * streams
     how = _evict(paths)
     tr = C.run_threads(_read_file, [(p,) for p in paths])

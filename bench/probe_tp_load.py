@@ -213,14 +213,8 @@ def _replay_rank(root: str, log: list, threads: int, barrier, out) -> None:
                     break
                 got += k
 
-    ts = [threading.Thread(target=worker) for _ in range(threads)]
     barrier.wait()
-    t = time.perf_counter()
-    for x in ts:
-        x.start()
-    for x in ts:
-        x.join()
-    out.put(time.perf_counter() - t)
+    out.put(C.run_threads(worker, [()] * threads))
     for fd in fds.values():
         os.close(fd)
 
@@ -297,8 +291,6 @@ def _read_half(paths: list, threads: int, piece: int) -> None:
 
 
 def read_patterns(root: str, repeats: int) -> None:
-    import threading
-
     files = sorted((os.path.join(root, "data", f) for f in os.listdir(os.path.join(root, "data")) if f.endswith(".bin")),
                    key=lambda p: p[-10:])  # by writer rank (file names end in -rNNNNN.bin)
     total = sum(os.path.getsize(f) for f in files)
@@ -320,13 +312,7 @@ def read_patterns(root: str, repeats: int) -> None:
             if not C.drop_caches():
                 print("# cannot drop the page cache (not root): no read patterns")
                 return
-            ts = [threading.Thread(target=_read_half, args=(h, threads, piece)) for h in split(streams)]
-            t = time.perf_counter()
-            for x in ts:
-                x.start()
-            for x in ts:
-                x.join()
-            got[name].append(total / (time.perf_counter() - t) / 1e9)
+            got[name].append(total / C.run_threads(_read_half, [(h, threads, piece) for h in split(streams)]) / 1e9)
     for name, v in got.items():
         print(f"{name}: {C.fmt(C.summary(v), 1, 2)} GB/s")
 

@@ -863,9 +863,10 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
     # and for wider coalescing of nearby runs.
     threads = max(threads, int(getattr(storage, "read_threads", threads)))
     coalesce = int(getattr(storage, "coalesce_bytes", DEFAULT_COALESCE))
-    if comm is not None and share and comm.active and comm.world > 1 and auto and _one_host(comm):
-        share = False  # every rank on one host, page-cached storage: re-reads come from memory
-    if comm is not None and share and comm.active and comm.world > 1:
+    group = comm is not None and comm.active and comm.world > 1
+    # With auto, every rank on one host means page-cached storage: re-reads come from memory.
+    share = share and group and not (auto and _one_host(comm))
+    if share:
         try:
             reads = plan_chunk_reads(manifest, targets, where, verify, stats, coalesce)
             if recorder is not None:
@@ -878,7 +879,7 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
         _execute_shared(storage, reads, comm, manifest.block_size, verify, where, stats, window, recorder, threads, files, dict(manifest.files), manifest.world_size)
     else:
         reads = plan_chunk_reads(manifest, targets, where, verify, stats, coalesce)
-        if comm is not None and comm.active and comm.world > 1:
+        if group:
             reads = order_reads(reads, comm.rank, comm.world, dict(manifest.files), manifest.world_size)
         if recorder is not None:
             recorder.add("plan", t_plan, time.monotonic())
