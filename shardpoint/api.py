@@ -44,6 +44,7 @@ from .format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, Manifes
 from .grid import Grid
 from .planning.save_plan import ReplicaItem, assign_writers
 from .layouts import LayoutView, Rule, apply_load, apply_reduce, apply_save, optimizer_doc_to_logical, optimizer_doc_to_physical
+from .dcp_names import dcp_to_native, is_dcp_optimizer_doc
 from .monitor import Recorder, format_summary
 from .storage import Storage, storage_for
 
@@ -634,6 +635,12 @@ def _name_selected(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _param_names(opt: torch.optim.Optimizer, ctx: AdapterContext) -> list[str]:
+    """The state names of ``opt``'s parameters (those a module in the state owns)."""
+    names = (ctx.param_names.get(id(p)) for g in opt.param_groups for p in g["params"])
+    return [n for n in names if n is not None]
+
+
 def _physical_shapes(state) -> dict[str, tuple]:
     shapes = {}
     for key, obj in state.items():
@@ -805,6 +812,9 @@ def load(
                 missing.append(key)
                 continue
             doc = manifest.values.get(key)
+            if isinstance(obj, torch.optim.Optimizer) and is_dcp_optimizer_doc(doc):
+                # Keyed the way get_optimizer_state_dict keys it: a naming view onto this optimizer.
+                doc = dcp_to_native(doc, _param_names(obj, ctx), where)
             if layouts and isinstance(obj, torch.optim.Optimizer):
                 doc = optimizer_doc_to_physical(key, doc, layouts, ctx.param_names.values())
             part = adapter_for(obj, adapters).load(key, obj, doc, tensors, ctx, where)
