@@ -21,7 +21,7 @@ import torch
 import xxhash
 from torch import nn
 
-from .adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters, unwrap_module
+from .adapters import AdapterContext, SaveTensor, WholeEntry, adapter_for, build_context, default_adapters, unwrap_module
 from .dist import Comm, Outcome, raise_if_failed, run_guarded
 from .engine.io import DEFAULT_BLOCK_SIZE, write_chunks
 from .engine.indexes import IndexReader, resolve, resolve_all, wanted_box
@@ -46,6 +46,7 @@ from .planning.save_plan import ReplicaItem, assign_writers
 from .layouts import LayoutView, Rule, apply_load, apply_reduce, apply_save, optimizer_doc_to_logical, optimizer_doc_to_physical
 from .dcp_names import dcp_to_native, is_dcp_optimizer_doc
 from .monitor import Recorder, format_summary
+from .rank_local import rank_local_tensors
 from .storage import Storage, storage_for
 
 __all__ = ["save", "load", "read_tensor", "read_manifest", "SaveResult", "LoadResult"]
@@ -129,6 +130,7 @@ def save(
     trace_dir: str | None = None,
     on_metrics: Any = None,
     replicated_over: Any = None,
+    collective_timeout: float | None = None,
 ) -> SaveResult:
     """Save ``state`` to ``path``; a collective when a process group is initialised.
 
@@ -148,17 +150,28 @@ def save(
     ranks, or a dict from state keys to those. Under pipeline parallelism
     each rank passes its stage's data-parallel group (``[rank]`` with no
     data parallelism), since other stages hold other layers.
+    ``process_group`` limits the save to that group's ranks (the others take
+    no part); :data:`~shardpoint.LOCAL` saves from the calling rank alone,
+    with no collective (see :data:`~shardpoint.LOCAL`). Before any work the
+    ranks check that they all entered the same save of the same path: ranks
+    that disagree, or one that does not arrive within ``collective_timeout``
+    seconds (default: ``SHARDPOINT_COLLECTIVE_TIMEOUT``, else 600), raise
+    :class:`DistributedError` instead of hanging (see :mod:`shardpoint.handshake`).
 
     Example::
 
         sp.save("ckpt/step_100", {"model": model, "optimizer": opt, "extra": {"step": 100}})
         sp.save("ckpt/pp", {"model": stage, "optimizer": opt}, replicated_over=dp_group)
+        sp.save("ckpt/rank0", {"model": ddp.module}, process_group=sp.LOCAL)  # rank 0 only
     """
     _check_state(state)
     _check_block(block_size)
     comm = Comm.resolve(process_group)
+    if comm.local and replicated_over is not None:
+        raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
     storage = storage_for(path)
     where = storage.url
+    comm.enter("save", where, collective_timeout)
     t0 = time.monotonic()
     # Each rank names its data file with its own id: no collective is needed to start.
     save_id = uuid.uuid4().hex
@@ -397,6 +410,8 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     for part in opt_parts:
         # Optimizer state changes only inside step(): safe to copy lazily.
         lazy_ok.update(t.fqn for t in part.tensors if ".state." in t.fqn)
+    if comm.local:  # process_group=LOCAL: one writer, so every tensor must be whole here
+        tensors = rank_local_tensors(tensors, where)
     if rules:
         tensors = apply_reduce(tensors, rules, comm)
         logical: list[SaveTensor] = []
@@ -635,6 +650,13 @@ def _name_selected(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _entry_keys(manifest: Manifest) -> list[str]:
+    """Every top-level key of the checkpoint: entries with values, and the tops of tensor names."""
+    keys = dict.fromkeys(manifest.values)
+    keys.update(dict.fromkeys(f.split(".", 1)[0] for f in manifest.tensors))
+    return list(keys)
+
+
 def _param_names(opt: torch.optim.Optimizer, ctx: AdapterContext) -> list[str]:
     """The state names of ``opt``'s parameters (those a module in the state owns)."""
     names = (ctx.param_names.get(id(p)) for g in opt.param_groups for p in g["params"])
@@ -750,6 +772,7 @@ def load(
     report: LoadResult | None = None,
     trace_dir: str | None = None,
     on_metrics: Any = None,
+    collective_timeout: float | None = None,
 ) -> MutableMapping[str, Any]:
     """Load a checkpoint into ``state``, resharding to the current layout.
 
@@ -771,16 +794,27 @@ def load(
     loading in that case). ``layouts`` describes fused or padded tensors of
     the *target* (see :mod:`shardpoint.layouts`). Pass a
     :class:`LoadResult` as ``report`` to receive timings, bytes and key lists.
+    An optimizer saved the way ``get_optimizer_state_dict`` keys it (state by
+    the model's parameter names, ``param_groups``) loads too: its entries are
+    matched to the optimizer's parameters by name (:mod:`shardpoint.dcp_names`).
+    A non-strict load into an empty dict, ``sp.load(path, {}, strict=False)``,
+    fills it with everything in the checkpoint: each entry as saved, tensors
+    as plain full tensors on the CPU (a module or optimizer entry as the dict
+    of its value document and tensors by name). ``process_group`` and
+    ``collective_timeout`` mean what they mean for :func:`save`
+    (:data:`~shardpoint.LOCAL`: this rank alone, no collective).
 
     Example::
 
         state = {"model": model, "optimizer": opt, "extra": {}}
         sp.load("ckpt/step_100", state); step = state["extra"]["step"]
+        everything = sp.load("ckpt/step_100", {}, strict=False)
     """
     _check_state(state)
     comm = Comm.resolve(process_group)
     storage = storage_for(path)
     where = storage.url
+    comm.enter("load", where, collective_timeout)
     t0 = time.monotonic()
     got = run_guarded(lambda: _manifest_bytes(storage)) if comm.rank == 0 else None
     if comm.world == 1 and got is not None and not got.ok:
@@ -788,6 +822,9 @@ def load(
     got = comm.broadcast(got.sendable() if comm.rank == 0 else None)
     raise_if_failed([got], f"load of {where}")
     manifest = Manifest.from_json(got.value, where)
+    fill = None
+    if not state and not strict:  # nothing to restore into: return every entry as saved
+        fill, state = state, {k: WholeEntry() for k in _entry_keys(manifest)}
     result = LoadResult(where, recorder=Recorder("load", where, comm.rank))
     _mark(result, "manifest", t0)
 
@@ -877,6 +914,9 @@ def load(
     new = comm.check(run_guarded(read), f"load of {where}")
     for key, value in new.items():
         state[key] = value
+    if fill is not None:
+        fill.update(state)
+        state = fill
     _mark(result, "total", t0)
     result.timings = result.recorder.summary()
     result.recorder.emit(trace_dir, on_metrics)
