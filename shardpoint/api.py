@@ -178,7 +178,7 @@ def save(
     result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
 
     def local() -> dict:
-        prep = _prepare(state, comm, allow_pickle, where, result, layouts, replicated_over=replicated_over)
+        prep = _prepare(state, comm, allow_pickle, where, result, layouts, replicated_over=replicated_over, rank_local=comm.local)
         tb = time.monotonic()
         records, files = [], {}
         if prep.mine:
@@ -368,7 +368,7 @@ def _checked_grid(t: SaveTensor, prep: _Prepared, comm: Comm, picked: bool, memo
     return grid
 
 
-def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=(), cache: dict | None = None, replicated_over: Any = None) -> _Prepared:
+def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=(), cache: dict | None = None, replicated_over: Any = None, rank_local: bool = False) -> _Prepared:
     ta = time.monotonic()
     # Repeated saves (AsyncSaver) reuse the context and the unchanged module and
     # optimizer parts; layout rules reduce across ranks, so they take the full path.
@@ -410,7 +410,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     for part in opt_parts:
         # Optimizer state changes only inside step(): safe to copy lazily.
         lazy_ok.update(t.fqn for t in part.tensors if ".state." in t.fqn)
-    if comm.local:  # process_group=LOCAL: one writer, so every tensor must be whole here
+    if rank_local:  # process_group=LOCAL: one writer, so every tensor must be whole here
         tensors = rank_local_tensors(tensors, where)
     if rules:
         tensors = apply_reduce(tensors, rules, comm)

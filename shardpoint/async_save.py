@@ -30,7 +30,6 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures as cf
-import datetime
 import logging
 import os
 import threading
@@ -39,11 +38,10 @@ import uuid
 from typing import Any, MutableMapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .api import SaveResult, _check_block, _check_state, _data_file, _finish_save, _mark, _prepare
 from .monitor import Recorder, format_summary
-from .dist import Comm, run_guarded
+from .dist import Comm, private_group, run_guarded
 from .engine.io import DEFAULT_BLOCK_SIZE
 from .engine.pipeline import StagedWrite
 from .engine.staging import StagingRing
@@ -182,30 +180,16 @@ class AsyncSaver:
         return self._pool
 
     def _coordination(self, base: Comm) -> Comm:
-        """The private coordination group for the saves of ``base``'s ranks (created once per group).
+        """The private coordination group for the saves of ``base``'s ranks (one per group).
 
         Background collectives run on a private gloo group, so they cannot
-        interleave with the training loop's collectives. Creating one is
-        itself a collective: over the whole world, every rank must call
-        ``new_group``, and all of them are in this save. For a subset of the
-        world the other ranks are not, so the group is created by its members
-        alone (``use_local_synchronization=True``, which names the group from
-        its ranks and the number of groups each member has made, equal on
-        the members when they create groups in the same order).
+        interleave with the training loop's collectives. For a subset of the
+        world only its members create it (see :func:`~shardpoint.dist.private_group`).
         """
-        if not base.active or base.world == 1:
-            return base  # a world of one (LOCAL included) has nothing to coordinate
         key = _group_key(base)
         comm = self._comms.get(key)
         if comm is None:
-            kw = {} if self.timeout is None else {"timeout": datetime.timedelta(seconds=self.timeout)}
-            if base.group is None or base.world == dist.get_world_size():
-                ranks = None if base.group is None else dist.get_process_group_ranks(base.group)
-                group = dist.new_group(ranks=ranks, backend="gloo", **kw)
-            else:
-                ranks = sorted(dist.get_process_group_ranks(base.group))
-                group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, **kw)
-            comm = self._comms[key] = Comm(group, True)
+            comm = self._comms[key] = private_group(base, self.timeout)
         return comm
 
     def wait(self) -> SaveResult | None:
@@ -257,7 +241,7 @@ class AsyncSaver:
         result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
         handle = AsyncSaveHandle(where, result)
         handle._storage = storage
-        prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result, layouts, cache, replicated_over=replicated_over))
+        prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result, layouts, cache, replicated_over=replicated_over, rank_local=base.local))
         if comm.world == 1 and not prep_out.ok:
             raise prep_out.exc
         if self._ring is None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from . import errors as _errors
 from .errors import CheckpointError, DistributedError
 
-__all__ = ["Comm", "Outcome", "run_guarded", "LocalGroup", "LOCAL"]
+__all__ = ["Comm", "Outcome", "run_guarded", "LocalGroup", "LOCAL", "private_group"]
 
 log = logging.getLogger("shardpoint")
 T = TypeVar("T")
@@ -95,6 +95,8 @@ class Comm:
         comm = Comm.resolve(None)      # default group, or a world of one
         comm.rank, comm.world
     """
+
+    local = False
 
     def __init__(self, group: Any = None, active: bool = False, local: bool = False):
         self.group = group
@@ -223,6 +225,34 @@ class Comm:
         if not outcome.ok:  # pragma: no cover - raise_if_failed already raised
             raise DistributedError(outcome.message, {self.rank: outcome.message})
         return outcome.value
+
+
+def private_group(base: Comm, timeout: float | None = None) -> Comm:
+    """A new gloo group over ``base``'s ranks, for background or bounded collectives.
+
+    Creating a group is itself a collective. Over the whole world every rank
+    must call ``new_group``. For a subset the other ranks take no part in
+    the caller's work, so the members create it alone
+    (``use_local_synchronization=True``: torch names such a group from its
+    ranks and the number of groups each member has made, which is equal on
+    the members as long as they create groups in the same order). A world of
+    one needs no group and gets ``base`` back.
+
+    Example::
+
+        coord = private_group(Comm.resolve(dp_group), timeout=300)
+    """
+    if not base.active or base.world == 1:
+        return base
+    import datetime
+
+    kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    if base.group is None:
+        return Comm(dist.new_group(backend="gloo", **kw), True)
+    ranks = sorted(dist.get_process_group_ranks(base.group))
+    if len(ranks) == dist.get_world_size():
+        return Comm(dist.new_group(ranks=ranks, backend="gloo", **kw), True)
+    return Comm(dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, **kw), True)
 
 
 def _group_store(group: Any):
