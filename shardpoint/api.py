@@ -688,7 +688,8 @@ def read_tensor(path: str | Storage, name: str, index: tuple | None = None, *, v
     """Read one logical tensor (or a box of it) by name, with no process group.
 
     ``index`` is a tuple of slices (step 1) selecting a box; only the bytes
-    covering that box are read.
+    covering that box are read. Never a collective: any one rank may call it
+    while the others are elsewhere.
 
     Example::
 

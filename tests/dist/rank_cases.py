@@ -73,7 +73,17 @@ def _dtensor(rank: int, root: str) -> dict:
     fsdp, _ = build("fsdp2", CFG, seed=2)
     rep = DTensor.from_local(torch.arange(12.0).reshape(3, 4), mesh, [Replicate()], run_check=False)
     out: dict = {}
+    full = os.path.join(root, "fsdp")
+    sp.save(full, {"model": fsdp})  # collective
+    ref = {n: p._local_tensor.clone() for n, p in fsdp.named_parameters()}
     if rank == 1:
+        # A rank-local load fills this rank's own shards, with no collective.
+        with torch.no_grad():
+            for p in fsdp.parameters():
+                p._local_tensor.zero_()
+        out["zeroed"] = all(not bool(fsdp.get_parameter(n)._local_tensor.any()) for n in ref)
+        sp.load(full, {"model": fsdp}, process_group=sp.LOCAL)
+        out["local_shard_load"] = all(torch.equal(p._local_tensor, ref[n]) for n, p in fsdp.named_parameters())
         path = os.path.join(root, "rep")
         sp.save(path, {"w": rep}, process_group=sp.LOCAL)
         out["replicated"] = torch.equal(sp.read_tensor(path, "w"), torch.arange(12.0).reshape(3, 4))

@@ -27,6 +27,7 @@ def test_rank_local_save_load_read_and_async_while_others_wait_in_a_barrier(rank
 
 def test_rank_local_dtensors(ranks):
     d = ranks[1]["dtensor"]
+    assert d["zeroed"] is True and d["local_shard_load"] is True
     assert d["replicated"] is True
     err = d["sharded"]
     assert err["type"] == "UnsupportedStateError"
