@@ -915,8 +915,8 @@ def load(
     new = comm.check(run_guarded(read), f"load of {where}")
     for key, value in new.items():
         state[key] = value
-    if fill is not None:
-        fill.update(state)
+    if fill is not None:  # entries that keys= left out stay out
+        fill.update({k: v for k, v in state.items() if not isinstance(v, WholeEntry)})
         state = fill
     _mark(result, "total", t0)
     result.timings = result.recorder.summary()

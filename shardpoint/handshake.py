@@ -96,6 +96,7 @@ class Entry:
 
     @staticmethod
     def parse(tag: str) -> "Entry":
+        """The entry a :meth:`tag` describes."""
         op, _, path = tag.partition("\n")
         return Entry(op, path)
 

@@ -161,3 +161,19 @@ def test_dcp_both_ways_with_optimizer(tmp_path):
     set_optimizer_state_dict(m3, o3, sd["optimizer"])
     assert _same_optimizer(opt, m, o3, m3)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m3.parameters()))
+
+
+def test_non_strict_load_of_an_empty_dict_returns_everything(tmp_path):
+    m, opt = _trained()
+    path = str(tmp_path / "ck")
+    sp.save(path, {"model": m, "optimizer": opt, "extra": {"step": 2, "t": (1, 2.5), "x": torch.arange(3)}, "w": torch.ones(2)})
+    got = sp.load(path, {}, strict=False)
+    assert sorted(got) == ["extra", "model", "optimizer", "w"]
+    assert got["model"].keys() == m.state_dict().keys() and all(torch.equal(got["model"][k], v) for k, v in m.state_dict().items())
+    assert got["extra"]["step"] == 2 and got["extra"]["t"] == (1, 2.5) and torch.equal(got["extra"]["x"], torch.arange(3))
+    assert torch.equal(got["w"], torch.ones(2))
+    assert torch.equal(got["optimizer"]["state"]["model.0.weight"]["exp_avg"], opt.state[m[0].weight]["exp_avg"])
+    assert got["optimizer"]["groups"][0]["lr"] == 1e-2 and got["optimizer"]["group_of"]["model.2.bias"] == 0
+    assert sorted(sp.load(path, {}, strict=False, keys="extra.*")) == ["extra"]
+    with pytest.raises(KeyMismatchError):
+        sp.load(path, {})  # strict: an empty dict is still a mismatch
