@@ -104,3 +104,15 @@ def test_local_is_a_world_of_one_without_a_process_group():
     c = Comm.resolve(sp.LOCAL)
     assert (c.rank, c.world, c.active, c.local) == (0, 1, False, True)
     c.enter("save", "x", 0.001)  # free: nothing to wait for
+
+
+def test_without_a_store_a_disagreement_is_still_named(monkeypatch):
+    import shardpoint.dist as sd
+
+    monkeypatch.setattr(sd, "_group_store", lambda group: None)
+    c = Comm.__new__(Comm)
+    c.group, c.active, c.rank, c.world = None, True, 1, 2
+    monkeypatch.setattr(c, "all_gather", lambda tag: [Entry("save", "a").tag(), tag])
+    c.enter("save", "a")  # agreement
+    with pytest.raises(DistributedError, match="rank 0 is in save of a, rank 1 is in load of a"):
+        c.enter("load", "a")
