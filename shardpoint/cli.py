@@ -173,17 +173,20 @@ _DEFAULT_PREFIX = {"hf": "model.", "torch": "model.", "dcp": "", "deepspeed": ""
 
 def _export(args) -> int:
     from .convert import common, export_dcp, export_hf, export_torch
+    from .convert.hf import HF_CONFIG_KEY
 
     dtype = common.parse_dtype(args.dtype)
     prefix = _DEFAULT_PREFIX[args.to] if args.prefix is None else args.prefix
     kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype, force=args.force, quiet=args.quiet, verify=not args.no_verify)
     if args.to == "hf":
-        r = export_hf(args.path, args.out, shard_size=args.shard_size, config=args.config, **kw)
+        r = export_hf(args.path, args.out, shard_size=args.shard_size, config=args.config, config_key=args.config_key, **kw)
         files = ", ".join(r.files) if len(r.files) <= 3 else f"{r.files[0]} ... {r.files[-1]}"
         summary = f"exported {r.tensors} tensors ({_human(r.bytes)}) to {args.out}: {files} + model.safetensors.index.json"
+        summary += (f" + config.json (from {r.config})" if r.config else
+                    f"; no config.json: pass --config, or save the model config as the value {args.config_key}")
     else:
-        if args.config or args.shard_size != "5GB":
-            raise common.ConversionError("--config and --shard-size apply to --to hf only")
+        if args.config or args.shard_size != "5GB" or args.config_key != HF_CONFIG_KEY:
+            raise common.ConversionError("--config, --config-key and --shard-size apply to --to hf only")
         fn = export_dcp if args.to == "dcp" else export_torch
         r = fn(args.path, args.out, **kw)
         summary = f"exported {r.tensors} tensors ({_human(r.bytes)}) to {args.out} ({args.to})"
@@ -312,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pe = _cmd(sub, "export", "write a checkpoint's tensors as Hugging Face safetensors, a DCP folder or a torch.save file", (
         "  shardpoint export ckpt/step_100 --to hf hf_out --dtype bf16 --shard-size 5GB --config config.json\n"
+        "  shardpoint export ckpt/step_100 --to hf hf_out   # config.json from the saved value extra.hf_config\n"
         "  shardpoint export ckpt/step_100 --to hf hf_out --rename '^tok\\.=embed_tokens.'\n"
         "  shardpoint export ckpt/step_100 --to dcp dcp_out\n"
         "  shardpoint export ckpt/step_100 --to torch model.pt   # {name: tensor} without the 'model.' prefix\n"
@@ -320,7 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--to", required=True, choices=("hf", "dcp", "torch"))
     pe.add_argument("out", help="output folder (hf, dcp) or file (torch)")
     pe.add_argument("--shard-size", default="5GB", help="hf: largest safetensors file (5GB, 500MB, 2GiB)")
-    pe.add_argument("--config", metavar="config.json", help="hf: copy this config.json into the output folder")
+    pe.add_argument("--config", metavar="config.json", help="hf: write this config.json into the output folder "
+                    "(default: the config the checkpoint carries, if any)")
+    pe.add_argument("--config-key", default="extra.hf_config", metavar="KEY",
+                    help="hf: the saved value that carries the model config dict (default: extra.hf_config)")
     pe.add_argument("--no-verify", action="store_true", help="skip checksum verification of what is read")
     _naming(pe, "stripped from exported names; default 'model.' for hf and torch, '' for dcp")
     pe.set_defaults(fn=_export)
