@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .api import read_manifest
 from .engine.io import verify_chunk
 from .errors import CheckpointError
+from .extras import require
 from .storage import storage_for
 
 __all__ = ["main", "build_parser"]
@@ -45,9 +46,11 @@ def _human(n: float) -> str:
 
 
 def _console():
-    from rich.console import Console
+    return require("rich.console", "cli", "the shardpoint command's tables").Console(highlight=False)
 
-    return Console(highlight=False)
+
+def _table(title: str):
+    return require("rich.table", "cli", "the shardpoint command's tables").Table(title=title)
 
 
 def _dump(doc) -> None:
@@ -70,9 +73,7 @@ def _inspect(args) -> int:
         if args.json:
             _dump({"tensor": args.tensor, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "chunks": rows})
             return 0
-        from rich.table import Table
-
-        table = Table(title=f"{args.tensor}  {t.dtype}{list(t.shape)}, {_human(t.nbytes)}, {len(rows)} chunk(s)")
+        table = _table(f"{args.tensor}  {t.dtype}{list(t.shape)}, {_human(t.nbytes)}, {len(rows)} chunk(s)")
         for col in ("chunk", "rank", "offsets", "sizes", "flat", "file", "offset", "bytes"):
             table.add_column(col, justify="right" if col in ("chunk", "rank", "offset", "bytes") else "left", overflow="fold")
         for r in rows:
@@ -101,9 +102,7 @@ def _inspect(args) -> int:
         return 0
     if args.plot:
         return 0
-    from rich.table import Table
-
-    table = Table(title=f"{args.path}  (format v{m.format_version}, saved by {m.world_size} rank(s))")
+    table = _table(f"{args.path}  (format v{m.format_version}, saved by {m.world_size} rank(s))")
     for col in ("tensor", "dtype", "shape", "chunks", "bytes"):
         table.add_column(col, justify="right" if col in ("chunks", "bytes") else "left", overflow="fold")
     for k in names:
@@ -134,7 +133,7 @@ def verify_checkpoint(path: str, jobs: int = 4, quiet: bool = True) -> tuple[int
         if real < size:
             problems.append(f"data file {name} is truncated: {real} of {size} bytes")
     work = [(fqn, c) for fqn, t in m.tensors.items() for c in t.chunks]
-    from tqdm import tqdm
+    from .convert.common import progress
 
     def check(item):
         fqn, c = item
@@ -145,9 +144,11 @@ def verify_checkpoint(path: str, jobs: int = 4, quiet: bool = True) -> tuple[int
             return str(e)
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        for err in tqdm(pool.map(check, work), total=len(work), disable=quiet, desc="verify", unit="chunk", file=sys.stderr, leave=False):
-            if err:
-                problems.append(err)
+        with progress(len(work), "verify", quiet, unit="chunk") as bar:
+            for err in pool.map(check, work):
+                bar.update(1)
+                if err:
+                    problems.append(err)
     return len(work), problems
 
 
@@ -244,9 +245,7 @@ def _diff(args) -> int:
         return 0
     con = _console()
     if d.changed:
-        from rich.table import Table
-
-        table = Table(title=f"{len(d.changed)} of {d.compared} tensors differ (atol={args.atol}, rtol={args.rtol})")
+        table = _table(f"{len(d.changed)} of {d.compared} tensors differ (atol={args.atol}, rtol={args.rtol})")
         for col in ("tensor", "dtype", "shape", "differing", "max abs diff", "max rel diff"):
             table.add_column(col, justify="left" if col in ("tensor", "dtype", "shape") else "right", overflow="fold")
         for t in d.changed:

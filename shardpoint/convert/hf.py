@@ -44,6 +44,7 @@ import torch
 
 from ..adapters.base import torch_dtype
 from ..engine.io import DEFAULT_BLOCK_SIZE, tensor_bytes
+from ..extras import require
 from ..format.values import decode_value
 from .common import (
     CheckpointReader,
@@ -347,7 +348,7 @@ def import_hf(
     ``keys`` are globs over the source names; ``dtype`` casts floating-point
     tensors. The result loads with ``sp.load(path, {"model": model})``.
     """
-    from safetensors import safe_open
+    safe_open = require("safetensors", "hf", "importing safetensors files").safe_open
 
     files = _source_files(src)
     names = NameMap(prefix, parse_rename(rename), tuple(keys), tuple(exclude))
