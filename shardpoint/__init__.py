@@ -24,6 +24,7 @@ from .errors import (
     FormatError,
     IncompleteCheckpointError,
     KeyMismatchError,
+    MissingDependencyError,
     ShapeMismatchError,
     StorageError,
     UnsupportedStateError,
@@ -75,4 +76,5 @@ __all__ = [
     "StorageError",
     "UnsupportedStateError",
     "DistributedError",
+    "MissingDependencyError",
 ]
