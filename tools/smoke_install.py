@@ -31,10 +31,10 @@ with tempfile.TemporaryDirectory() as root:
     sp.save(os.path.join(root, "a"), {"model": model, "optimizer": opt, "extra": {"step": 1}})
     fresh = torch.nn.Linear(8, 4)
     fresh_opt = torch.optim.AdamW(fresh.parameters())
-    extra: dict = {}
-    sp.load(os.path.join(root, "a"), {"model": fresh, "optimizer": fresh_opt, "extra": extra})
+    state = {"model": fresh, "optimizer": fresh_opt, "extra": {}}
+    sp.load(os.path.join(root, "a"), state)
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
-    assert extra == {"step": 1}
+    assert state["extra"] == {"step": 1}
     assert torch.equal(fresh_opt.state[fresh.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
 
     mgr = sp.CheckpointManager(os.path.join(root, "run"), interval=1, keep_last=2)
