@@ -51,7 +51,10 @@ def check(site: str) -> list[str]:
             if url.scheme or link.startswith("//") or link.startswith("mailto:"):
                 continue  # external: not checked (the build machine may be offline)
             target, frag = urldefrag(unquote(link))
-            dest = os.path.normpath(os.path.join(os.path.dirname(path), target)) if target else path
+            if target.startswith("/"):  # root-relative (the 404 page's links)
+                dest = os.path.normpath(os.path.join(site, target.lstrip("/")))
+            else:
+                dest = os.path.normpath(os.path.join(os.path.dirname(path), target)) if target else path
             if os.path.isdir(dest):
                 dest = os.path.join(dest, "index.html")
             if not os.path.exists(dest):

@@ -46,10 +46,11 @@ with tempfile.TemporaryDirectory() as root:
     assert mgr.restore({"model": again}) == 3 and torch.equal(again.weight, model.weight)
     mgr.close()
 
-    cli = subprocess.run(["shardpoint", "inspect", os.path.join(root, "a"), "--json"], capture_output=True, text=True)
+    exe = os.path.join(os.path.dirname(sys.executable), "shardpoint")  # the console script of this venv
+    cli = subprocess.run([exe, "inspect", os.path.join(root, "a"), "--json"], capture_output=True, text=True)
     assert cli.returncode == 0 and '"format_version"' in cli.stdout, cli.stderr
     if importlib.util.find_spec("rich") is None:
-        cli = subprocess.run(["shardpoint", "inspect", os.path.join(root, "a")], capture_output=True, text=True)
+        cli = subprocess.run([exe, "inspect", os.path.join(root, "a")], capture_output=True, text=True)
         assert cli.returncode == 2 and "pip install 'shardpoint[cli]'" in cli.stderr, cli.stderr
         print("without the cli extra: inspect names pip install 'shardpoint[cli]'")
 
