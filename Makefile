@@ -51,10 +51,11 @@ test-min:
 	  --ignore=tests/unit/test_deepspeed_geometry.py --ignore=tests/unit/test_export_hf_config.py
 
 # The benchmarks' own extra: matplotlib for the plots, and ByteCheckpoint 0.0.2 as a peer. ByteCheckpoint
-# goes in with --no-deps (its metadata pins torch<=2.5); its runtime dependencies are the 'bench' extra,
-# installed without constraints.txt because ByteCheckpoint needs an older grpcio and protobuf.
+# goes in with --no-deps (its metadata pins torch<=2.5); its runtime dependencies are the 'bench' extra plus
+# the grpcio and protobuf it was built against, installed without constraints.txt because they are older
+# than the tested set's.
 $(BIN)/.bench-installed: $(BIN)/.installed
-	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[bench]'
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[bench]' grpcio==1.69.0 protobuf==3.20.3
 	$(BIN)/pip install -q --no-deps bytecheckpoint==0.0.2
 	touch $@
 
