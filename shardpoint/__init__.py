@@ -30,6 +30,7 @@ from .errors import (
     FormatError,
     IncompleteCheckpointError,
     KeyMismatchError,
+    MissingDependencyError,
     ShapeMismatchError,
     StorageError,
     UnsupportedStateError,
@@ -82,4 +83,5 @@ __all__ = [
     "StorageError",
     "UnsupportedStateError",
     "DistributedError",
+    "MissingDependencyError",
 ]

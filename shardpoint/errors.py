@@ -22,6 +22,7 @@ __all__ = [
     "DistributedError",
     "CheckpointTimeoutError",
     "CheckpointConflictError",
+    "MissingDependencyError",
 ]
 
 
@@ -94,3 +95,14 @@ class CheckpointTimeoutError(CheckpointError):
 
 class CheckpointConflictError(CheckpointError):
     """Another save holds the step folder's lock: two saves raced to the same step."""
+
+
+class MissingDependencyError(CheckpointError, ImportError):
+    """A feature needs an optional package that is not installed; the message names the extra to install.
+
+    The core (save, load, the manager, local and in-memory storage) needs none
+    of them; the CLI's tables and progress bars, Hugging Face import, S3 and
+    plots each come with an extra such as ``pip install 'shardpoint[cli]'``.
+    It is also an ``ImportError``, so code that already guards an optional
+    import keeps working.
+    """
