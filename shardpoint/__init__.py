@@ -23,8 +23,10 @@ from .errors import (
     DistributedError,
     FormatError,
     IncompleteCheckpointError,
+    IncompleteStateError,
     KeyMismatchError,
     ShapeMismatchError,
+    StateNotRestoredError,
     StorageError,
     UnsupportedStateError,
 )
@@ -75,4 +77,6 @@ __all__ = [
     "StorageError",
     "UnsupportedStateError",
     "DistributedError",
+    "StateNotRestoredError",
+    "IncompleteStateError",
 ]
