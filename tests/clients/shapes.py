@@ -57,7 +57,7 @@ class FusedQKV(nn.Module):
 
             w = w.redistribute(w.device_mesh, [Replicate()] * w.device_mesh.ndim)
         for name, piece in zip(("wq", "wk", "wv"), w.split(module.sizes, dim=0)):
-            state_dict[f"{prefix}{name}.weight"] = piece.contiguous()
+            state_dict[f"{prefix}{name}.weight"] = piece.clone()  # copies, as a regrouping split makes
 
     @staticmethod
     def _merge(module, state_dict, prefix, *args) -> None:
