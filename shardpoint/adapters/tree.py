@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from ..errors import IncompleteStateError, ShapeMismatchError
+from ..errors import IncompleteStateError, ShapeMismatchError, UnsupportedStateError
 from ..format.values import decode_value, encode_value
 from .base import AdapterContext, LoadPart, SavePart, dtype_name, torch_dtype
 from .landing import alias_key, live_storages, local_of, same_bits, storage_of, tree_tensors, unlanded
@@ -41,10 +41,33 @@ def _existing_tensors(key: str, obj: Any) -> dict[str, torch.Tensor]:
 
 def decode_tree(
     key: str, doc: Any, current: Any, tensors: Mapping[str, Any], ctx: AdapterContext, where: str
-) -> tuple[LoadPart, list]:
-    """Targets for every tensor the saved tree references, and a holder for the decoded tree."""
+) -> tuple[LoadPart, list, Callable[[list], None]]:
+    """Targets for every tensor the saved tree references, a holder for the decoded tree, and ``settle``.
+
+    ``settle(targets)`` runs before the tree is used: a fresh tensor whose
+    target the load dropped (``keys=`` left it out) would hold uninitialised
+    memory, so it takes the object's current value instead, or the load
+    refuses when there is none.
+    """
     part = LoadPart()
     existing = _existing_tensors(key, current)
+    fresh: list[tuple[str, torch.Tensor]] = []
+
+    def settle(targets: list) -> None:
+        if not fresh:
+            return
+        read = {storage_of(t.dest) for t in targets}
+        for fqn, dest in fresh:
+            if local_of(dest).numel() == 0 or storage_of(dest) in read:
+                continue
+            like = existing.get(fqn)
+            if like is None or is_dtensor(like) or tuple(like.shape) != tuple(dest.shape):
+                raise UnsupportedStateError(
+                    f"{where}: {fqn!r} is not selected by keys=, but state[{key!r}] is restored as a whole and "
+                    "holds no current value for it; select it too"
+                )
+            with torch.no_grad():
+                dest.copy_(like.detach())
 
     def get_tensor(fqn: str):
         meta = tensors.get(fqn)
@@ -63,13 +86,14 @@ def decode_tree(
             dest = like
         else:
             dest = empty_like_target(None, tuple(meta.shape), dt, like.device if like is not None else None)
+            fresh.append((fqn, dest))
         tgt = load_target(fqn, dest)
         if tgt is not None:
             part.targets.append(tgt)
         return dest
 
     holder = [decode_value(doc, get_tensor, ctx.allow_pickle, where)]
-    return part, holder
+    return part, holder, settle
 
 
 class TreeAdapter:
@@ -84,8 +108,13 @@ class TreeAdapter:
         return encode_tree(key, obj, ctx)
 
     def load(self, key, obj, doc, tensors, ctx, where="<checkpoint>") -> LoadPart:
-        part, holder = decode_tree(key, doc, obj, tensors, ctx, where)
-        part.finish = lambda: holder[0]
+        part, holder, settle = decode_tree(key, doc, obj, tensors, ctx, where)
+
+        def finish():
+            settle(part.targets)
+            return holder[0]
+
+        part.finish = finish
         # The decoded tree replaces the entry: its tensors are the live state.
         part.landed = lambda targets: unlanded(targets, live_storages(tree_tensors(holder[0])))
         return part
@@ -131,11 +160,12 @@ class StatefulAdapter:
         return part
 
     def load(self, key, obj, doc, tensors, ctx, where="<checkpoint>") -> LoadPart:
-        part, holder = decode_tree(key, doc, obj.state_dict(), tensors, ctx, where)
+        part, holder, settle = decode_tree(key, doc, obj.state_dict(), tensors, ctx, where)
         verify = isinstance(obj, torch.optim.Optimizer)
         vouched: dict[int, bool] = {}
 
         def finish():
+            settle(part.targets)
             obj.load_state_dict(holder[0])
             given = {}
             for fqn, t in _existing_tensors(key, holder[0]).items():

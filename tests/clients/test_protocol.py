@@ -194,3 +194,19 @@ def test_save_refuses_state_that_is_certainly_incomplete(tmp_path):
         sp.read_manifest(str(tmp_path / "c"))
     # A stock optimizer that has not stepped yet holds no state, legitimately.
     sp.save(str(tmp_path / "d"), {"model": m, "optimizer": torch.optim.AdamW(m.parameters())})
+
+
+def test_selected_keys_leave_the_rest_of_a_protocol_object_as_it_was(tmp_path):
+    model, opt = _container(0)
+    _train(model, opt, 2)
+    path = str(tmp_path / "ck")
+    sp.save(path, {"model": model, "optimizer": opt})
+    ref = tensors_of(model, opt)
+    model2, opt2 = _container(1)
+    _train(model2, opt2, 1)
+    before = tensors_of(model2, opt2)
+    sp.load(path, {"model": model2, "optimizer": opt2}, keys="optimizer.state.front.*")
+    got = tensors_of(model2, opt2)
+    for k, v in got.items():
+        want = ref[k] if k.startswith("opt.front.") else before[k]
+        assert torch.equal(v, want), k
