@@ -57,22 +57,23 @@ def own_protocol(cls: type) -> bool:
     return cls.state_dict is not base.state_dict or cls.load_state_dict is not base.load_state_dict
 
 
-def _inner_optimizers(opt: Any) -> list[str]:
-    """Names of attributes of ``opt`` that hold other optimizers (directly or in a list)."""
-    found = []
+def _inner_optimizers(opt: Any) -> dict[str, bool]:
+    """Attributes of ``opt`` that hold other optimizers (directly or in a list): name -> whether any holds state."""
+    found = {}
     for k, v in vars(opt).items():
         items = v if isinstance(v, (list, tuple)) else [v]
-        if any(isinstance(x, torch.optim.Optimizer) and x is not opt for x in items):
-            found.append(k)
+        inner = [x for x in items if isinstance(x, torch.optim.Optimizer) and x is not opt]
+        if inner:
+            found[k] = any(bool(x.state) for x in inner)
     return found
 
 
 def check_saved_state(key: str, opt: Any, state_tensors: int) -> None:
     """Refuse or flag an optimizer whose saved state holds no tensors although it should.
 
-    An optimizer whose own ``.state`` is empty while it holds other optimizers
-    keeps its real state in them: saving it would save nothing, so that is an
-    error. A subclass from outside torch with an empty ``.state`` while its
+    An optimizer whose own ``.state`` is empty while the optimizers it holds
+    have state keeps its real state in them: saving it would save nothing, so
+    that is an error (a warning while they have none yet). A subclass from outside torch with an empty ``.state`` while its
     parameters hold gradients may have stepped without recording state here;
     that gets a warning.
     """
@@ -82,13 +83,17 @@ def check_saved_state(key: str, opt: Any, state_tensors: int) -> None:
     if not params:
         return
     inner = _inner_optimizers(opt)
-    if inner:
-        raise IncompleteStateError(
-            f"state[{key!r}]: {type(opt).__qualname__} is a torch.optim.Optimizer with an empty .state that "
-            f"holds other optimizers ({', '.join(inner)}): its state lives there and would not be saved. Give "
-            "the class state_dict()/load_state_dict() methods that delegate to them, or put each inner "
-            "optimizer in the state as its own entry"
-        )
+    what = (
+        f"state[{key!r}]: {type(opt).__qualname__} is a torch.optim.Optimizer with an empty .state that "
+        f"holds other optimizers ({', '.join(sorted(inner))}): its state lives there and would not be saved. Give "
+        "the class state_dict()/load_state_dict() methods that delegate to them, or put each inner "
+        "optimizer in the state as its own entry"
+    )
+    if any(inner.values()):
+        raise IncompleteStateError(what)
+    if inner:  # nothing stepped yet, so nothing is lost now; every later save would be
+        log.warning("%s", what)
+        return
     if any(p.grad is not None for p in params) and not type(opt).__module__.startswith("torch."):
         log.warning(
             "state[%r]: %s has parameters with gradients but no optimizer state to save; if it keeps its "

@@ -144,7 +144,10 @@ class StatefulAdapter:
         sd = obj.state_dict()
         part = encode_tree(key, sd, ctx)
         part.framework = f"stateful:{type(obj).__qualname__}"
-        if isinstance(obj, torch.optim.Optimizer) and any(g["params"] for g in obj.param_groups):
+        trained = isinstance(obj, torch.optim.Optimizer) and any(
+            p.requires_grad for g in obj.param_groups for p in g["params"]
+        )
+        if trained:  # (a placeholder optimizer over a frozen dummy tensor is fine)
             if isinstance(sd, Mapping) and not sd:
                 raise IncompleteStateError(
                     f"state[{key!r}]: optimizer {type(obj).__qualname__} has parameters but its state_dict() is "

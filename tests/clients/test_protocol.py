@@ -174,7 +174,7 @@ class _EmptyDict(_HiddenState):
         pass
 
 
-def test_save_refuses_state_that_is_certainly_incomplete(tmp_path):
+def test_save_refuses_state_that_is_certainly_incomplete(tmp_path, caplog):
     m = nn.Linear(3, 2)
     m(torch.randn(2, 3)).sum().backward()
     hidden = _HiddenState(m.parameters())
@@ -194,6 +194,12 @@ def test_save_refuses_state_that_is_certainly_incomplete(tmp_path):
         sp.read_manifest(str(tmp_path / "c"))
     # A stock optimizer that has not stepped yet holds no state, legitimately.
     sp.save(str(tmp_path / "d"), {"model": m, "optimizer": torch.optim.AdamW(m.parameters())})
+    # Nothing is lost yet when the inner optimizers have not stepped: a warning, not an error.
+    with caplog.at_level(logging.WARNING, logger="shardpoint"):
+        sp.save(str(tmp_path / "e"), {"optimizer": _HiddenState(m.parameters())})
+    assert any("_HiddenState" in r.getMessage() and "would not be saved" in r.getMessage() for r in caplog.records)
+    # A placeholder over a frozen dummy tensor (as Lightning uses when there is no optimizer) saves.
+    sp.save(str(tmp_path / "f"), {"optimizer": _EmptyDict([torch.zeros(1)])})
 
 
 def test_selected_keys_leave_the_rest_of_a_protocol_object_as_it_was(tmp_path):
