@@ -12,6 +12,7 @@ from torch import nn
 
 __all__ = [
     "FusedQKV",
+    "titan_qkv",
     "ScaledLinear",
     "Forgetful",
     "HookedNet",
@@ -36,7 +37,7 @@ class FusedQKV(nn.Module):
 
     The post-hook splits the fused weight into copies (gathered to replicated
     first under FSDP2, so the split is local); the load pre-hook merges them
-    back and lays the result out like the live parameter.
+    back.
     """
 
     def __init__(self, dim: int, q: int, kv: int):
@@ -64,11 +65,9 @@ class FusedQKV(nn.Module):
         names = [f"{prefix}{n}.weight" for n in ("wq", "wk", "wv")]
         if not all(n in state_dict for n in names):
             return
-        w = torch.cat([state_dict.pop(n) for n in names], dim=0)
-        live = module.wqkv.weight
-        if _is_dtensor(w) and _is_dtensor(live):
-            w = w.redistribute(live.device_mesh, live.placements)
-        state_dict[f"{prefix}wqkv.weight"] = w
+        # Under FSDP2 the merged weight stays replicated: copying it into the sharded parameter
+        # (inside load_state_dict) keeps this rank's rows.
+        state_dict[f"{prefix}wqkv.weight"] = torch.cat([state_dict.pop(n) for n in names], dim=0)
 
 
 class ScaledLinear(nn.Module):
@@ -103,23 +102,34 @@ class Forgetful(nn.Linear):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
+def titan_qkv(dim: int) -> nn.Module:
+    """torchtitan's own fused QKV linear (with its own split/merge state-dict hooks), shaped like FusedQKV's."""
+    from torchtitan.models.common.attention import FusedQKVLinear
+    from torchtitan.models.common.linear import Linear
+
+    hd, heads, kv = 4, dim // 4, dim // 8
+    out = kv * (heads // kv + 2) * hd
+    cfg = FusedQKVLinear.Config(head_dim=hd, n_heads=heads, n_kv_heads=kv, wqkv=Linear.Config(in_features=dim, out_features=out))
+    return FusedQKVLinear(cfg)
+
+
 class Block(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, titan: bool = False):
         super().__init__()
-        self.attn = FusedQKV(dim, dim, dim // 2)
+        self.attn = titan_qkv(dim) if titan else FusedQKV(dim, dim, dim // 2)
         self.out = nn.Linear(2 * dim, dim)
 
     def forward(self, x):
-        q, k, v = self.attn(x)
+        q, k, v = (t.flatten(-2) if t.dim() == 4 else t for t in self.attn(x))  # torchtitan's: per head
         return x + torch.tanh(self.out(torch.cat([q, k * v.sum(-1, keepdim=True).tanh(), v], dim=-1)))
 
 
 class HookedNet(nn.Module):
-    """Two blocks with fused, hook-split QKV weights, a scaled head; optionally a forgetful layer."""
+    """Two blocks with fused, hook-split QKV weights (ours or torchtitan's), a cached head; optionally a forgetful layer."""
 
-    def __init__(self, dim: int = DIM, forgetful: bool = False):
+    def __init__(self, dim: int = DIM, forgetful: bool = False, titan: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList([Block(dim) for _ in range(2)])
+        self.blocks = nn.ModuleList([Block(dim, titan) for _ in range(2)])
         self.head = ScaledLinear(dim, dim)
         self.tail = Forgetful(dim, 1) if forgetful else nn.Linear(dim, 1)
 

@@ -50,14 +50,20 @@ def _round_trip(tmp_path, make, steps: int = 3):
     return ref, want, got, _train(model2, opt2, 1, steps), report
 
 
-def _hooked(seed: int):
-    torch.manual_seed(seed)
-    m = HookedNet()
-    return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+def _hooked(titan: bool):
+    def make(seed: int):
+        torch.manual_seed(seed)
+        m = HookedNet(titan=titan)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    return make
 
 
-def test_fused_qkv_hooks_and_load_override_restore_exactly(tmp_path):
-    ref, want, got, after, report = _round_trip(tmp_path, _hooked)
+@pytest.mark.parametrize("qkv", ["ours", "torchtitan"])
+def test_fused_qkv_hooks_and_load_override_restore_exactly(tmp_path, qkv):
+    if qkv == "torchtitan":
+        pytest.importorskip("torchtitan.models.common.attention")
+    ref, want, got, after, report = _round_trip(tmp_path, _hooked(qkv == "torchtitan"))
     names = set(sp.read_manifest(str(tmp_path / "ck")).tensors)
     # The checkpoint holds the split copies (what the hook returns), never the fused weight.
     assert "model.blocks.0.attn.wq.weight" in names and "model.blocks.0.attn.wqkv.weight" not in names

@@ -38,9 +38,9 @@ def _fsdp2(model: nn.Module, units) -> nn.Module:
 
 
 # ------------------------------------------------------------------ builders: (model, optimizer, loss fn)
-def _hooked(seed: int):
+def _hooked(seed: int, titan: bool = False):
     torch.manual_seed(seed)
-    m = HookedNet()
+    m = HookedNet(titan=titan)
     _fsdp2(m, list(m.blocks))
     return m, torch.optim.AdamW(m.parameters(), lr=1e-2), loss_of
 
@@ -104,6 +104,7 @@ def _llama(seed: int, layout: str):
 
 CASES = {
     "hooks_fsdp2": _hooked,
+    "titan_hooks_fsdp2": lambda seed: _hooked(seed, titan=True),
     "parts_fsdp2": _parts,
     "titan_fsdp2": _titan,
     "llama_fsdp2": lambda seed: _llama(seed, "fsdp2"),
