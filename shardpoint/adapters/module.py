@@ -57,12 +57,15 @@ def module_framework(m: nn.Module) -> str:
 # Load hooks that torch's own parallelisms register and that a fill in place already honours:
 # FSDP2 reshards before loading (``to_sharded_hook``) and re-points its sharded parameter after
 # loading (a lambda made in ``FSDPParam.__init__``); neither changes what the values are.
-_KNOWN_LOAD_HOOKS = ("to_sharded_hook", "FSDPParam.__init__.<locals>.<lambda>")
+_KNOWN_LOAD_HOOKS = frozenset({
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam.__init__.<locals>.<lambda>"),
+})
 
 
-def _hook_name(h: Any) -> str:
+def _hook_name(h: Any) -> tuple[str, str]:
     fn = getattr(h, "hook", h)  # pre-hooks are stored wrapped (torch's _WrappedHook)
-    return getattr(fn, "__qualname__", "") or ""
+    return getattr(fn, "__module__", "") or "", getattr(fn, "__qualname__", "") or ""
 
 
 def _own_load(sub: nn.Module, root: bool) -> bool:
@@ -80,7 +83,7 @@ def _own_load(sub: nn.Module, root: bool) -> bool:
         return True
     for hooks in (sub._load_state_dict_pre_hooks, sub._load_state_dict_post_hooks):
         for h in hooks.values():
-            if not _hook_name(h).endswith(_KNOWN_LOAD_HOOKS):
+            if _hook_name(h) not in _KNOWN_LOAD_HOOKS:
                 return True
     return False
 
