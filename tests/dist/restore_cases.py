@@ -164,4 +164,21 @@ def run_job(rank: int, world: int, root: str, cases: list[str]) -> dict:
         assert after == want, (name, after, want)
         assert report.not_restored == [], (name, report.not_restored)
         out[name] = {"loss": after[0], "tensors": len(ref)}
+    out["not_landed"] = _not_landed(os.path.join(root, "forgetful"))
     return out
+
+
+def _not_landed(path: str) -> str:
+    """A load that cannot land under FSDP2 raises the same typed error on every rank."""
+    torch.manual_seed(0)
+    m = _fsdp2(HookedNet(forgetful=True), [])
+    sp.save(path, {"model": m})
+    torch.manual_seed(1)
+    m2 = _fsdp2(HookedNet(forgetful=True), [])
+    try:
+        sp.load(path, {"model": m2})
+    except sp.StateNotRestoredError as e:
+        msg = str(e)
+        assert "'model.tail.bias'" in msg and "did not reach the live state" in msg, msg
+        return type(e).__name__
+    raise AssertionError("a load whose bias was dropped by _load_from_state_dict succeeded")
