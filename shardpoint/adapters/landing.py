@@ -132,15 +132,12 @@ def same_bits(a: Any, b: Any) -> bool:
     a, b = a.detach(), b.detach()
     if a.device != b.device:
         b = b.to(a.device)
-    if torch.equal(a, b):
-        return True
-    bits = _BITS.get(a.element_size())
-    if bits is None or not (a.is_floating_point() or a.is_complex()):
-        return False
     if a.is_complex():
         a, b = torch.view_as_real(a), torch.view_as_real(b)
-        bits = _BITS.get(a.element_size())
-    return torch.equal(a.view(bits), b.view(bits))
+    bits = _BITS.get(a.element_size()) if a.is_floating_point() else None
+    if bits is None:
+        return torch.equal(a, b)
+    return torch.equal(a.view(bits), b.view(bits))  # NaN equals itself, -0.0 differs from 0.0
 
 
 def unlanded(targets: Iterable[LoadTarget], live: set[int], vouched: Mapping[int, bool] | None = None) -> list[str]:
