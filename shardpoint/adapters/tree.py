@@ -163,8 +163,14 @@ class StatefulAdapter:
         return part
 
     def load(self, key, obj, doc, tensors, ctx, where="<checkpoint>") -> LoadPart:
-        part, holder, settle = decode_tree(key, doc, obj.state_dict(), tensors, ctx, where)
+        current = obj.state_dict()
+        part, holder, settle = decode_tree(key, doc, current, tensors, ctx, where)
         verify = isinstance(obj, torch.optim.Optimizer)
+        if verify:
+            # State the optimizer holds now but the checkpoint has no value for would keep its
+            # current (freshly initialised) value: that is missing, not loaded.
+            referenced = part.consumed | set(part.missing)
+            part.missing.extend(f for f in _existing_tensors(key, current) if f not in referenced)
         vouched: dict[int, bool] = {}
 
         def finish():

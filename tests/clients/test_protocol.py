@@ -222,3 +222,17 @@ def test_selected_keys_leave_the_rest_of_a_protocol_object_as_it_was(tmp_path):
     for k, v in got.items():
         want = ref[k] if k.startswith("opt.front.") else before[k]
         assert torch.equal(v, want), k
+
+
+def test_container_state_missing_from_the_checkpoint_is_reported(tmp_path):
+    torch.manual_seed(0)
+    m = TwoParts()
+    front_only = PartsOptimizer(m.parts()[:1])
+    loss_of(m, 0).backward()
+    front_only.step()
+    sp.save(str(tmp_path / "ck"), {"optimizer": front_only})
+    full = PartsOptimizer(TwoParts().parts())
+    with pytest.raises(sp.KeyMismatchError) as e:
+        sp.load(str(tmp_path / "ck"), {"optimizer": full})
+    assert "optimizer.state.back.0.weight.exp_avg" in e.value.missing
+    assert not [n for n in e.value.missing if ".front." in n]
