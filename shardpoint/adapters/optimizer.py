@@ -73,9 +73,10 @@ def check_saved_state(key: str, opt: Any, state_tensors: int) -> None:
 
     An optimizer whose own ``.state`` is empty while the optimizers it holds
     have state keeps its real state in them: saving it would save nothing, so
-    that is an error (a warning while they have none yet). A subclass from outside torch with an empty ``.state`` while its
-    parameters hold gradients may have stepped without recording state here;
-    that gets a warning.
+    that is an error (a warning while they have none yet). A subclass from
+    outside torch with an empty ``.state`` while its parameters hold
+    gradients may have stepped without recording state here; that gets a
+    warning.
     """
     if state_tensors or not isinstance(opt, torch.optim.Optimizer) or opt.state:
         return
