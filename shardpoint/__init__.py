@@ -29,9 +29,11 @@ from .errors import (
     DistributedError,
     FormatError,
     IncompleteCheckpointError,
+    IncompleteStateError,
     KeyMismatchError,
     MissingDependencyError,
     ShapeMismatchError,
+    StateNotRestoredError,
     StorageError,
     UnsupportedStateError,
 )
@@ -84,4 +86,6 @@ __all__ = [
     "UnsupportedStateError",
     "DistributedError",
     "MissingDependencyError",
+    "StateNotRestoredError",
+    "IncompleteStateError",
 ]
