@@ -40,6 +40,7 @@ from .adapters.megatron import is_megatron, megatron_global_shapes
 from .geometry import Box
 from .errors import StorageError
 from .format.index import encode_index, fqn_key, index_digest
+from .format.strict import Limits
 from .format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, Manifest, RankFiles, TensorMeta, rank_runs
 from .grid import Grid
 from .planning.save_plan import ReplicaItem, assign_writers
@@ -227,7 +228,7 @@ class _Prepared:
         if files:
             (data, _size), = files.items()
             index = data[: -len(".bin")] + ".idx"
-            blob = encode_index(records)
+            blob = encode_index(records, {t.fqn: dtype_name(t.data.dtype) for t in self.mine})
             try:
                 with storage.open_writer(index) as w:
                     w.write(blob)
@@ -568,7 +569,7 @@ def _commit(storage: Storage, save_id: str, world: int, block: int, statuses: li
     tensors: dict[str, TensorMeta] = {}
     keys: dict[int, str] = {}
     for fqn, (dt, shape) in meta.items():
-        other = keys.setdefault(fqn_key(fqn), fqn)
+        other = keys.setdefault(fqn_key(fqn, dt), fqn)
         if other != fqn:
             raise UnsupportedStateError(f"{where}: tensor names {other!r} and {fqn!r} share a 64-bit key; rename one")
         g = grids[fqn]
@@ -708,7 +709,7 @@ def read_manifest(path: str | Storage, *, chunks: bool = True) -> Manifest:
 
 def _manifest_bytes(storage: Storage) -> bytes:
     try:
-        return storage.get(MANIFEST_NAME)
+        return storage.get_limited(MANIFEST_NAME, Limits.from_env().manifest_bytes)
     except FileNotFoundError:
         if not storage.location_exists():
             raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: the path does not exist") from None

@@ -23,6 +23,7 @@ from typing import Iterable, Mapping
 from ..errors import CorruptCheckpointError
 from ..format.index import ChunkIndex, index_digest
 from ..format.manifest import ChunkMeta, Manifest, TensorMeta
+from ..format.strict import Limits
 from ..geometry import Box
 from ..storage.base import Storage
 
@@ -47,8 +48,14 @@ class IndexReader:
         if entry is None:
             return None
         size = self.manifest.files[entry.index]
+        limit = Limits.from_env().index_bytes
+        if size > limit:
+            raise CorruptCheckpointError(
+                f"{self.where}: the manifest says index file {entry.index} of rank {rank} is {size} bytes, "
+                f"over the limit of {limit} (SHARDPOINT_MAX_INDEX_BYTES)"
+            )
         try:
-            data = self.storage.get(entry.index)
+            data = self.storage.get_limited(entry.index, limit)
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"{self.where}: index file {entry.index} of rank {rank} is missing; the checkpoint is damaged"
@@ -75,7 +82,7 @@ class IndexReader:
                 for r in range(a, b):
                     idx = self.index(r)
                     if idx is not None:
-                        out.extend(idx.chunks(fqn, meta.shape, meta.itemsize, what))
+                        out.extend(idx.chunks(fqn, meta.shape, meta.itemsize, what, meta.dtype))
             if boxes is not None:
                 wanted = list(boxes)
                 out = [c for c in out if any(_touches(c.box, w) for w in wanted)]
@@ -103,7 +110,7 @@ class IndexReader:
 
     def _shard_chunk(self, fqn: str, meta: TensorMeta, rank: int, shard: Box, what: str) -> ChunkMeta:
         idx = self.index(rank)
-        rows = [] if idx is None else idx.chunks(fqn, meta.shape, meta.itemsize, what)
+        rows = [] if idx is None else idx.chunks(fqn, meta.shape, meta.itemsize, what, meta.dtype)
         for c in rows:
             if c.flat is None and (c.box == shard or (c.box.numel == 0 and shard.numel == 0)):
                 return c

@@ -16,6 +16,14 @@ first write) gets buffered writes instead, with the reason logged once and
 kept in :attr:`LocalStorage.direct_fallback_reason`. Reads and manifests are
 always buffered. See docs/design.md ("Local writes: positional, O_DIRECT")
 for when O_DIRECT pays.
+
+Every file is opened for reading as untrusted (:func:`open_inside`): path
+components are opened one by one relative to the checkpoint folder with
+``O_NOFOLLOW``, so no symbolic link inside the checkpoint is followed (the
+checkpoint folder itself may be one); the file is opened with ``O_NONBLOCK``
+(a FIFO cannot block the open) and refused unless ``fstat`` says it is a
+regular file. Refusals raise :class:`~shardpoint.errors.UnsafeCheckpointError`
+naming the file.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import logging
 import mmap
 import os
 import queue
+import stat
 import sys
 import threading
 import uuid
@@ -35,10 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StorageError
+from ..errors import StorageError, UnsafeCheckpointError
 from .base import ShortReadError, Storage, Writer, merged_options
 
-__all__ = ["LocalOptions", "LocalStorage"]
+__all__ = ["LocalOptions", "LocalStorage", "open_inside"]
 
 log = logging.getLogger("shardpoint.storage.local")
 
@@ -101,6 +110,87 @@ class LocalOptions:
             )
         if self.direct_buffers < 1:
             raise ValueError(f"LocalOptions.direct_buffers must be at least 1, got {self.direct_buffers}")
+
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _kind(mode: int) -> str:
+    for test, word in (
+        (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return word
+    return "not a regular file"
+
+
+def open_inside(root: str, name: str, url: str = "") -> int:
+    """Open ``root/name`` for reading as untrusted input; return the descriptor (the caller closes it).
+
+    Each component of ``name`` is opened relative to the previous one with
+    ``O_NOFOLLOW`` (a symbolic link anywhere below ``root`` is refused, so
+    nothing outside ``root`` is reached); the file is checked with
+    ``lstat`` before and ``fstat`` after a non-blocking open, and only a
+    regular file is accepted. Raises ``FileNotFoundError`` for a missing
+    file, :class:`UnsafeCheckpointError` naming the file for anything else
+    that is not a plain file, and :class:`StorageError` for other failures.
+
+    Example::
+
+        fd = open_inside("ckpt/step_100", "manifest.json")
+        try: data = os.pread(fd, 100, 0)
+        finally: os.close(fd)
+    """
+    where = f"{url or root}: {name}"
+    parts = name.split("/")
+    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise UnsafeCheckpointError(f"{where}: refusing unsafe file name {name!r}")
+    try:
+        dfd = os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(f"{where} does not exist") from None
+    except OSError as e:
+        raise StorageError(f"{where}: cannot open the checkpoint folder: {e}") from None
+    try:
+        for i, comp in enumerate(parts):
+            try:
+                st = os.stat(comp, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{where} does not exist") from None
+            last = i == len(parts) - 1
+            if stat.S_ISLNK(st.st_mode) or (not last and not stat.S_ISDIR(st.st_mode)) or (last and not stat.S_ISREG(st.st_mode)):
+                what = "/".join(parts[: i + 1])
+                raise UnsafeCheckpointError(
+                    f"{where}: {what} is {_kind(st.st_mode)}; a checkpoint holds only regular files and folders "
+                    "(links, FIFOs and devices are refused)"
+                )
+            flags = os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | (_O_NONBLOCK if last else _O_DIRECTORY)
+            try:
+                nfd = os.open(comp, flags, dir_fd=dfd)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{where} does not exist") from None
+            except OSError as e:  # ELOOP: replaced by a link since the lstat
+                if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO, errno.EISDIR):
+                    raise UnsafeCheckpointError(f"{where}: refused ({e.strerror}); it is not a regular file") from None
+                raise StorageError(f"{where}: cannot open: {e}") from None
+            os.close(dfd)
+            dfd = nfd
+        fd, dfd = dfd, -1
+    finally:
+        if dfd >= 0:
+            os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeCheckpointError(f"{where} is {_kind(st.st_mode)}, not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 _LIBC: Any = None
@@ -262,8 +352,8 @@ class _ReadFiles:
     def __setstate__(self, state: dict) -> None:
         self.__init__()
 
-    def get(self, path: str) -> tuple[int, bool]:
-        """An open descriptor for ``path`` and whether the caller must close it."""
+    def get(self, path: str, opener) -> tuple[int, bool]:
+        """An open descriptor for ``path`` (``opener()`` opens it) and whether the caller must close it."""
         fd = self.fds.get(path)
         if fd is not None:
             return fd, False
@@ -271,7 +361,7 @@ class _ReadFiles:
             fd = self.fds.get(path)
             if fd is not None:
                 return fd, False
-            fd = os.open(path, os.O_RDONLY)
+            fd = opener()
             if len(self.fds) >= self.limit:
                 return fd, True
             if hasattr(os, "posix_fadvise"):
@@ -282,7 +372,7 @@ class _ReadFiles:
             self.fds[path] = fd
             return fd, False
 
-    def mapping(self, path: str) -> mmap.mmap | None:
+    def mapping(self, path: str, opener) -> mmap.mmap | None:
         """A copy-on-write mapping of the whole file as it is now, or None where it cannot be mapped.
 
         Copy-on-write (never written) so that tensors can view it without a
@@ -292,8 +382,8 @@ class _ReadFiles:
         if path in self.maps:
             return self.maps[path]
         try:
-            fd, own = self.get(path)
-        except OSError:  # missing or unreadable: the read that follows reports it, naming the tensor
+            fd, own = self.get(path, opener)
+        except (OSError, StorageError):  # missing, unsafe or unreadable: the read that follows reports it
             return None
         try:
             size = os.fstat(fd).st_size
@@ -612,9 +702,9 @@ class LocalStorage(Storage):
         """
         path = self._path(name)
         if name.startswith("data/"):  # written once under a unique name: safe to keep open
-            fd, own = self._reads.get(path)
+            fd, own = self._reads.get(path, lambda: open_inside(self.root, name, self.url))
         else:  # manifests and the like are replaced by rename: open the current file
-            fd, own = os.open(path, os.O_RDONLY), True
+            fd, own = open_inside(self.root, name, self.url), True
         total = 0
         try:
             for offset, buf in parts:
@@ -646,7 +736,7 @@ class LocalStorage(Storage):
         """
         if not self.options.mmap_reads or not name.startswith("data/") or length <= 0 or offset < 0:
             return None
-        mm = self._reads.mapping(self._path(name))
+        mm = self._reads.mapping(self._path(name), lambda: open_inside(self.root, name, self.url))
         if mm is None or offset + length > len(mm):
             return None
         if self.options.mmap_reads == "auto" and not populate_supported(mm) and resident_fraction(mm, offset, length) < 0.5:
@@ -707,13 +797,42 @@ class LocalStorage(Storage):
         self.stats.add_write(len(data))
 
     def get(self, name: str) -> bytes:
-        with open(self._path(name), "rb") as f:
-            data = f.read()
+        return self._read_whole(name, None)
+
+    def get_limited(self, name: str, limit: int) -> bytes:
+        """``get`` through one descriptor: opened safely, its ``fstat`` size checked, then at most ``limit`` bytes read."""
+        return self._read_whole(name, limit)
+
+    def _read_whole(self, name: str, limit: int | None) -> bytes:
+        self._path(name)
+        fd = open_inside(self.root, name, self.url)
+        try:
+            size = os.fstat(fd).st_size
+            if limit is not None and size > limit:
+                raise self._too_large(name, size, limit)
+            cap = size if limit is None else limit
+            parts, got = [], 0
+            while True:  # to the end, in case the file grew; never past the limit
+                chunk = os.pread(fd, max(1, min(cap + 1 - got, 16 << 20)) if limit is not None else 16 << 20, got)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                got += len(chunk)
+                if limit is not None and got > limit:
+                    raise self._too_large(name, got, limit)
+        finally:
+            os.close(fd)
+        data = b"".join(parts)
         self.stats.add_read(len(data))
         return data
 
     def size(self, name: str) -> int:
-        return os.stat(self._path(name)).st_size
+        self._path(name)
+        fd = open_inside(self.root, name, self.url)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def list(self, prefix: str = "") -> list[str]:
         out = []
