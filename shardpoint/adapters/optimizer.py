@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import ShapeMismatchError, UnsupportedStateError
-from ..format.values import decode_value, encode_value
+from ..format.values import check_optimizer_doc, decode_value, encode_value
 from ..geometry import Box
 from .base import AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor, dtype_name, torch_dtype
 from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
@@ -80,9 +80,7 @@ class OptimizerAdapter:
 
     def load(self, key, opt, doc, tensors: Mapping[str, Any], ctx, where="<checkpoint>") -> LoadPart:
         part = LoadPart()
-        saved_state = doc.get("state", {})
-        saved_groups = doc.get("groups", [])
-        group_of = doc.get("group_of", {})
+        saved_state, saved_groups, group_of = check_optimizer_doc(doc, f"{where}: entry {key!r}")
         new_state: dict[int, tuple[torch.Tensor, Any]] = {}
         cleared: list[torch.Tensor] = []
         seen = set()

@@ -163,9 +163,9 @@ def open_inside(root: str, name: str, url: str = "") -> int:
                 raise FileNotFoundError(f"{where} does not exist") from None
             last = i == len(parts) - 1
             if stat.S_ISLNK(st.st_mode) or (not last and not stat.S_ISDIR(st.st_mode)) or (last and not stat.S_ISREG(st.st_mode)):
-                what = "/".join(parts[: i + 1])
+                what = "" if last else f" (its folder {'/'.join(parts[: i + 1])})"
                 raise UnsafeCheckpointError(
-                    f"{where}: {what} is {_kind(st.st_mode)}; a checkpoint holds only regular files and folders "
+                    f"{where}{what} is {_kind(st.st_mode)}; a checkpoint holds only regular files and folders "
                     "(links, FIFOs and devices are refused)"
                 )
             flags = os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | (_O_NONBLOCK if last else _O_DIRECTORY)
