@@ -322,6 +322,22 @@ class FsspecStorage(Storage):
         self.stats.add_read(len(data))
         return data
 
+    def get_limited(self, name: str, limit: int) -> bytes:
+        """``get`` of a metadata file: its size and type checked first, then at most ``limit + 1`` bytes read."""
+        n = self.size(name)  # a directory, FIFO or device is "not a file" here
+        if n > limit:
+            raise self._too_large(name, n, limit)
+        try:
+            data = self.fs.cat_file(self._path(name), start=0, end=limit + 1)
+        except (FileNotFoundError, IsADirectoryError):
+            raise FileNotFoundError(f"{self.url}: {name} does not exist") from None
+        except Exception as e:  # noqa: BLE001
+            raise self._wrap("get", name, e) from e
+        if len(data) > limit:
+            raise self._too_large(name, len(data), limit)
+        self.stats.add_read(len(data))
+        return data
+
     def size(self, name: str) -> int:
         try:
             info = self.fs.info(self._path(name))
