@@ -77,10 +77,10 @@ def test_console_script_runs():
 def test_inspect_table_and_json(ckpt, capsys):
     assert main(["inspect", ckpt]) == 0
     out = capsys.readouterr().out
-    assert "model.0.weight" in out and "format v2" in out and "extra" in out
+    assert "model.0.weight" in out and "format v3" in out and "extra" in out
     assert main(["inspect", ckpt, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["format_version"] == 2 and doc["tensors"]["model.0.weight"]["shape"] == [16, 8]
+    assert doc["format_version"] == 3 and doc["tensors"]["model.0.weight"]["shape"] == [16, 8]
     assert doc["tensors"]["model.0.weight"]["ranks"] == [0]
 
 
