@@ -41,6 +41,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from .api import read_manifest
+from .engine.indexes import IndexReader
 from .engine.io import verify_chunk
 from .errors import CheckpointError
 from .storage import storage_for
@@ -135,7 +136,7 @@ def _inspect(args) -> int:
 def verify_checkpoint(path: str, jobs: int = 4, quiet: bool = True) -> tuple[int, list[str]]:
     """Check every data file and chunk checksum of ``path``; return (chunks checked, problems)."""
     storage = storage_for(path)
-    m = read_manifest(storage)
+    m = read_manifest(storage, chunks=False)  # unreadable metadata is an error (exit 2), not damage found
     problems: list[str] = []
     for name, size in m.files.items():
         try:
@@ -148,7 +149,16 @@ def verify_checkpoint(path: str, jobs: int = 4, quiet: bool = True) -> tuple[int
             continue
         if real < size:
             problems.append(f"data file {name} is truncated: {real} of {size} bytes")
-    work = [(fqn, c) for fqn, t in m.tensors.items() for c in t.chunks]
+    work = []
+    reader = IndexReader(storage, m, storage.url)
+    for fqn, t in m.tensors.items():
+        try:  # a missing, unsafe or damaged index file is damage found, reported once
+            chunks = t.chunks if t.chunks is not None else reader.chunks(fqn)
+        except CheckpointError as e:
+            if str(e) not in problems:
+                problems.append(str(e))
+            continue
+        work.extend((fqn, c) for c in chunks)
     from tqdm import tqdm
 
     def check(item):
