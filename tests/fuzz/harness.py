@@ -27,11 +27,13 @@ from torch import nn
 import shardpoint as sp
 
 __all__ = [
-    "TRIALS", "SEED", "CASE_SECONDS", "Outcome", "Tally", "TrialTimeout", "time_bound",
+    "TRIALS", "STRUCTURED_TRIALS", "SEED", "CASE_SECONDS", "Outcome", "Tally", "TrialTimeout", "time_bound",
     "build_state", "fresh_state", "save_small", "snapshot", "load_verdict", "copy_checkpoint",
 ]
 
 TRIALS = int(os.environ.get("SHARDPOINT_FUZZ_TRIALS", "200"))
+# Each structured-mutation test runs half as many by default (they re-seal and re-read more).
+STRUCTURED_TRIALS = int(os.environ.get("SHARDPOINT_FUZZ_STRUCTURED", str(max(50, TRIALS // 2))))
 SEED = int(os.environ.get("SHARDPOINT_FUZZ_SEED", "0"))
 # Each case must end within this many seconds (they take milliseconds).
 CASE_SECONDS = 5
