@@ -478,6 +478,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - bad input of any kind: one line, exit 2, never a traceback
         _error_line(e)
         return 2
+    except BaseException as e:  # e.g. a library's BaseException-derived error; never SystemExit's job
+        if isinstance(e, SystemExit):
+            raise
+        _error_line(e)
+        return 2
 
 
 def _error_line(e: BaseException) -> None:
