@@ -28,6 +28,7 @@ import collections
 import binascii
 import math
 import pickle
+import re
 from typing import Any, Callable
 
 import torch
@@ -143,7 +144,7 @@ def decode_value(
         return float(v)
     if tag == "int":
         text = _field(doc, "v", str, tag, where)
-        if not 0 < len(text) <= MAX_INT_DIGITS + 1 or not text.lstrip("-").isdigit() or not text.isascii():
+        if len(text) > MAX_INT_DIGITS + 1 or not re.fullmatch(r"-?[0-9]+", text):
             raise FormatError(f"{where}: malformed 'int' value {text[:40]!r}")
         return int(text)
     if tag == "tuple":
