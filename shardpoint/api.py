@@ -720,8 +720,8 @@ def _check_provided(storage: Storage, meta: TensorMeta, name: str, box: Box) -> 
                 raise CorruptCheckpointError(f"{storage.url}: data file {c.file} of tensor {name!r} is missing") from None
         if c.offset + c.nbytes > sizes[c.file]:
             raise CorruptCheckpointError(
-                f"{storage.url}: tensor {name!r}: chunk bytes [{c.offset}, {c.offset + c.nbytes}) run past the end "
-                f"of {c.file} ({sizes[c.file]} bytes); the file is truncated"
+                f"{storage.url}: data file {c.file} of tensor {name!r} is shorter than the manifest says "
+                f"(truncated?): its chunk bytes [{c.offset}, {c.offset + c.nbytes}) run past its {sizes[c.file]} bytes"
             )
 
 
