@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -128,23 +129,36 @@ def _check_str(s: str, limits: Limits) -> None:
             raise FormatError(f"string {s[:40]!r} holds a lone surrogate, which is not valid Unicode text") from None
 
 
-def _walk(doc: Any, limits: Limits) -> None:
-    """Check nesting depth and every string (keys included), iteratively."""
-    stack = [(doc, 1)]
+def _check_depth(doc: Any, limit: int) -> None:
+    """Nesting of arrays and objects at most ``limit``: one pass per level over containers only."""
+    level, depth = [doc], 1
+    while level:
+        if depth > limit:
+            raise FormatError(f"nesting deeper than {limit} levels")
+        nxt: list = []
+        add = nxt.extend
+        for v in level:
+            add([x for x in (v.values() if type(v) is dict else v) if type(x) is dict or type(x) is list])
+        level, depth = nxt, depth + 1
+
+
+def _walk_strings(doc: Any, limits: Limits) -> None:
+    """Check every string, keys included (only when a cheap scan of the text says it may be needed)."""
+    stack = [doc]
     while stack:
-        v, d = stack.pop()
+        v = stack.pop()
         if isinstance(v, str):
             _check_str(v, limits)
-        elif isinstance(v, (dict, list)):
-            if d > limits.depth:
-                raise FormatError(f"nesting deeper than {limits.depth} levels")
-            if isinstance(v, dict):
-                for k, x in v.items():
-                    _check_str(k, limits)
-                    if isinstance(x, (str, dict, list)):
-                        stack.append((x, d + 1))
-            else:
-                stack.extend((x, d + 1) for x in v if isinstance(x, (str, dict, list)))
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                _check_str(k, limits)
+                stack.append(x)
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+# A \uD800-\uDFFF escape: the only way JSON text can carry a surrogate (UTF-8 input cannot).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def strict_loads(data: bytes | str, where: str, limits: Limits | None = None, what: str = "metadata") -> Any:
@@ -169,7 +183,10 @@ def strict_loads(data: bytes | str, where: str, limits: Limits | None = None, wh
             parse_float=_parse_float,
             object_pairs_hook=_pairs,
         )
-        _walk(doc, limits)
+        if isinstance(doc, (dict, list)):
+            _check_depth(doc, limits.depth)
+        if len(text) > limits.string_chars or _SURROGATE_ESCAPE.search(text):
+            _walk_strings(doc, limits)
     except FormatError as e:
         raise FormatError(f"{where}: {what} is not valid JSON for this format: {e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError, MemoryError) as e:

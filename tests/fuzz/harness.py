@@ -28,7 +28,8 @@ import shardpoint as sp
 
 __all__ = [
     "TRIALS", "STRUCTURED_TRIALS", "SEED", "CASE_SECONDS", "Outcome", "Tally", "TrialTimeout", "time_bound",
-    "build_state", "fresh_state", "save_small", "snapshot", "load_verdict", "copy_checkpoint",
+    "build_state", "fresh_state", "save_small", "snapshot", "load_verdict", "read_verdict", "tensors_by_name",
+    "copy_checkpoint",
 ]
 
 TRIALS = int(os.environ.get("SHARDPOINT_FUZZ_TRIALS", "200"))
@@ -143,6 +144,31 @@ def load_verdict(path: str, want: dict, exact: bool = True) -> Outcome:
     if got != want:
         diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
         return Outcome("wrong", f"differs at {diff[:5]}")
+    return Outcome("exact")
+
+
+def tensors_by_name(path: str) -> dict:
+    """Every tensor of an intact checkpoint, read by name: the reference for :func:`read_verdict`."""
+    m = sp.read_manifest(path, chunks=False)
+    return {name: sp.read_tensor(path, name) for name in m.tensors}
+
+
+def read_verdict(path: str, want: dict) -> Outcome:
+    """``sp.read_tensor`` of every tensor of ``want`` under the time bound: all bit-exact, or a typed error."""
+    try:
+        with time_bound():
+            for name, t in want.items():
+                got = sp.read_tensor(path, name)
+                if got.dtype != t.dtype or got.shape != t.shape or not torch.equal(
+                    got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+                ):
+                    return Outcome("wrong", f"read_tensor({name!r}) differs")
+    except sp.CheckpointError as e:
+        return Outcome("typed", f"{type(e).__name__}: {str(e)[:160]}")
+    except TrialTimeout as e:
+        return Outcome("hang", str(e))
+    except Exception as e:  # noqa: BLE001
+        return Outcome("untyped", f"{type(e).__name__}: {str(e)[:300]}")
     return Outcome("exact")
 
 
