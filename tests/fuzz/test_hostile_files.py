@@ -214,3 +214,16 @@ def test_export_of_a_corrupt_checkpoint_leaves_nothing(original, tmp_path, capfd
     err = capfd.readouterr().err
     assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert sorted(os.listdir(tmp_path)) == ["t"], "no output and no temporary folder left behind"
+
+
+@pytest.mark.parametrize("case", ["data is a FIFO", "manifest is a FIFO", "index links to /dev/zero", "data/ links to an outside copy"])
+def test_fsspec_local_files_are_opened_as_safely(original, tmp_path, case):
+    from fsspec.implementations.local import LocalFileSystem
+
+    from shardpoint.storage.fsspec_bridge import FsspecStorage
+
+    trial, rel = _prepare(original, tmp_path, case)
+    st = FsspecStorage(LocalFileSystem(), trial)
+    for fn in (lambda: sp.load(st, fresh_state()), lambda: sp.read_tensor(st, "model.0.weight")):
+        e = _typed(fn)
+        assert isinstance(e, sp.UnsafeCheckpointError) and rel.split("/")[0] in str(e), e
