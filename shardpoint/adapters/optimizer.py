@@ -155,7 +155,7 @@ class OptimizerAdapter:
                     part.missing.append(fqn)
                     return None
                 part.consumed.add(fqn)
-                dest = torch.zeros(tuple(meta.shape), dtype=torch_dtype(meta.dtype))
+                dest = empty_like_target(None, tuple(meta.shape), torch_dtype(meta.dtype)).zero_()
                 part.targets.append(load_target(fqn, dest))
                 return dest
 
@@ -297,7 +297,7 @@ def _load_views(key, p, views, saved_state, group_of, tensors, part: LoadPart, c
                 return dest
             dest = scalars.get(suffix)
             if dest is None:  # one copy serves every original parameter of ``p``
-                dest = scalars[suffix] = torch.zeros(tuple(meta.shape), dtype=dt)
+                dest = scalars[suffix] = empty_like_target(None, tuple(meta.shape), dt).zero_()
                 part.targets.append(LoadTarget(fqn, dest, tuple(meta.shape), Box.full(meta.shape)))
             return dest
 
