@@ -43,7 +43,7 @@ from typing import Any
 
 from ..errors import CheckpointError, StorageError
 from .base import MissingDependencyError, Storage, Writer
-from .local import open_inside
+from .safe_open import open_inside
 
 __all__ = ["FsspecStorage"]
 

@@ -16,7 +16,7 @@ from shardpoint.format.manifest import ChunkMeta, Manifest, TensorMeta, RankFile
 from shardpoint.format.strict import Limits, strict_loads
 from shardpoint.format.values import check_optimizer_doc, decode_value, encode_value
 from shardpoint.geometry import Box
-from shardpoint.storage.local import open_inside
+from shardpoint.storage.safe_open import open_inside
 
 H = "0123456789abcdef"
 
