@@ -231,3 +231,11 @@ def test_import_deepspeed_refuses_without_trust(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "ConversionError" in err and "without trust_pickle" in err
+
+
+def test_help_documents_the_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "Exit status:" in out and "1  ``verify`` found damage" in out and "2  any error" in out
+    assert "renamed into place only on success" in out
