@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import ShapeMismatchError
+from ..errors import CheckpointError, FormatError, ShapeMismatchError
 from ..format.values import decode_value, encode_value
 from .base import AdapterContext, LoadPart, SavePart, dtype_name, torch_dtype
 from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
@@ -102,7 +102,16 @@ class StatefulAdapter:
         part, holder = decode_tree(key, doc, obj.state_dict(), tensors, ctx, where)
 
         def finish():
-            obj.load_state_dict(holder[0])
+            try:
+                obj.load_state_dict(holder[0])
+            except CheckpointError:
+                raise
+            except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+                # The state came from the checkpoint: a document the object refuses is bad input.
+                raise FormatError(
+                    f"{where}: entry {key!r}: the saved state does not fit {type(obj).__qualname__}.load_state_dict "
+                    f"({type(e).__name__}: {str(e)[:300]})"
+                ) from e
             return obj
 
         part.finish = finish

@@ -218,3 +218,58 @@ def test_consistent_rename_or_retype_never_loads(original, tmp_path, old, new, r
             m = sp.read_manifest(trial, chunks=False)
             for name in m.tensors:
                 sp.read_tensor(trial, name)
+
+
+def _stateful_state():
+    import torch
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    return {
+        "model": m,
+        "opt": opt,
+        "sched": torch.optim.lr_scheduler.StepLR(opt, 2),
+        "sampler": sp.ResumableSampler(50, seed=3),
+        "rng": sp.RNGState(generators=("python",)),
+        "extra": {"a": (1, 2), "b": {1: "x"}, "c": b"zz", "big": 2**70},
+    }
+
+
+def test_stateful_documents_of_samplers_schedulers_and_rng(tmp_path):
+    """Value documents restored through objects' own load_state_dict: a refused document is a FormatError."""
+    import random as pyrandom
+
+    saved_random = pyrandom.getstate()
+    try:
+        st = _stateful_state()
+        list(zip(range(7), iter(st["sampler"])))
+        path = str(tmp_path / "orig")
+        sp.save(path, st)
+        doc = json.loads(open(os.path.join(path, "manifest.json"), "rb").read())
+        doc.pop("digest")
+        rng = random.Random(SEED + 4)
+        tally = Tally()
+        n = max(50, STRUCTURED_TRIALS // 2)
+        for i in range(n):
+            d = json.loads(json.dumps(doc))
+            raws: list = []
+            what = _mutate(d["values"] if i % 2 else d, rng, raws)
+            trial = copy_checkpoint(path, str(tmp_path / "t"))
+            with open(os.path.join(trial, "manifest.json"), "wb") as f:
+                f.write(_reseal(_encode(d, raws)))
+            try:
+                with time_bound():
+                    sp.load(trial, _stateful_state())
+                o = Outcome("exact", "completed")
+            except sp.CheckpointError as e:
+                o = Outcome("typed", str(e)[:100])
+            except TrialTimeout as e:
+                o = Outcome("hang", str(e))
+            except Exception as e:  # noqa: BLE001
+                o = Outcome("untyped", f"{type(e).__name__}: {str(e)[:300]}")
+            tally.add(f"trial {i}: {what}", o)
+        print(f"\nstateful value-document mutations (seed {SEED}, {n} trials): {tally.line()}")
+        assert tally.passed == tally.total == n, "\n".join(tally.failures)
+    finally:
+        pyrandom.setstate(saved_random)
