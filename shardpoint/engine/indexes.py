@@ -66,10 +66,16 @@ class IndexReader:
                 f"{self.where}: index file {entry.index} of rank {rank} does not match the manifest "
                 f"({len(data)} bytes, expected {size}, or its digest differs); the checkpoint is corrupt"
             )
-        got = self._cache[rank] = ChunkIndex.parse(
+        got = ChunkIndex.parse(
             data, file=entry.data, file_size=self.manifest.files[entry.data], rank=rank,
             block=self.manifest.block_size, where=f"{self.where}: {entry.index}",
         )
+        if (got.version >= 3) != (self.manifest.format_version >= 3):
+            raise CorruptCheckpointError(
+                f"{self.where}: index file {entry.index} of rank {rank} has index version {got.version}, "
+                f"which a format-version-{self.manifest.format_version} manifest cannot name; the checkpoint is corrupt"
+            )
+        self._cache[rank] = got
         return got
 
     def chunks(self, fqn: str, boxes: Iterable[Box] | None = None) -> tuple[ChunkMeta, ...]:

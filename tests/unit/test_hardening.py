@@ -227,3 +227,27 @@ def test_open_inside_refuses_links_fifos_and_folders(tmp_path):
     # The checkpoint folder itself may be reached through a link.
     os.symlink(root, tmp_path / "link_to_ck")
     os.close(open_inside(str(tmp_path / "link_to_ck"), "data/ok.bin"))
+
+
+def test_a_version_2_index_named_by_a_version_3_manifest_is_refused(tmp_path):
+    """A downgrade (the index rewritten without dtype-bound keys, digests recomputed) cannot hide a retype."""
+    import torch
+
+    import shardpoint as sp
+
+    path = str(tmp_path / "ck")
+    sp.save(path, {"w": torch.arange(6.0)})
+    m = sp.read_manifest(path)
+    (rank,) = m.ranks
+    blob = encode_index([("w", m.tensors["w"].chunks[0])])  # version 2: keys without the dtype
+    with open(os.path.join(path, rank.index), "wb") as f:
+        f.write(blob)
+    raw = open(os.path.join(path, "manifest.json"), "rb").read()
+    doc = json.loads(raw)
+    doc.pop("digest")
+    doc["files"][rank.index] = len(blob)
+    doc["ranks"][0][2] = xxhash.xxh3_128_hexdigest(blob)
+    with open(os.path.join(path, "manifest.json"), "wb") as f:
+        f.write(seal(json.dumps(doc, separators=(",", ":")).encode()))
+    with pytest.raises(CorruptCheckpointError, match="has index version 2, which a format-version-3 manifest cannot name"):
+        sp.read_tensor(path, "w")
