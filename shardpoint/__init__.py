@@ -12,13 +12,14 @@ Example::
     sp.load("ckpt/step_100", state)
 """
 
-from .api import LoadResult, SaveResult, load, read_manifest, read_tensor, save
+from .api import CommitPolicy, LoadResult, SaveResult, load, read_manifest, read_tensor, save
 from .async_save import AsyncSaveHandle, AsyncSaver, async_save
 from .errors import (
     CheckpointConflictError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
+    ConcurrentSaveError,
     CorruptCheckpointError,
     DistributedError,
     FormatError,
@@ -48,6 +49,8 @@ __all__ = [
     "read_tensor",
     "SaveResult",
     "LoadResult",
+    "CommitPolicy",
+    "ConcurrentSaveError",
     "Storage",
     "LocalStorage",
     "MemoryStorage",

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .api import SaveResult, _check_block, _check_state, _data_file, _finish_save, _mark, _prepare
+from .engine.claim import CommitPolicy, SaveClaim
 from .monitor import Recorder, format_summary
 from .dist import Comm, run_guarded
 from .engine.io import DEFAULT_BLOCK_SIZE
@@ -211,10 +212,14 @@ class AsyncSaver:
         on_metrics: Any = None,
         layouts: Sequence[Any] = (),
         replicated_over: Any = None,
+        commit: CommitPolicy | None = None,
     ) -> AsyncSaveHandle:
         """Start saving ``state`` to ``path``; see the module docs for ``mode``.
 
-        ``layouts`` and ``replicated_over`` mean what they mean for :func:`shardpoint.save`.
+        ``layouts``, ``replicated_over`` and ``commit`` mean what they mean for
+        :func:`shardpoint.save`. The path is claimed in the background, before
+        the first data byte is written; a save to a path that another save is
+        writing fails in ``wait()`` with :class:`~shardpoint.errors.ConcurrentSaveError`.
         """
         if mode not in ("eager", "lazy"):
             raise ValueError(f"mode must be 'eager' or 'lazy', got {mode!r}")
@@ -246,11 +251,21 @@ class AsyncSaver:
             if items:
                 staged = StagedWrite(storage, _data_file(save_id, comm.rank), items, ring, comm.rank, block_size, self.piece_bytes, recorder=result.recorder)
 
+        policy = commit or CommitPolicy()
+        claims: list[SaveClaim] = []
+
         def finish() -> None:
             tb = time.monotonic()
             out = prep_out
             if prep_out.ok:
                 def write():
+                    if comm.rank == 0:
+                        try:
+                            claims.append(SaveClaim.acquire(storage.primary, policy, where))
+                        except BaseException:
+                            if staged is not None:
+                                staged.abandon()
+                            raise
                     files = {}
                     if staged is not None:
                         staged.write()
@@ -264,7 +279,7 @@ class AsyncSaver:
                 out = run_guarded(write)
             handle._written.set()
             try:
-                _finish_save(comm, storage, save_id, block_size, out, result, where)
+                _finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
                 _mark(result, "total", t0)
                 result.timings = result.recorder.summary()
                 result.recorder.emit(trace_dir, on_metrics)

@@ -91,8 +91,9 @@ from .errors import (
     IncompleteCheckpointError,
     StorageError,
 )
+from .engine.claim import claim_is_live
 from .format.manifest import MANIFEST_NAME
-from .storage import LocalStorage, MemoryStorage, S3Storage, Storage, storage_for
+from .storage import LocalStorage, Storage, storage_for
 
 __all__ = [
     "CheckpointManager",
@@ -1101,52 +1102,9 @@ class CheckpointManager:
     @staticmethod
     def _create_exclusive(st: Storage, body: bytes) -> bool:
         """Create the lock object only if absent; ``True`` when this call created it."""
-        if isinstance(st, LocalStorage):
-            os.makedirs(st.root, exist_ok=True)
-            path = os.path.join(st.root, LOCK_NAME)
-            # Write the body to a private file, then link it into place: the lock appears
-            # whole or not at all, so a racing save never reads an empty lock and breaks it.
-            tmp = os.path.join(st.root, f".{LOCK_NAME}.{uuid.uuid4().hex}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                os.write(fd, body)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-            finally:
-                os.unlink(tmp)
-            _fsync_dir(st.root)
-            return True
-        if isinstance(st, MemoryStorage):
-            # dict.setdefault is atomic under the GIL: exactly one caller inserts.
-            return st._objects.setdefault(st._key(LOCK_NAME), body) is body
-        put_if_absent = getattr(st, "put_if_absent", None)
-        if callable(put_if_absent):
-            return bool(put_if_absent(LOCK_NAME, body))
-        if isinstance(st, S3Storage):
-            # A conditional PUT (If-None-Match: *): S3 creates the object only if it is absent.
-            key = f"{st.prefix}/{LOCK_NAME}" if st.prefix else LOCK_NAME
-            try:
-                st.client.put_object(Bucket=st.bucket, Key=key, Body=body, IfNoneMatch="*")
-                return True
-            except Exception as e:  # noqa: BLE001 - botocore's ClientError, without importing botocore
-                err = getattr(e, "response", None) or {}
-                code = err.get("Error", {}).get("Code")
-                status = err.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
-                    return False
-                if code != "NotImplemented" and status != 501:
-                    raise
-                log.warning("%s: no conditional PUT here; the step lock is best effort", st.url)
-        # Best effort only (no conditional put): check, put, read back.
-        if st.exists(LOCK_NAME):
-            return False
-        st.put_atomic(LOCK_NAME, body)
-        return st.get(LOCK_NAME) == body
+        if not st.atomic_create:
+            log.warning("%s: no exclusive create on this storage; the step lock is best effort", st.url)
+        return st.create_exclusive(LOCK_NAME, body)
 
     def _release(self, st: Storage, token: bytes | None) -> None:
         if token is None:
@@ -1165,7 +1123,9 @@ class CheckpointManager:
             return
         try:
             names = st.list("")
-            if MANIFEST_NAME not in names:
+            if claim_is_live(st):
+                log.warning("%s: another save is writing here; its files are left alone", st.url)
+            elif MANIFEST_NAME not in names:
                 for n in names:
                     if n != LOCK_NAME:
                         st.delete(n)
@@ -1234,6 +1194,8 @@ class CheckpointManager:
         for s, f in sorted(folders.items()):
             if f.committed or s >= newest or s in writing:
                 continue
+            if claim_is_live(self.path(s)):
+                continue  # a save (not this manager's) is writing there
             if f.locked:
                 try:
                     info = json.loads(self.path(s).get(LOCK_NAME))
