@@ -44,7 +44,7 @@ import torch.distributed as dist
 from .api import SaveResult, _check_block, _check_state, _data_file, _finish_save, _mark, _prepare
 from .engine.claim import CommitPolicy, SaveClaim
 from .monitor import Recorder, format_summary
-from .dist import Comm, run_guarded
+from .dist import Comm, close_at_exit, destroy_private_group, run_guarded
 from .engine.io import DEFAULT_BLOCK_SIZE
 from .engine.pipeline import StagedWrite
 from .engine.staging import StagingRing
@@ -148,6 +148,11 @@ class AsyncSaver:
     threads by that many nice levels (Linux; 0 leaves it alone), so that
     when cores are oversubscribed the training threads, and other ranks
     still inside their save call, run first.
+
+    :meth:`close` waits for the in-flight save, stops the two worker threads
+    and destroys the private group; it also runs at interpreter exit for a
+    saver still open then, so that no gloo thread outlives the interpreter
+    (an abort at exit otherwise).
     """
 
     def __init__(
@@ -170,6 +175,30 @@ class AsyncSaver:
         # Two long-lived workers (writer and lazy copier): a thread start per save
         # waits for the new thread to take the GIL, which costs the loop milliseconds.
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._own_comm = False
+        close_at_exit(self.close)
+
+    def close(self) -> None:
+        """Wait for the in-flight save, then stop the worker threads and destroy the private group.
+
+        Local (no collective) and idempotent; the saver can be used again
+        afterwards (it starts new workers and a new group on demand). The
+        in-flight save's error, if any, is raised after the cleanup.
+
+        Example::
+
+            saver.save(path, state).wait(); saver.close()
+        """
+        try:
+            self.wait()
+        finally:
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.shutdown(wait=True)
+            comm, self._comm = self._comm, None
+            if self._own_comm:
+                destroy_private_group(comm)
+            self._own_comm = False
 
     def _workers(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:
@@ -189,6 +218,7 @@ class AsyncSaver:
                 # A private gloo group: background collectives cannot interleave with training ones.
                 kw = {} if self.timeout is None else {"timeout": datetime.timedelta(seconds=self.timeout)}
                 self._comm = Comm(dist.new_group(ranks=ranks, backend="gloo", **kw), True)
+                self._own_comm = True
             else:
                 self._comm = base
         return self._comm

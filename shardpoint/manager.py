@@ -79,7 +79,7 @@ from .api import load as _sp_load
 from .api import read_manifest
 from .api import save as _sp_save
 from .async_save import AsyncSaver
-from .dist import Comm
+from .dist import Comm, close_at_exit, destroy_private_group
 from .errors import (
     CheckpointConflictError,
     CheckpointError,
@@ -357,6 +357,12 @@ class _Watchdog:
             self._closed = True
             self._cv.notify()
 
+    def join(self) -> None:
+        """Wait for the thread to notice :meth:`close` (it wakes at once)."""
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
+
     def _run(self) -> None:
         while True:
             with self._cv:
@@ -622,6 +628,7 @@ class CheckpointManager:
         self._pg_arg = process_group
         self._staging_bytes = staging_bytes
         self._comm_obj: Comm | None = None
+        self._own_comm = False
         self._saver: AsyncSaver | None = None
         self._watchdog: _Watchdog | None = None
         self._pending: _Pending | None = None
@@ -639,6 +646,7 @@ class CheckpointManager:
         self._closed = False
         self._broken: str | None = None
         self._failed: BaseException | None = None  # a background save's error, not yet raised
+        close_at_exit(self._release)  # threads and the private group end before the interpreter does
         for p in self.policies:
             if isinstance(p, OnDemand) and p.signals:
                 p.install()
@@ -865,6 +873,25 @@ class CheckpointManager:
                     p.uninstall()
             if self._watchdog is not None:
                 self._watchdog.close()
+            self._release()
+
+    def _release(self) -> None:
+        """Local cleanup, also run at interpreter exit: join this manager's threads, close its
+        saver and destroy its private group before the interpreter shuts down."""
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog.join()
+        self._join_retention()
+        saver, self._saver = self._saver, None
+        if saver is not None:
+            try:
+                saver.close()
+            except Exception as e:  # noqa: BLE001 - the save's own error was reported by wait()
+                log.debug("closing the save workers: %s", e)
+        comm, self._comm_obj = self._comm_obj, None
+        if comm is not None and self._own_comm:
+            destroy_private_group(comm)
+        self._own_comm = False
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -902,6 +929,7 @@ class CheckpointManager:
                 kw = {} if self.timeout is None else {"timeout": timedelta(seconds=self.timeout)}
                 # A private gloo group: its timeout bounds every manager collective.
                 self._comm_obj = Comm(dist.new_group(ranks=ranks, backend="gloo", **kw), True)
+                self._own_comm = True
             else:
                 self._comm_obj = base
         return self._comm_obj
