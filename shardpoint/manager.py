@@ -646,7 +646,7 @@ class CheckpointManager:
         self._closed = False
         self._broken: str | None = None
         self._failed: BaseException | None = None  # a background save's error, not yet raised
-        close_at_exit(self._release)  # threads and the private group end before the interpreter does
+        close_at_exit(self._end_resources)  # threads and the private group end before the interpreter does
         for p in self.policies:
             if isinstance(p, OnDemand) and p.signals:
                 p.install()
@@ -873,9 +873,9 @@ class CheckpointManager:
                     p.uninstall()
             if self._watchdog is not None:
                 self._watchdog.close()
-            self._release()
+            self._end_resources()
 
-    def _release(self) -> None:
+    def _end_resources(self) -> None:
         """Local cleanup, also run at interpreter exit: join this manager's threads, close its
         saver and destroy its private group before the interpreter shuts down."""
         if self._watchdog is not None:
