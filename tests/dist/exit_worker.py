@@ -30,6 +30,16 @@ def main(root: str, destroy: bool) -> None:
     state = {"model": model, "optimizer": opt, "extra": {"step": 1}}
     sp.save(os.path.join(root, "sync"), state)
     sp.async_save(os.path.join(root, "async"), state, mode="lazy").wait()  # the default saver, never closed
+    saver = sp.AsyncSaver()
+    saver.save(os.path.join(root, "closed"), state).wait()
+    group = saver._coordination().group
+    saver.close()  # destroys its private group: using it now fails
+    try:
+        dist.get_process_group_ranks(group)
+        print("private group still alive", flush=True)
+    except (KeyError, ValueError, RuntimeError):
+        print("private group destroyed", flush=True)
+    del group
     mgr = sp.CheckpointManager(os.path.join(root, "run"), interval=1, async_mode="eager", timeout=120)
     mgr.maybe_save(1, state)
     mgr.wait()  # left open: its private group and threads must still end cleanly

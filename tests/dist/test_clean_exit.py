@@ -38,5 +38,6 @@ def test_every_rank_exits_zero(tmp_path, run):
     outs = [p.communicate(timeout=300) for p in procs]
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert f"rank {r} finished" in out or "rank ? finished" in out, err[-3000:]
+        assert "private group destroyed" in out, out
         assert "terminate called" not in err and "Fatal Python error" not in err, err[-3000:]
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-3000:]}"
