@@ -17,7 +17,7 @@ raise :class:`DistributedError` instead of hanging; ``process_group=sp.LOCAL``
 runs a save or load on the calling rank alone.
 """
 
-from .api import LoadResult, SaveResult, load, read_manifest, read_tensor, save
+from .api import CommitPolicy, LoadResult, SaveResult, load, read_manifest, read_tensor, save
 from .async_save import AsyncSaveHandle, AsyncSaver, async_save
 from .dist import LOCAL
 from .errors import (
@@ -25,6 +25,7 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
+    ConcurrentSaveError,
     CorruptCheckpointError,
     UnsafeCheckpointError,
     DistributedError,
@@ -59,6 +60,8 @@ __all__ = [
     "read_tensor",
     "SaveResult",
     "LoadResult",
+    "CommitPolicy",
+    "ConcurrentSaveError",
     "Storage",
     "LocalStorage",
     "MemoryStorage",

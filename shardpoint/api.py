@@ -25,6 +25,7 @@ from .adapters import AdapterContext, SaveTensor, WholeEntry, adapter_for, build
 from .dist import Comm, Outcome, raise_if_failed, run_guarded
 from .engine.io import DEFAULT_BLOCK_SIZE, write_chunks
 from .engine.indexes import IndexReader, resolve, resolve_all, wanted_box
+from .engine.claim import CommitPolicy, SaveClaim, cleanup_after_commit
 from .engine.load import execute_reads
 from .errors import (
     CheckpointNotFoundError,
@@ -54,7 +55,7 @@ from .monitor import Recorder, format_summary
 from .rank_local import rank_local_tensors
 from .storage import Storage, storage_for
 
-__all__ = ["save", "load", "read_tensor", "read_manifest", "SaveResult", "LoadResult"]
+__all__ = ["save", "load", "read_tensor", "read_manifest", "SaveResult", "LoadResult", "CommitPolicy"]
 
 log = logging.getLogger("shardpoint")
 
@@ -141,6 +142,7 @@ def save(
     on_metrics: Any = None,
     replicated_over: Any = None,
     collective_timeout: float | None = None,
+    commit: CommitPolicy | None = None,
 ) -> SaveResult:
     """Save ``state`` to ``path``; a collective when a process group is initialised.
 
@@ -168,6 +170,15 @@ def save(
     seconds (default: ``SHARDPOINT_COLLECTIVE_TIMEOUT``, else 600), raise
     :class:`DistributedError` instead of hanging (see :mod:`shardpoint.handshake`).
 
+    One save writes a path at a time: rank 0 claims it before any data is
+    written, and a save to a path that another save is writing raises
+    :class:`~shardpoint.errors.ConcurrentSaveError` without committing, so
+    the path keeps a whole checkpoint (the other save's, or what it held).
+    Files the new checkpoint no longer needs are removed after the commit,
+    once no committed manifest lists them and they are older than a grace
+    period. ``commit`` (a :class:`CommitPolicy`) sets the claim's lease and
+    that grace period; :mod:`shardpoint.engine.claim` states the guarantee.
+
     Example::
 
         sp.save("ckpt/step_100", {"model": model, "optimizer": opt, "extra": {"step": 100}})
@@ -186,9 +197,13 @@ def save(
     # Each rank names its data file with its own id: no collective is needed to start.
     save_id = uuid.uuid4().hex
     result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
+    policy = commit or CommitPolicy()
+    claims: list[SaveClaim] = []
 
     def local() -> dict:
         prep = _prepare(state, comm, allow_pickle, where, result, layouts, replicated_over=replicated_over, rank_local=comm.local)
+        if comm.rank == 0:  # before any data is written; its failure reaches every rank at the commit
+            claims.append(SaveClaim.acquire(storage.primary, policy, where))
         tb = time.monotonic()
         records, files = [], {}
         if prep.mine:
@@ -203,8 +218,10 @@ def save(
 
     out = run_guarded(local)
     if comm.world == 1 and not out.ok:
+        for c in claims:
+            c.release()
         raise out.exc
-    _finish_save(comm, storage, save_id, block_size, out, result, where)
+    _finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
     _mark(result, "total", t0)
     result.timings = result.recorder.summary()
     result.recorder.emit(trace_dir, on_metrics)
@@ -494,14 +511,29 @@ def choose_writers(tensors: Sequence[SaveTensor], assign=assign_writers) -> tupl
     return picked, writers
 
 
-def _finish_save(comm: Comm, storage: Storage, save_id: str, block_size: int, out: Outcome, result: SaveResult, where: str) -> None:
+def _finish_save(
+    comm: Comm, storage: Storage, save_id: str, block_size: int, out: Outcome, result: SaveResult, where: str,
+    claim: SaveClaim | None = None, policy: CommitPolicy | None = None,
+) -> None:
     """Commit on rank 0 from two small gathers, and raise the same error everywhere.
 
     First every rank's fixed-size status (its files, index digest and the
     digests of its two descriptors); then only the ranks rank 0 asks for, one
     per distinct descriptor, send it. Chunk records never travel: each rank
-    wrote its own index file.
+    wrote its own index file. Rank 0's ``claim`` on the path is checked
+    right before the commit and released at the end, whatever happens.
     """
+    try:
+        _finish_claimed(comm, storage, save_id, block_size, out, result, where, claim, policy or CommitPolicy())
+    finally:
+        if claim is not None:
+            claim.release()
+
+
+def _finish_claimed(
+    comm: Comm, storage: Storage, save_id: str, block_size: int, out: Outcome, result: SaveResult, where: str,
+    claim: SaveClaim | None, policy: CommitPolicy,
+) -> None:
     status = Outcome(True, out.value.status) if out.ok else out.sendable(with_value=False)
     gathered = comm.gather(status)
     tc = time.monotonic()
@@ -520,6 +552,11 @@ def _finish_save(comm: Comm, storage: Storage, save_id: str, block_size: int, ou
     decision = comm.broadcast(decision)
     if decision[0] == "failed":
         _mark(result, "commit", tc)
+        if out.ok:  # nothing will list this rank's files (unique to this save): remove them now
+            try:
+                storage.delete_many(sorted(out.value.status["files"]))
+            except Exception as e:  # noqa: BLE001 - a later commit's cleanup removes them
+                log.debug("rank %s: could not remove its files of the failed save: %s", comm.rank, e)
         raise_if_failed(decision[1], f"save to {where}")
     _, ask_t, ask_v = decision
     local: _Local = out.value
@@ -531,7 +568,7 @@ def _finish_save(comm: Comm, storage: Storage, save_id: str, block_size: int, ou
     if comm.rank == 0:
         assert gathered is not None and docs is not None
         statuses = [o.value for o in gathered]
-        commit = run_guarded(lambda: _commit(storage, save_id, comm.world, block_size, statuses, docs, where))
+        commit = run_guarded(lambda: _commit(storage, save_id, comm.world, block_size, statuses, docs, where, claim, policy))
         if comm.world == 1 and not commit.ok:
             raise commit.exc
         final = [commit.sendable()]
@@ -541,7 +578,10 @@ def _finish_save(comm: Comm, storage: Storage, save_id: str, block_size: int, ou
     result.save_id = final[0].value  # the manifest's id (rank 0's)
 
 
-def _commit(storage: Storage, save_id: str, world: int, block: int, statuses: list[dict], docs: list[tuple], where: str) -> str:
+def _commit(
+    storage: Storage, save_id: str, world: int, block: int, statuses: list[dict], docs: list[tuple], where: str,
+    claim: SaveClaim | None = None, policy: CommitPolicy | None = None,
+) -> str:
     """Rank 0: merge the distinct descriptors into a version-2 manifest and write it.
 
     Work and memory are O(ranks + distinct descriptors x tensors): chunk
@@ -637,19 +677,15 @@ def _commit(storage: Storage, save_id: str, world: int, block: int, statuses: li
         format_version=FORMAT_VERSION,
         ranks=tuple(ranks),
     )
+    data = manifest.to_json()
+    if claim is not None:
+        claim.confirm()
     try:
-        storage.put_atomic(MANIFEST_NAME, manifest.to_json())
+        storage.put_atomic(MANIFEST_NAME, data)
     except OSError as e:
         raise StorageError(f"{where}: committing {MANIFEST_NAME} failed: {e}") from e
-    _cleanup(storage, files)
+    cleanup_after_commit(storage, files, data, (policy or CommitPolicy()).cleanup_grace_s, where)
     return save_id
-
-
-def _cleanup(storage: Storage, files) -> None:
-    """After a commit: drop data files of the checkpoint it replaced, and of crashed saves."""
-    for name in storage.list("data/"):
-        if name not in files:
-            storage.delete(name)
 
 
 def _entry_selected(key: str, patterns: list[str]) -> bool:

@@ -40,8 +40,9 @@ from typing import Any, MutableMapping, Sequence
 import torch
 
 from .api import SaveResult, _check_block, _check_state, _data_file, _finish_save, _mark, _prepare
+from .engine.claim import CommitPolicy, SaveClaim
 from .monitor import Recorder, format_summary
-from .dist import Comm, private_group, run_guarded
+from .dist import Comm, close_at_exit, destroy_private_group, private_group, run_guarded
 from .engine.io import DEFAULT_BLOCK_SIZE
 from .engine.pipeline import StagedWrite
 from .engine.staging import StagingRing
@@ -145,6 +146,11 @@ class AsyncSaver:
     threads by that many nice levels (Linux; 0 leaves it alone), so that
     when cores are oversubscribed the training threads, and other ranks
     still inside their save call, run first.
+
+    :meth:`close` waits for the in-flight save, stops the two worker threads
+    and destroys the private group; it also runs at interpreter exit for a
+    saver still open then, so that no gloo thread outlives the interpreter
+    (an abort at exit otherwise).
     """
 
     def __init__(
@@ -168,6 +174,30 @@ class AsyncSaver:
         # Two long-lived workers (writer and lazy copier): a thread start per save
         # waits for the new thread to take the GIL, which costs the loop milliseconds.
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._owned: list[Comm] = []  # private groups this saver made, destroyed by close()
+        close_at_exit(self.close)
+
+    def close(self) -> None:
+        """Wait for the in-flight save, then stop the worker threads and destroy the private group.
+
+        Local (no collective) and idempotent; the saver can be used again
+        afterwards (it starts new workers and a new group on demand). The
+        in-flight save's error, if any, is raised after the cleanup.
+
+        Example::
+
+            saver.save(path, state).wait(); saver.close()
+        """
+        try:
+            self.wait()
+        finally:
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.shutdown(wait=True)
+            owned, self._owned = self._owned, []
+            self._comms.clear()
+            for comm in owned:
+                destroy_private_group(comm)
 
     def _workers(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:
@@ -190,6 +220,8 @@ class AsyncSaver:
         comm = self._comms.get(key)
         if comm is None:
             comm = self._comms[key] = private_group(base, self.timeout)
+            if comm is not base:
+                self._owned.append(comm)
         return comm
 
     def wait(self) -> SaveResult | None:
@@ -213,14 +245,18 @@ class AsyncSaver:
         replicated_over: Any = None,
         process_group: Any = None,
         collective_timeout: float | None = None,
+        commit: CommitPolicy | None = None,
     ) -> AsyncSaveHandle:
         """Start saving ``state`` to ``path``; see the module docs for ``mode``.
 
-        ``layouts``, ``replicated_over``, ``collective_timeout`` and
-        ``process_group`` mean what they mean for :func:`shardpoint.save`;
+        ``layouts``, ``replicated_over``, ``collective_timeout``, ``commit``
+        and ``process_group`` mean what they mean for :func:`shardpoint.save`;
         ``process_group`` defaults to the saver's. With
         :data:`~shardpoint.LOCAL` the calling rank saves alone, and nothing
-        in the background is a collective.
+        in the background is a collective. The path is claimed in the
+        background, before the first data byte is written; a save to a path
+        that another save is writing fails in ``wait()`` with
+        :class:`~shardpoint.errors.ConcurrentSaveError`.
         """
         if mode not in ("eager", "lazy"):
             raise ValueError(f"mode must be 'eager' or 'lazy', got {mode!r}")
@@ -258,11 +294,21 @@ class AsyncSaver:
             if items:
                 staged = StagedWrite(storage, _data_file(save_id, comm.rank), items, ring, comm.rank, block_size, self.piece_bytes, recorder=result.recorder)
 
+        policy = commit or CommitPolicy()
+        claims: list[SaveClaim] = []
+
         def finish() -> None:
             tb = time.monotonic()
             out = prep_out
             if prep_out.ok:
                 def write():
+                    if comm.rank == 0:
+                        try:
+                            claims.append(SaveClaim.acquire(storage.primary, policy, where))
+                        except BaseException:
+                            if staged is not None:
+                                staged.abandon()
+                            raise
                     files = {}
                     if staged is not None:
                         staged.write()
@@ -276,7 +322,7 @@ class AsyncSaver:
                 out = run_guarded(write)
             handle._written.set()
             try:
-                _finish_save(comm, storage, save_id, block_size, out, result, where)
+                _finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
                 _mark(result, "total", t0)
                 result.timings = result.recorder.summary()
                 result.recorder.emit(trace_dir, on_metrics)

@@ -10,8 +10,10 @@ never leaves the others hanging.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from . import errors as _errors
 from .errors import CheckpointError, DistributedError
 
-__all__ = ["Comm", "Outcome", "run_guarded", "LocalGroup", "LOCAL", "private_group"]
+__all__ = ["Comm", "Outcome", "run_guarded", "LocalGroup", "LOCAL", "private_group", "destroy_private_group", "close_at_exit"]
 
 log = logging.getLogger("shardpoint")
 T = TypeVar("T")
@@ -292,3 +294,54 @@ def raise_if_failed(outcomes: list[Outcome], what: str) -> None:
             setattr(err, k, v)
         raise err
     raise DistributedError(f"{what} failed: {detail}", causes, cls if isinstance(cls, type) else None)
+
+
+def destroy_private_group(comm: "Comm | None") -> None:
+    """Destroy a private gloo group that shardpoint created, while the interpreter is still alive.
+
+    A gloo group left to interpreter shutdown is freed during finalisation;
+    its worker threads may then still release tensors of their last
+    collective, which needs the GIL, and a thread that asks for the GIL
+    during finalisation is ended with a forced unwind through C++ frames:
+    ``terminate called without an active exception`` and SIGABRT, after
+    all Python work finished. Destroying the group here (a local call, no
+    collective) joins those threads first. A group already destroyed along
+    with the default group is only released.
+
+    Example::
+
+        destroy_private_group(self._comm); self._comm = None
+    """
+    if comm is None or comm.group is None or not comm.active:
+        return
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group(comm.group)
+    except (ValueError, RuntimeError, AssertionError) as e:  # destroyed already with the default group
+        log.debug("private process group already destroyed: %s", e)
+
+
+def close_at_exit(close: Callable[[], None]) -> None:
+    """Call the bound method ``close`` at interpreter exit, unless its object is gone by then.
+
+    Owners of threads and private process groups register their ``close``
+    so that both are finished before finalisation (see
+    :func:`destroy_private_group`); the hook holds only a weak reference,
+    so it never keeps the owner alive.
+
+    Example::
+
+        close_at_exit(self.close)
+    """
+    ref = weakref.WeakMethod(close)
+
+    def hook() -> None:
+        fn = ref()
+        if fn is None:
+            return
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - exiting anyway; never turn an exit into a crash
+            log.warning("shardpoint: cleanup at exit failed: %s", e)
+
+    atexit.register(hook)

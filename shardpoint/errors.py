@@ -26,6 +26,7 @@ __all__ = [
     "MissingDependencyError",
     "StateNotRestoredError",
     "IncompleteStateError",
+    "ConcurrentSaveError",
 ]
 
 
@@ -143,3 +144,18 @@ class IncompleteStateError(CheckpointError):
     ``.state`` is empty. Saving it would produce a checkpoint that cannot
     restore training.
     """
+
+
+class ConcurrentSaveError(CheckpointError):
+    """Another save is writing the same checkpoint path, so this one stopped without committing.
+
+    Saves claim their path before writing (see :class:`shardpoint.CommitPolicy`):
+    the second of two overlapping saves to one path raises this error, and a
+    save whose claim was taken over after its lease ran out raises it before
+    its commit. Whatever the path held stays loadable. ``path`` names the
+    checkpoint and ``holder`` describes the other save (host, process, since when).
+    """
+
+    def __init__(self, message: str, path: str = "", holder: str = ""):
+        super().__init__(message)
+        self.path, self.holder = path, holder

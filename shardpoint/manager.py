@@ -79,7 +79,7 @@ from .api import load as _sp_load
 from .api import read_manifest
 from .api import save as _sp_save
 from .async_save import AsyncSaver
-from .dist import Comm, private_group
+from .dist import Comm, close_at_exit, destroy_private_group, private_group
 from .errors import (
     CheckpointConflictError,
     CheckpointError,
@@ -91,8 +91,9 @@ from .errors import (
     IncompleteCheckpointError,
     StorageError,
 )
+from .engine.claim import claim_is_live
 from .format.manifest import MANIFEST_NAME
-from .storage import LocalStorage, MemoryStorage, S3Storage, Storage, storage_for
+from .storage import LocalStorage, Storage, storage_for
 
 __all__ = [
     "CheckpointManager",
@@ -355,6 +356,12 @@ class _Watchdog:
         with self._cv:
             self._closed = True
             self._cv.notify()
+
+    def join(self) -> None:
+        """Wait for the thread to notice :meth:`close` (it wakes at once)."""
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
 
     def _run(self) -> None:
         while True:
@@ -621,6 +628,7 @@ class CheckpointManager:
         self._pg_arg = process_group
         self._staging_bytes = staging_bytes
         self._comm_obj: Comm | None = None
+        self._own_comm = False
         self._saver: AsyncSaver | None = None
         self._watchdog: _Watchdog | None = None
         self._pending: _Pending | None = None
@@ -638,6 +646,7 @@ class CheckpointManager:
         self._closed = False
         self._broken: str | None = None
         self._failed: BaseException | None = None  # a background save's error, not yet raised
+        close_at_exit(self._end_resources)  # threads and the private group end before the interpreter does
         for p in self.policies:
             if isinstance(p, OnDemand) and p.signals:
                 p.install()
@@ -864,6 +873,25 @@ class CheckpointManager:
                     p.uninstall()
             if self._watchdog is not None:
                 self._watchdog.close()
+            self._end_resources()
+
+    def _end_resources(self) -> None:
+        """Local cleanup, also run at interpreter exit: join this manager's threads, close its
+        saver and destroy its private group before the interpreter shuts down."""
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog.join()
+        self._join_retention()
+        saver, self._saver = self._saver, None
+        if saver is not None:
+            try:
+                saver.close()
+            except Exception as e:  # noqa: BLE001 - the save's own error was reported by wait()
+                log.debug("closing the save workers: %s", e)
+        comm, self._comm_obj = self._comm_obj, None
+        if comm is not None and self._own_comm:
+            destroy_private_group(comm)
+        self._own_comm = False
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -896,7 +924,9 @@ class CheckpointManager:
     def _comm(self) -> Comm:
         if self._comm_obj is None:
             # A private gloo group: its timeout bounds every manager collective.
-            self._comm_obj = private_group(Comm.resolve(self._pg_arg), self.timeout)
+            base = Comm.resolve(self._pg_arg)
+            self._comm_obj = private_group(base, self.timeout)
+            self._own_comm = self._comm_obj is not base
         return self._comm_obj
 
     def _group(self) -> Any:
@@ -1095,52 +1125,9 @@ class CheckpointManager:
     @staticmethod
     def _create_exclusive(st: Storage, body: bytes) -> bool:
         """Create the lock object only if absent; ``True`` when this call created it."""
-        if isinstance(st, LocalStorage):
-            os.makedirs(st.root, exist_ok=True)
-            path = os.path.join(st.root, LOCK_NAME)
-            # Write the body to a private file, then link it into place: the lock appears
-            # whole or not at all, so a racing save never reads an empty lock and breaks it.
-            tmp = os.path.join(st.root, f".{LOCK_NAME}.{uuid.uuid4().hex}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                os.write(fd, body)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-            finally:
-                os.unlink(tmp)
-            _fsync_dir(st.root)
-            return True
-        if isinstance(st, MemoryStorage):
-            # dict.setdefault is atomic under the GIL: exactly one caller inserts.
-            return st._objects.setdefault(st._key(LOCK_NAME), body) is body
-        put_if_absent = getattr(st, "put_if_absent", None)
-        if callable(put_if_absent):
-            return bool(put_if_absent(LOCK_NAME, body))
-        if isinstance(st, S3Storage):
-            # A conditional PUT (If-None-Match: *): S3 creates the object only if it is absent.
-            key = f"{st.prefix}/{LOCK_NAME}" if st.prefix else LOCK_NAME
-            try:
-                st.client.put_object(Bucket=st.bucket, Key=key, Body=body, IfNoneMatch="*")
-                return True
-            except Exception as e:  # noqa: BLE001 - botocore's ClientError, without importing botocore
-                err = getattr(e, "response", None) or {}
-                code = err.get("Error", {}).get("Code")
-                status = err.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
-                    return False
-                if code != "NotImplemented" and status != 501:
-                    raise
-                log.warning("%s: no conditional PUT here; the step lock is best effort", st.url)
-        # Best effort only (no conditional put): check, put, read back.
-        if st.exists(LOCK_NAME):
-            return False
-        st.put_atomic(LOCK_NAME, body)
-        return st.get(LOCK_NAME) == body
+        if not st.atomic_create:
+            log.warning("%s: no exclusive create on this storage; the step lock is best effort", st.url)
+        return st.create_exclusive(LOCK_NAME, body)
 
     def _release(self, st: Storage, token: bytes | None) -> None:
         if token is None:
@@ -1159,7 +1146,9 @@ class CheckpointManager:
             return
         try:
             names = st.list("")
-            if MANIFEST_NAME not in names:
+            if claim_is_live(st):
+                log.warning("%s: another save is writing here; its files are left alone", st.url)
+            elif MANIFEST_NAME not in names:
                 for n in names:
                     if n != LOCK_NAME:
                         st.delete(n)
@@ -1228,6 +1217,8 @@ class CheckpointManager:
         for s, f in sorted(folders.items()):
             if f.committed or s >= newest or s in writing:
                 continue
+            if claim_is_live(self.path(s)):
+                continue  # a save (not this manager's) is writing there
             if f.locked:
                 try:
                     info = json.loads(self.path(s).get(LOCK_NAME))

@@ -35,6 +35,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..adapters.base import LoadTarget, dtype_name, torch_dtype
+from ..engine.claim import CommitPolicy, SaveClaim, cleanup_after_commit
 from ..engine.io import ALIGN, DEFAULT_BLOCK_SIZE, block_checksums, tensor_bytes
 from ..engine.load import execute_reads
 from ..errors import CheckpointError, KeyMismatchError, ShapeMismatchError, UnsupportedStateError
@@ -301,15 +302,22 @@ class CheckpointWriter:
     document of a top-level entry; ``set_entry(key, kind)`` records the entry's
     save-time framework (``"module"``, ``"values"``, ...). ``commit()`` checks
     that every tensor is covered exactly once, writes the manifest atomically
-    and removes data files it does not list. As a context manager, an
-    exception aborts every open data file and commits nothing.
+    and removes data files that no committed manifest lists (after
+    ``policy.cleanup_grace_s``). The path is claimed from construction until
+    ``commit()`` or ``abort()``, as :func:`shardpoint.save` claims it: a
+    writer to a path another save is writing raises
+    :class:`~shardpoint.errors.ConcurrentSaveError`. As a context manager,
+    an exception aborts every open data file and commits nothing.
     """
 
-    def __init__(self, path: str | Storage, *, block_size: int = DEFAULT_BLOCK_SIZE, world_size: int = 1, layout: dict | None = None):
+    def __init__(self, path: str | Storage, *, block_size: int = DEFAULT_BLOCK_SIZE, world_size: int = 1, layout: dict | None = None,
+                 policy: CommitPolicy | None = None):
         if block_size < 16 or block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
         self.storage = storage_for(path)
         self.where = self.storage.url
+        self.policy = policy or CommitPolicy()
+        self._claim = SaveClaim.acquire(self.storage.primary, self.policy, self.where)
         self.block_size = block_size
         self.world_size = world_size
         self.save_id = uuid.uuid4().hex
@@ -429,17 +437,19 @@ class CheckpointWriter:
         )
         data = manifest.to_json()  # sealed with its digest
         Manifest.from_json(data, self.where)  # the reader's validation, before the commit
+        self._claim.confirm()
         self.storage.put_atomic(MANIFEST_NAME, data)
         self._done = True
-        for name in self.storage.list("data/"):
-            if name not in files:
-                self.storage.delete(name)
+        cleanup_after_commit(self.storage, files, data, self.policy.cleanup_grace_s, self.where)
+        self._claim.release()
         return manifest
 
     def abort(self) -> None:
+        """Discard every data file written so far and give up the path's claim."""
         for f in self._files.values():
             f.writer.abort()
         self._files.clear()
+        self._claim.release()
 
     def __enter__(self) -> "CheckpointWriter":
         return self
@@ -447,6 +457,7 @@ class CheckpointWriter:
     def __exit__(self, et, ev, tb) -> None:
         if et is not None and not self._done:
             self.abort()
+        self._claim.release()
 
 
 def top_key(prefix: str) -> str:

@@ -92,6 +92,11 @@ class StagedWrite:
             if last:
                 self._q.put(_END)
 
+    def abandon(self) -> None:
+        """Give up before :meth:`write` started: a copier waiting for staging space stops instead of blocking."""
+        self.failed.set()
+        self.ring.close()
+
     def write(self) -> None:
         """Drain the queue into the data file; raises what the copier raised."""
         pos = 0

@@ -14,14 +14,18 @@ single PUT of the manifest object.
 from __future__ import annotations
 
 import abc
+import logging
 import threading
+import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from .. import errors
 from ..errors import StorageError, UnsafeCheckpointError
 
-__all__ = ["Storage", "Writer", "IOStats", "ShortReadError", "MissingDependencyError"]
+__all__ = ["Storage", "Writer", "IOStats", "ShortReadError", "MissingDependencyError", "remove_unreferenced"]
+
+log = logging.getLogger("shardpoint")
 
 
 class ShortReadError(StorageError):
@@ -146,6 +150,68 @@ class Storage(abc.ABC):
     def child(self, sub: str) -> "Storage":
         """A storage bound to the sub-location ``sub``."""
 
+    # --- writer coordination (defaults are best effort; backends override) --
+    # Whether create_exclusive is atomic against other processes writing the same
+    # location (an O_EXCL create, a conditional PUT). The defaults below only check
+    # and then write, which narrows a race without closing it.
+    atomic_create: bool = False
+
+    @property
+    def primary(self) -> "Storage":
+        """The storage that saves commit to, claim and clean up: this one.
+
+        A tiered storage answers with its fastest tier, where saves commit;
+        its slower tiers receive copies and are cleaned by those copies.
+        """
+        return self
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Create ``name`` holding ``data`` only if it is absent; ``True`` when this call created it.
+
+        Saves claim their path with it (see :mod:`shardpoint.engine.claim`).
+        The object appears whole or not at all. This default checks, writes
+        and reads back (best effort); backends with an atomic primitive set
+        :attr:`atomic_create` and override it.
+
+        Example::
+
+            if not storage.create_exclusive(".claim", body):
+                ...  # someone else holds it
+        """
+        if self.exists(name):
+            return False
+        self.put_atomic(name, data)
+        try:
+            return self.get(name) == data
+        except FileNotFoundError:
+            return False
+
+    def replace_if(self, name: str, expected: bytes, data: bytes) -> bool:
+        """Replace ``name`` by ``data`` only if it holds exactly ``expected``; ``True`` on success.
+
+        Used to take over a claim whose owner is gone: of several processes
+        replacing the same stale object, at most one succeeds where the
+        backend has a conditional write (S3 ``If-Match``). This default
+        compares, deletes and re-creates with :meth:`create_exclusive`; a
+        racing replacement can then remove the winner's object, which the
+        winner notices when it checks its claim before committing.
+        """
+        try:
+            if self.get(name) != expected:
+                return False
+        except FileNotFoundError:
+            return False
+        self.delete(name)
+        return self.create_exclusive(name, data)
+
+    def modified_times(self, prefix: str = "") -> dict[str, float | None]:
+        """Each name under ``prefix`` with its last-modified time (seconds since the epoch).
+
+        ``None`` means unknown: a cleanup treats such a file as new and never
+        deletes it. Backends override this with one listing call where they can.
+        """
+        return {n: None for n in self.list(prefix)}
+
     # --- derived ----------------------------------------------------------
     def read(self, name: str, offset: int, length: int) -> bytes:
         """``length`` bytes of ``name`` from ``offset``."""
@@ -197,6 +263,47 @@ class Storage(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+def remove_unreferenced(
+    storage: Storage,
+    keep: Iterable[str],
+    committed: Callable[[], set[str] | None],
+    grace_s: float,
+    prefix: str = "data/",
+    now: float | None = None,
+) -> list[str]:
+    """After a commit: delete files under ``prefix`` that no committed manifest references; return them.
+
+    A file is deleted only if it is not in ``keep`` (the files of the
+    manifest just written), was last modified at least ``grace_s`` seconds
+    ago, and is not referenced by the manifest committed *now*: ``committed``
+    re-reads it right before the deletion and returns its file names, or
+    ``None`` when it cannot be read or parsed, and then nothing is deleted.
+    So a save that committed after this one keeps its files, and the grace
+    period spares the files of writers still in flight and of readers of
+    the checkpoint just replaced. Files of unknown age are kept.
+
+    Example::
+
+        remove_unreferenced(st, manifest.files, lambda: set(read_files(st)), grace_s=300.0)
+    """
+    keep = set(keep)
+    now = time.time() if now is None else now
+    old = sorted(
+        n for n, t in storage.modified_times(prefix).items()
+        if n not in keep and t is not None and now - t >= grace_s
+    )
+    if not old:
+        return []
+    referenced = committed()
+    if referenced is None:
+        log.warning("%s: the committed manifest could not be read back; no files cleaned up", storage.url)
+        return []
+    doomed = [n for n in old if n not in referenced]
+    if doomed:
+        storage.delete_many(doomed)
+    return doomed
 
 
 def merged_options(options: Any, overrides: dict, default: Any, what: str) -> Any:

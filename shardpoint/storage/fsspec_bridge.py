@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import threading
@@ -55,6 +56,17 @@ _LOCAL_PROTOCOLS = {"file", "local"}
 def _is_local(fs) -> bool:
     protos = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return bool(_LOCAL_PROTOCOLS & set(protos))
+
+
+def _mtime(info: dict) -> float | None:
+    """Seconds since the epoch from an fsspec info dict, whichever key the filesystem uses."""
+    for key in ("mtime", "LastModified", "last_modified", "created", "modified"):
+        v = info.get(key)
+        if isinstance(v, datetime.datetime):
+            return (v if v.tzinfo else v.replace(tzinfo=datetime.timezone.utc)).timestamp()
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
 
 
 class _FsspecWriter(Writer):
@@ -339,6 +351,73 @@ class FsspecStorage(Storage):
             raise self._too_large(name, len(data), limit)
         self.stats.add_read(len(data))
         return data
+
+    @property
+    def atomic_create(self) -> bool:  # type: ignore[override]
+        """Exclusive creates are atomic on a local filesystem (a hard link) and on s3fs (``If-None-Match``)."""
+        protos = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        return self._local or bool({"s3", "s3a"} & set(protos))
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """A hard link of a private file on a local filesystem, else ``pipe_file(mode="create")``.
+
+        s3fs turns the latter into a conditional PUT; other filesystems check
+        and then write, which is best effort (see :attr:`atomic_create`).
+        """
+        path = self._path(name)
+        fs = self.fs
+        try:
+            if self._local:
+                parent = fs._parent(path)
+                fs.makedirs(parent, exist_ok=True)
+                tmp = f"{parent}/.{path.rsplit('/', 1)[-1]}.{uuid.uuid4().hex}.tmp"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    try:
+                        os.write(fd, data)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    try:
+                        os.link(tmp, path)
+                    except FileExistsError:
+                        return False
+                finally:
+                    os.unlink(tmp)
+                self._fsync_dir(parent)
+            else:
+                try:
+                    fs.pipe_file(path, bytes(data), mode="create")
+                except FileExistsError:
+                    try:
+                        return self.get(name) == bytes(data)  # a retried request that had succeeded
+                    except FileNotFoundError:
+                        return False
+                except FileNotFoundError:
+                    fs.makedirs(fs._parent(path), exist_ok=True)
+                    return self.create_exclusive(name, data)
+        except Exception as e:  # noqa: BLE001
+            raise self._wrap("create", name, e) from e
+        self.stats.add_write(len(data))
+        return True
+
+    def modified_times(self, prefix: str = "") -> dict[str, float | None]:
+        """Modification times from one detailed listing (``mtime``, ``LastModified`` or ``created``)."""
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = f"{self.root}/{folder}" if folder else self.root
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        except Exception as e:  # noqa: BLE001
+            raise self._wrap("list", prefix or "/", e) from e
+        n = len(self.root) + 1
+        out: dict[str, float | None] = {}
+        for p, info in found.items():
+            p = self.fs._strip_protocol(p)
+            if p.startswith(self.root + "/") and p[n:].startswith(prefix):
+                out[p[n:]] = _mtime(info)
+        return out
 
     def get(self, name: str) -> bytes:
         if self._local:

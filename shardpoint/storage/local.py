@@ -716,6 +716,46 @@ class LocalStorage(Storage):
         fsync_path(d)
         self.stats.add_write(len(data))
 
+    atomic_create = True
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Create ``name`` only if absent: the bytes go to a private file, which is then hard-linked into place.
+
+        ``link`` fails when the name exists, so exactly one of several
+        processes wins (also on NFS, where ``O_EXCL`` on the final name is
+        not reliable everywhere), and readers never see a partial object.
+        """
+        path = self._path(name)
+        d = os.path.dirname(path)
+        _makedirs_durable(d)
+        tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                _pwrite_all(fd, memoryview(data).cast("B"), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+        finally:
+            os.unlink(tmp)
+        fsync_path(d)
+        self.stats.add_write(len(data))
+        return True
+
+    def modified_times(self, prefix: str = "") -> dict[str, float | None]:
+        """``st_mtime`` of every file under ``prefix`` (a vanished file is left out)."""
+        out: dict[str, float | None] = {}
+        for name in self.list(prefix):
+            try:
+                out[name] = os.stat(self._path(name)).st_mtime
+            except FileNotFoundError:
+                continue
+        return out
+
     def get(self, name: str) -> bytes:
         return self._read_whole(name, None)
 

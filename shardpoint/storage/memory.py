@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from ..errors import StorageError
 from .base import Storage, Writer
@@ -21,7 +22,9 @@ class _MemWriter(Writer):
 
     def close(self) -> None:
         with self._s._lock:
-            self._s._objects[self._s._key(self._name)] = bytes(self._buf)
+            key = self._s._key(self._name)
+            self._s._objects[key] = bytes(self._buf)
+            self._s._times[key] = time.time()
 
     def abort(self) -> None:
         self._buf = bytearray()
@@ -41,11 +44,14 @@ class MemoryStorage(Storage):
 
     page_cached = True
 
-    def __init__(self, _objects: dict | None = None, _prefix: str = ""):
+    atomic_create = True  # within this process, the only place a MemoryStorage is shared
+
+    def __init__(self, _objects: dict | None = None, _prefix: str = "", _times: dict | None = None, _lock: threading.Lock | None = None):
         super().__init__()
         self._objects: dict[str, bytes] = {} if _objects is None else _objects
+        self._times: dict[str, float] = {} if _times is None else _times  # last write of each key
         self._prefix = _prefix
-        self._lock = threading.Lock()
+        self._lock = threading.Lock() if _lock is None else _lock  # shared with children
         self.url = f"memory://{_prefix}"
 
     def _key(self, name: str) -> str:
@@ -69,7 +75,39 @@ class MemoryStorage(Storage):
     def put_atomic(self, name: str, data: bytes) -> None:
         with self._lock:
             self._objects[self._key(name)] = bytes(data)
+            self._times[self._key(name)] = time.time()
         self.stats.add_write(len(data))
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Insert ``name`` only if absent, under the lock shared with every child."""
+        key = self._key(name)
+        with self._lock:
+            if key in self._objects:
+                return False
+            self._objects[key] = bytes(data)
+            self._times[key] = time.time()
+        self.stats.add_write(len(data))
+        return True
+
+    def replace_if(self, name: str, expected: bytes, data: bytes) -> bool:
+        """Compare and swap under the shared lock."""
+        key = self._key(name)
+        with self._lock:
+            if self._objects.get(key) != expected:
+                return False
+            self._objects[key] = bytes(data)
+            self._times[key] = time.time()
+        self.stats.add_write(len(data))
+        return True
+
+    def modified_times(self, prefix: str = "") -> dict[str, float | None]:
+        n = len(self._prefix)
+        return {k[n:]: self._times.get(k) for k in self._list_keys(prefix)}
+
+    def _list_keys(self, prefix: str = "") -> list[str]:
+        """Full keys (with this location's prefix) of the names under ``prefix``."""
+        full = self._key(prefix)
+        return sorted(k for k in list(self._objects) if k.startswith(full))
 
     def get(self, name: str) -> bytes:
         try:
@@ -93,6 +131,7 @@ class MemoryStorage(Storage):
     def delete(self, name: str) -> None:
         with self._lock:
             self._objects.pop(self._key(name), None)
+            self._times.pop(self._key(name), None)
 
     def location_exists(self) -> bool:
         return any(k.startswith(self._prefix) for k in list(self._objects))
@@ -100,6 +139,6 @@ class MemoryStorage(Storage):
     def child(self, sub: str) -> "MemoryStorage":
         if ".." in sub.split("/"):
             raise StorageError(f"refusing unsafe sub-location {sub!r}")
-        c = MemoryStorage(self._objects, f"{self._prefix}{sub.strip('/')}/")
+        c = MemoryStorage(self._objects, f"{self._prefix}{sub.strip('/')}/", self._times, self._lock)
         c.stats = self.stats
         return c

@@ -62,6 +62,7 @@ Example::
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import random
@@ -970,6 +971,89 @@ class S3Storage(Storage):
         body = bytes(data)
         self._call("PutObject", name, lambda: c.put_object(Bucket=self.bucket, Key=key, Body=body))
         self.stats.add_write(len(body))
+
+    atomic_create = True  # a conditional PUT; a server without it is detected and falls back
+
+    def _conditional_put(self, name: str, data: bytes, condition: dict) -> bool | None:
+        """A PUT with an ``If-None-Match``/``If-Match`` condition: True, False (condition failed) or
+        None (the server has no conditional writes). A lost response retried into a failed
+        condition is recognised by reading the object back: the bytes are unique per caller."""
+        key, c = self._key(name), self._shared.client
+        body = bytes(data)
+        failed = []
+
+        def once() -> bool:
+            try:
+                c.put_object(Bucket=self.bucket, Key=key, Body=body, **condition)
+                return True
+            except Exception as e:
+                code, status = _error_code(e)
+                if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                    return False
+                if code == "NotImplemented" or status == 501:
+                    failed.append(code)
+                    return False
+                raise
+
+        done = self._call("PutObject", name, once)
+        if failed:
+            log.warning("%s: the server has no conditional PUT; claims on this path are best effort", self.url)
+            return None
+        if not done:
+            try:
+                return self.get(name) == body
+            except FileNotFoundError:
+                return False
+        self.stats.add_write(len(body))
+        return True
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """A conditional PUT with ``If-None-Match: *``: S3 creates the object only if it is absent."""
+        done = self._conditional_put(name, data, {"IfNoneMatch": "*"})
+        return super().create_exclusive(name, data) if done is None else done
+
+    def replace_if(self, name: str, expected: bytes, data: bytes) -> bool:
+        """A conditional PUT with ``If-Match`` on the ETag of the object that held ``expected``."""
+        key, c = self._key(name), self._shared.client
+
+        def once():
+            r = c.get_object(Bucket=self.bucket, Key=key)
+            try:
+                return r["Body"].read(), r.get("ETag")
+            finally:
+                r["Body"].close()
+
+        try:
+            current, etag = self._call("GetObject", name, once, reading=True)
+        except FileNotFoundError:
+            return False
+        if current != expected or not etag:
+            return False
+        done = self._conditional_put(name, data, {"IfMatch": etag})
+        return super().replace_if(name, expected, data) if done is None else done
+
+    def modified_times(self, prefix: str = "") -> dict[str, float | None]:
+        """``LastModified`` from one listing (for a multipart upload S3 reports when it began)."""
+        c = self._shared.client
+        full = self._root + prefix
+        n = len(self._root)
+
+        def once() -> dict[str, float | None]:
+            out: dict[str, float | None] = {}
+            try:
+                for page in c.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=full, PaginationConfig={"PageSize": self.options.list_page_size}
+                ):
+                    for obj in page.get("Contents", ()):
+                        when = obj.get("LastModified")
+                        out[obj["Key"][n:]] = when.timestamp() if isinstance(when, datetime.datetime) else None
+            except Exception as e:
+                if _error_code(e)[0] == "NoSuchBucket":
+                    return {}
+                raise
+            return out
+
+        return self._call("ListObjectsV2", prefix or "/", once)
 
     def get(self, name: str) -> bytes:
         key, c = self._key(name), self._shared.client

@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 from ..errors import StorageError
 from ..format.manifest import Manifest
 from ..format.strict import Limits
-from .base import ShortReadError, Storage, Writer
+from .base import ShortReadError, Storage, Writer, remove_unreferenced
 
 __all__ = ["TieredStorage"]
 
@@ -75,6 +75,15 @@ def _at(storage: Storage, sub: str) -> Storage:
     return storage.child(sub) if sub else storage
 
 
+def _listed_files(storage: Storage) -> set[str] | None:
+    """The files the manifest committed in ``storage`` lists now; ``None`` if it cannot be read."""
+    try:
+        files = json.loads(storage.get(MANIFEST).decode("utf-8")).get("files")
+    except (FileNotFoundError, ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    return set(files) if isinstance(files, dict) else None
+
+
 def _checkpoint_names(storage: Storage) -> list[str]:
     """Child folders of ``storage`` that hold a committed manifest, sorted by name."""
     out = set()
@@ -93,6 +102,7 @@ class TieredStorage(Storage):
         tiers: Sequence[Storage | str],
         names: Sequence[str] | None = None,
         keep_last: Mapping[str, int] | None = None,
+        cleanup_grace_s: float = 300.0,
         _replicator: _Replicator | None = None,
         _root: "TieredStorage | None" = None,
         _sub: str = "",
@@ -107,6 +117,9 @@ class TieredStorage(Storage):
         if len(self.names) != len(self.tiers):
             raise StorageError(f"{len(self.tiers)} tiers but {len(self.names)} names")
         self.keep_last = dict(keep_last or {})
+        # A copy to a slower tier removes the files no committed manifest there lists,
+        # once they are this old (readers of the copy it replaced may still need them).
+        self.cleanup_grace_s = float(cleanup_grace_s)
         unknown = set(self.keep_last) - set(self.names)
         if unknown:
             raise StorageError(f"keep_last names unknown tiers {sorted(unknown)}; tiers are {list(self.names)}")
@@ -131,6 +144,24 @@ class TieredStorage(Storage):
         return list(self.tiers[1:])
 
     # ------------------------------------------------------------- writing
+    @property
+    def primary(self) -> Storage:
+        """The fastest tier: saves commit, claim and clean up there."""
+        return self.tiers[0]
+
+    @property
+    def atomic_create(self) -> bool:  # type: ignore[override]
+        return self.tiers[0].atomic_create
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        return self.tiers[0].create_exclusive(name, data)
+
+    def replace_if(self, name: str, expected: bytes, data: bytes) -> bool:
+        return self.tiers[0].replace_if(name, expected, data)
+
+    def modified_times(self, prefix: str = "") -> dict[str, float | None]:
+        return self.tiers[0].modified_times(prefix)
+
     def open_writer(self, name: str) -> Writer:
         return self.tiers[0].open_writer(name)
 
@@ -163,9 +194,7 @@ class TieredStorage(Storage):
                 for name in files:
                     _copy_file(src, dst, name)
                 dst.put_atomic(MANIFEST, manifest)
-                for name in dst.list("data/"):
-                    if name not in files:
-                        dst.delete(name)
+                remove_unreferenced(dst, files, lambda d=dst: _listed_files(d), self.cleanup_grace_s)
                 log.info("checkpoint %s durable on tier %s", sub or "<root>", self.names[i])
             self._retain()
         except BaseException as e:
@@ -289,7 +318,7 @@ class TieredStorage(Storage):
         sub = sub.strip("/")
         path = f"{self._sub}/{sub}" if self._sub else sub
         c = TieredStorage(
-            [t.child(sub) for t in self.tiers], self.names, self.keep_last,
+            [t.child(sub) for t in self.tiers], self.names, self.keep_last, self.cleanup_grace_s,
             _replicator=self._root._rep, _root=self._root, _sub=path,
         )
         return c

@@ -223,6 +223,53 @@ class StorageConformance:
         storage.list()
         assert (s.bytes_read, s.reads) == (9, 2)  # metadata is not data
 
+    def test_create_exclusive(self, storage):
+        assert storage.create_exclusive("sub/.claim", b"one")
+        assert not storage.create_exclusive("sub/.claim", b"two")
+        assert storage.get("sub/.claim") == b"one"
+        storage.delete("sub/.claim")
+        assert storage.create_exclusive("sub/.claim", b"three") and storage.get("sub/.claim") == b"three"
+
+    def test_create_exclusive_races(self, storage):
+        """Threads racing to create one name: exactly one wins where the backend says it is atomic."""
+        wins: list[int] = []
+        barrier = threading.Barrier(4)
+
+        def go(i: int) -> None:
+            barrier.wait()
+            if storage.create_exclusive(".claim", str(i).encode()):
+                wins.append(i)
+
+        ts = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        if storage.atomic_create:
+            assert len(wins) == 1 and storage.get(".claim") == str(wins[0]).encode(), wins
+        else:
+            assert wins and storage.get(".claim") in {str(i).encode() for i in range(4)}
+
+    def test_replace_if(self, storage):
+        storage.put_atomic(".claim", b"old")
+        assert not storage.replace_if(".claim", b"other", b"new")
+        assert storage.get(".claim") == b"old"
+        assert storage.replace_if(".claim", b"old", b"new")
+        assert storage.get(".claim") == b"new"
+        assert not storage.replace_if(".claim", b"old", b"newer")
+        assert not storage.replace_if("absent", b"old", b"x") and not storage.exists("absent")
+
+    def test_modified_times(self, storage):
+        import time
+
+        before = time.time()
+        write_file(storage, "data/a.bin", b"abc")
+        storage.put_atomic("manifest.json", b"{}")
+        times = storage.modified_times("data/")
+        assert list(times) == ["data/a.bin"]
+        assert times["data/a.bin"] is not None and abs(times["data/a.bin"] - before) < 60
+        assert storage.modified_times("nothing/") == {}
+
     def test_child_shares_stats(self, storage):
         c = storage.child("sub")
         c.put_atomic("x", b"1234")

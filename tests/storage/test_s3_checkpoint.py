@@ -107,11 +107,14 @@ def test_save_survives_throttling_and_5xx(proxy, bucket):
     st = S3Storage(f"s3://{bucket}/{uuid.uuid4().hex}/ckpt", s3_options(proxy.endpoint))
     model, opt, big = _trained()
     # One 503 and one 500 among the part uploads, one 500 on the manifest PUT.
+    # Counted among part uploads (retries included), not among all requests: the claim's requests come first.
     plan = {1: ("status", 503, "SlowDown"), 3: ("status", 500, "InternalError")}
+    parts = []
 
     def faults(req):
-        if req.op == "UploadPart" and req.index in plan:
-            return plan[req.index]
+        if req.op == "UploadPart":
+            parts.append(req)
+            return plan.get(len(parts) - 1)
         if req.op == "PutObject" and "manifest.json" in req.target and not proxy.injected("status")[2:]:
             return ("status", 500, "InternalError")
         return None
@@ -177,7 +180,8 @@ def test_permanent_failure_keeps_previous_checkpoint(proxy, s3_endpoint, bucket)
     assert torch.equal(state["big"], big) and state["extra"] == {"step": 1}
     # Once the store recovers, the next save succeeds and replaces it.
     proxy.faults = lambda req: None
-    sp.save(st, _state(model, opt, big2, 2))
+    sp.save(st, _state(model, opt, big2, 2), commit=sp.CommitPolicy(cleanup_grace_s=0))
     _check_loads(direct, model, opt, big2, 2)
-    # The failed save's orphans are gone: one data file and its index remain.
+    # The failed save's orphans and the replaced checkpoint are gone (no grace period): one
+    # data file and its index remain.
     assert sorted(n.rsplit(".", 1)[1] for n in direct.list("data/")) == ["bin", "idx"]

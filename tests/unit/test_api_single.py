@@ -424,6 +424,16 @@ class FailingStorage(Storage):
             raise InjectedFailure(f"injected failure writing {name}")
         self.inner.put_atomic(name, data)
 
+    # Claims and listings pass through: the budget counts checkpoint bytes only.
+    def create_exclusive(self, name, data):
+        return self.inner.create_exclusive(name, data)
+
+    def replace_if(self, name, expected, data):
+        return self.inner.replace_if(name, expected, data)
+
+    def modified_times(self, prefix=""):
+        return self.inner.modified_times(prefix)
+
     def readinto(self, name, offset, buf):
         self.inner.readinto(name, offset, buf)
 
@@ -520,8 +530,8 @@ def test_failed_overwrite_keeps_previous(backend, where):
     after = sp.read_manifest(backend())
     assert after.save_id == before.save_id
     _assert_state(_load(backend()), old)
-    # then a successful overwrite switches to the new values and cleans every orphan
-    res = sp.save(backend(), new)
+    # then a successful overwrite switches to the new values and, with no grace period, cleans every orphan
+    res = sp.save(backend(), new, commit=sp.CommitPolicy(cleanup_grace_s=0))
     _assert_state(_load(backend()), new)
     m = sp.read_manifest(backend())
     assert m.save_id == res.save_id != before.save_id
@@ -536,8 +546,13 @@ def test_successful_overwrite(backend):
     sp.save(backend(), b)
     _assert_state(_load(backend()), b)
     files = sp.read_manifest(backend()).files
-    assert backend().list("data/") == sorted(files)
+    # The replaced checkpoint's files outlive the commit by the grace period (its readers may need them).
+    assert backend().list("data/") == sorted(first | set(files))
     assert not first & set(files)
+    sp.save(backend(), a, commit=sp.CommitPolicy(cleanup_grace_s=0))
+    _assert_state(_load(backend()), a)
+    assert backend().list("data/") == sorted(sp.read_manifest(backend()).files)
+    assert backend().list() == sorted([*sp.read_manifest(backend()).files, "manifest.json"])  # the claim is gone
 
 
 def test_load_drops_stale_optimizer_state(tmp_path):
