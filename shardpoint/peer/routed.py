@@ -49,6 +49,14 @@ class RoutedStorage(Storage):
             srcs.pop(0)
             return True
 
+    def demote_named(self, message: str) -> bool:
+        """Demote every file named in an error ``message`` (a checksum error names its file); ``False`` if none moved."""
+        moved = False
+        for name in list(self._sources):
+            if name in message:
+                moved = self.demote(name) or moved
+        return moved
+
     def rotate_all(self) -> bool:
         """Move every file with a second copy on to that copy; ``False`` when no file had one."""
         with self._lock:

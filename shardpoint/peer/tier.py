@@ -282,11 +282,15 @@ class PeerMemory:
             attempts = 0
             while True:
                 attempts += 1
+                routed.bytes_from.clear()  # the source reported is the one of the attempt that loaded
                 tl = time.monotonic()
                 try:
                     _sp_load(routed, state, process_group=group, **load_kwargs)
                 except _RETRY as e:
-                    moved = comm.all_gather(routed.rotate_all()) if comm.active else [routed.rotate_all()]
+                    # The same typed error reaches every rank: each moves the file it names (else every
+                    # file) on to its next copy, and all retry together.
+                    mine = routed.demote_named(str(e)) or routed.rotate_all()
+                    moved = comm.all_gather(mine) if comm.active else [mine]
                     log.warning("rank %s: memory copy of %s failed (%s); %s", comm.rank, name, e,
                                 "trying other hosts' copies" if any(moved) else "trying an older step")
                     if any(moved):

@@ -39,6 +39,7 @@ def _restore(root: str, rank: int, layout: str = "fsdp2", seed: int = 7) -> tupl
         "source": None if rep is None else rep.source,
         "bytes_from": {} if rep is None else dict(rep.bytes_from),
         "storage_read": mgr.storage.stats.bytes_read,
+        "attempts": None if rep is None or rep.source == "storage" else rep.attempts,
     }
     mgr.close()
     return out, full_state(model, opt)

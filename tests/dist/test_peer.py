@@ -47,7 +47,9 @@ def test_corrupt_copy_and_kill_during_replication(tmp_path):
     got = launch(4, f"{JOB}:restore_job", {"root": root, "scenarios": [[[], "fsdp2", "h1"]]})
     for rank, (res,) in enumerate(got):
         assert res["step"] == 6 and res["diff"] == [] and res["storage_read"] == 0, res
-        assert res["source"] == ("memory" if rank < 2 else "peer"), res
+        assert res["attempts"] == 2, res  # the first attempt met the bad checksum
+    # The file that failed was read again from h0's replica (by whichever rank the load had read it).
+    assert any(res["source"] == "peer" for (res,) in got), got
     # h1's ranks are killed while replicating step 6 and its folder is lost: step 5 is the newest complete one.
     root = str(tmp_path / "b")
     os.makedirs(root)
