@@ -565,6 +565,10 @@ class CheckpointManager:
         stale_lock_s: age after which a step lock whose owner cannot be checked
             (another host) is considered abandoned.
         write_hint: also write the ``latest`` hint file after each commit.
+        memory: a :class:`~shardpoint.PeerMemory` tier: memory checkpoints at
+            its interval, and ``restore`` from the newest step complete in this
+            host's or peers' memory before the stored ones (see
+            :mod:`shardpoint.peer`); ``last_restore`` reports the step and source.
 
     Example::
 
