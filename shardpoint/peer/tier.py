@@ -34,6 +34,7 @@ import signal
 import socket
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping, MutableMapping
 
@@ -48,6 +49,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import LocalStorage
 from .plan import HostListing, StepCopy, choose_memory_step, transfers
 from .routed import RoutedStorage
+from .serve import PeerServer, RemoteFolder
 
 __all__ = ["PeerMemory", "RestoreReport", "host_id", "default_memory_dir", "HOST_ENV", "DOMAIN_ENV"]
 
@@ -272,12 +274,35 @@ class PeerMemory:
         listings = list(hosts.values())
         choices = choose_memory_step(listings, self.host, newer_than)
         t_plan = time.monotonic() - t0
-        group = comm.group if comm.active else None
         for ch in choices:
-            man_dir = hosts[ch.manifest_host].dir
-            name = _folder(ch.step)
-            mbytes = LocalStorage(os.path.join(man_dir, name)).get(MANIFEST_NAME)
-            sources = {f: [(h, LocalStorage(os.path.join(hosts[h].dir, name))) for h in hs] for f, hs in ch.sources.items()}
+            rep = self._restore_step(ch, gathered, state, comm, load_kwargs, t0, t_plan)
+            if rep is not None:
+                return rep
+        return None
+
+    def _restore_step(self, ch, gathered: list[HostListing], state, comm: Comm, load_kwargs, t0: float, t_plan: float):
+        """Load one complete memory step: own host's files from its folder, peers' through their servers."""
+        name = _folder(ch.step)
+        ranks_of: dict[str, list[int]] = {}
+        for r, lst in enumerate(gathered):
+            ranks_of.setdefault(lst.host, []).append(r)
+        own = LocalStorage(os.path.join(self.dir, name))
+        msrc = ranks_of[ch.manifest_host][0]
+        mbytes = comm.broadcast(own.get(MANIFEST_NAME) if comm.rank == msrc else None, src=msrc)
+        man = Manifest.from_json(mbytes, f"peer-memory:{name}")
+        if man.save_id != ch.save_id:
+            raise CorruptCheckpointError(f"peer-memory:{name}: the manifest changed during the restore")
+        group = comm.group if comm.active else None
+        names = sorted(ch.sources)
+        server = PeerServer(comm, own, names) if comm.active and comm.world > 1 else None
+        try:
+            def src(h: str, f: str):
+                if h == self.host:
+                    return own
+                assert server is not None
+                return RemoteFolder(server, _server_rank(ranks_of[h], f), man.files, f"peer-memory:{h}/{name}")
+
+            sources = {f: [(h, src(h, f)) for h in hs] for f, hs in ch.sources.items()}
             routed = RoutedStorage(f"peer-memory:{name}", mbytes, sources)
             attempts = 0
             while True:
@@ -295,12 +320,18 @@ class PeerMemory:
                                 "trying other hosts' copies" if any(moved) else "trying an older step")
                     if any(moved):
                         continue
-                    break
+                    return None
                 load_s = time.monotonic() - tl
-                src = "memory" if set(routed.bytes_from) <= {self.host} else "peer"
-                return RestoreReport(ch.step, src, {"plan": t_plan, "load": load_s, "total": time.monotonic() - t0},
+                src_kind = "memory" if set(routed.bytes_from) <= {self.host} else "peer"
+                return RestoreReport(ch.step, src_kind, {"plan": t_plan, "load": load_s, "total": time.monotonic() - t0},
                                      dict(routed.bytes_from), attempts)
-        return None
+        finally:
+            if server is not None:
+                server.close()
+
+
+def _server_rank(ranks: list[int], name: str) -> int:
+    return ranks[zlib.crc32(name.encode()) % len(ranks)]
 
 
 def _read_span(st: LocalStorage, stream: list[tuple[str, int]], lo: int, n: int):
