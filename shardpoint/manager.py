@@ -701,6 +701,8 @@ class CheckpointManager:
         self._usable()
         comm = self._comm()
         self._settle()
+        if self.memory is not None:  # --- peer memory (shardpoint.peer): the background replication
+            self.memory.wait()
         with self._watch("restore:list", step):
             cands = None
             if comm.rank == 0:
@@ -878,6 +880,8 @@ class CheckpointManager:
         self._usable(closing=True)
         self._complete_pending()
         self._join_retention()
+        if self.memory is not None:  # --- peer memory (shardpoint.peer): the background replication
+            self.memory.wait()
         comm = self._comm()
         if comm.world > 1:
             with self._watch("wait", None):

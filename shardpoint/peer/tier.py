@@ -33,6 +33,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 from ..api import load as _sp_load
 from ..api import save as _sp_save
-from ..dist import Comm
+from ..dist import Comm, private_group
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, FormatError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import LocalStorage
@@ -127,6 +128,7 @@ class PeerMemory:
         interval: take a memory checkpoint every ``interval`` steps.
         budget_bytes: host memory for replication pieces in flight per rank.
         host: this host's name (default :func:`host_id`).
+        timeout: seconds after which a replication collective counts as failed (a peer died).
 
     Example::
 
@@ -135,7 +137,7 @@ class PeerMemory:
     """
 
     def __init__(self, dir: str | None = None, replicas: int = 1, interval: int = 1, *,
-                 budget_bytes: int = 256 << 20, host: str | None = None):
+                 budget_bytes: int = 256 << 20, host: str | None = None, timeout: float | None = 600.0):
         if int(interval) < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
         if int(replicas) < 0:
@@ -150,6 +152,10 @@ class PeerMemory:
         self.domain = os.environ.get(DOMAIN_ENV) or self.host
         self._table: list[tuple[str, str, str]] | None = None  # per rank: host, dir, domain
         self.last_save: dict[str, Any] = {}
+        self.timeout = timeout
+        self._rcomm: Comm | None = None  # private group of the background replication
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
         self.kill_during_replication = False  # test-only: SIGKILL this process once replication has started
 
     def __repr__(self) -> str:
@@ -170,14 +176,41 @@ class PeerMemory:
         return self._table
 
     def save(self, step: int, state: MutableMapping[str, Any], comm: Comm) -> None:
-        """Snapshot, replicate and commit ``step`` in memory; drop older steps. Collective."""
+        """Snapshot ``step`` into this host's memory, then replicate and commit it in the background.
+
+        Waits for the previous step's replication first (back-pressure: at
+        most one step in flight). Collective.
+        """
+        self.wait()
         t0 = time.monotonic()
         table = self._hosts(comm)
+        if self._rcomm is None:
+            self._rcomm = private_group(comm, self.timeout)
         name = _folder(step)
         st = _StepFolder(os.path.join(self.dir, name), name)
-        group = comm.group if comm.active else None
-        _sp_save(st, state, process_group=group if comm.active else None)
+        _sp_save(st, state, process_group=comm.group if comm.active else None)
         t1 = time.monotonic()
+        self._thread = threading.Thread(target=self._background, args=(step, st, table, t0, t1),
+                                        name="shardpoint-peer-replicate", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the background replication of the last step; raise its error. Every rank calls it."""
+        t, self._thread = self._thread, None
+        if t is not None:
+            t.join()
+        e, self._error = self._error, None
+        if e is not None:
+            raise CheckpointError(f"rank {self._rcomm.rank if self._rcomm else 0}: replicating a memory "
+                                  f"checkpoint to peer hosts failed: {e}") from e
+
+    def _background(self, step: int, st: "_StepFolder", table, t0: float, t1: float) -> None:
+        try:
+            self._commit(step, st, self._rcomm, table, t0, t1)
+        except BaseException as e:  # noqa: BLE001 - raised by wait() on the caller's thread
+            self._error = e
+
+    def _commit(self, step: int, st: "_StepFolder", comm: Comm, table, t0: float, t1: float) -> None:
         mbytes = st.get(MANIFEST_NAME) if comm.rank == 0 else None
         mbytes = comm.broadcast(mbytes)
         man = Manifest.from_json(mbytes, st.url)
@@ -187,7 +220,7 @@ class PeerMemory:
         t2 = time.monotonic()
         firsts = {h: r for r, (h, _, _) in reversed(list(enumerate(table)))}
         if firsts[self.host] == comm.rank and not st.exists(MANIFEST_NAME):
-            st.put_atomic(MANIFEST_NAME, mbytes)
+            st.put_atomic(MANIFEST_NAME, mbytes)  # this host's copy is committed last
         oks = comm.all_gather(True)  # every copy landed: the step is complete everywhere
         if all(oks) and firsts[self.host] == comm.rank:
             self._prune(keep=step)
