@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ..api import load as _sp_load
 from ..api import save as _sp_save
+from ..async_save import AsyncSaver
 from ..dist import Comm, private_group
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, FormatError
 from ..format.manifest import MANIFEST_NAME, Manifest
@@ -128,6 +129,8 @@ class PeerMemory:
         interval: take a memory checkpoint every ``interval`` steps.
         budget_bytes: host memory for replication pieces in flight per rank.
         host: this host's name (default :func:`host_id`).
+        mode: the snapshot: ``"eager"`` (copied into staging memory in the call, written in the
+            background), ``"lazy"`` (copied as training goes on) or ``None`` (written in the call).
         timeout: seconds after which a replication collective counts as failed (a peer died).
 
     Example::
@@ -137,7 +140,7 @@ class PeerMemory:
     """
 
     def __init__(self, dir: str | None = None, replicas: int = 1, interval: int = 1, *,
-                 budget_bytes: int = 256 << 20, host: str | None = None, timeout: float | None = 600.0):
+                 budget_bytes: int = 256 << 20, host: str | None = None, timeout: float | None = 600.0, mode: str | None = "eager"):
         if int(interval) < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
         if int(replicas) < 0:
@@ -152,6 +155,10 @@ class PeerMemory:
         self.domain = os.environ.get(DOMAIN_ENV) or self.host
         self._table: list[tuple[str, str, str]] | None = None  # per rank: host, dir, domain
         self.last_save: dict[str, Any] = {}
+        if mode not in ("eager", "lazy", None):
+            raise ValueError(f"mode must be 'eager', 'lazy' or None, got {mode!r}")
+        self.mode = mode
+        self._saver: AsyncSaver | None = None
         self.timeout = timeout
         self._rcomm: Comm | None = None  # private group of the background replication
         self._thread: threading.Thread | None = None
@@ -188,9 +195,16 @@ class PeerMemory:
             self._rcomm = private_group(comm, self.timeout)
         name = _folder(step)
         st = _StepFolder(os.path.join(self.dir, name), name)
-        _sp_save(st, state, process_group=comm.group if comm.active else None)
+        group = comm.group if comm.active else None
+        handle = None
+        if self.mode is None:
+            _sp_save(st, state, process_group=group)
+        else:
+            if self._saver is None:
+                self._saver = AsyncSaver(process_group=group, timeout=self.timeout)
+            handle = self._saver.save(st, state, mode=self.mode)
         t1 = time.monotonic()
-        self._thread = threading.Thread(target=self._background, args=(step, st, table, t0, t1),
+        self._thread = threading.Thread(target=self._background, args=(step, st, table, t0, t1, handle),
                                         name="shardpoint-peer-replicate", daemon=True)
         self._thread.start()
 
@@ -204,8 +218,10 @@ class PeerMemory:
             raise CheckpointError(f"rank {self._rcomm.rank if self._rcomm else 0}: replicating a memory "
                                   f"checkpoint to peer hosts failed: {e}") from e
 
-    def _background(self, step: int, st: "_StepFolder", table, t0: float, t1: float) -> None:
+    def _background(self, step: int, st: "_StepFolder", table, t0: float, t1: float, handle: Any) -> None:
         try:
+            if handle is not None:
+                handle.wait()  # this host's copy written (an eager or lazy snapshot, then the write)
             self._commit(step, st, self._rcomm, table, t0, t1)
         except BaseException as e:  # noqa: BLE001 - raised by wait() on the caller's thread
             self._error = e
@@ -243,6 +259,8 @@ class PeerMemory:
         gr = (lambda r: dist.get_global_rank(comm.group, r)) if comm.group is not None else (lambda r: r)
         sent = 0
         for k in range(rounds):
+            if self.kill_during_replication and k == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
             ops, recvs = [], []
             for i, t in mine:
                 lo = k * piece
@@ -257,8 +275,6 @@ class PeerMemory:
                     buf = torch.empty(n, dtype=torch.uint8)
                     ops.append(dist.irecv(buf, gr(t.src), group=comm.group, tag=i))
                     recvs.append((i, buf))
-            if self.kill_during_replication:
-                os.kill(os.getpid(), signal.SIGKILL)
             for op in ops:
                 op.wait()
             for i, buf in recvs:

@@ -50,7 +50,8 @@ def test_corrupt_copy_and_kill_during_replication(tmp_path):
         assert res["attempts"] == 2, res  # the first attempt met the bad checksum
     # The file that failed was read again from h0's replica (by whichever rank the load had read it).
     assert any(res["source"] == "peer" for (res,) in got), got
-    # h1's ranks are killed while replicating step 6 and its folder is lost: step 5 is the newest complete one.
+    # h1's ranks are SIGKILLed as replication of step 6 starts (before their copies reach h0) and its folder
+    # is lost: step 6 is torn, step 5 is the newest complete one.
     root = str(tmp_path / "b")
     os.makedirs(root)
     with pytest.raises(LaunchError):
