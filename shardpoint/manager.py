@@ -750,6 +750,8 @@ class CheckpointManager:
                 from .peer import RestoreReport
 
                 self.last_restore = RestoreReport(s, "storage", {"total": time.monotonic() - t_restore})
+                if self.memory is not None:
+                    self.memory.forget_newer(s, comm)
                 # --- end peer memory
                 log.info("rank %s: restored %s from %s", comm.rank, step_folder(s), self.storage.url)
                 return s

@@ -326,8 +326,26 @@ class PeerMemory:
         for ch in choices:
             rep = self._restore_step(ch, gathered, state, comm, load_kwargs, t0, t_plan)
             if rep is not None:
+                self.forget_newer(rep.step, comm, gathered)
                 return rep
         return None
+
+    def forget_newer(self, step: int, comm: Comm, gathered: list[HostListing] | None = None) -> None:
+        """After a restore of ``step``: drop this host's memory steps newer than it (torn ones of an abandoned run).
+
+        Their files could never complete again, and a later save of the same
+        step must not share a folder with them. Collective unless ``gathered``
+        (every rank's listing) is given.
+        """
+        if gathered is None:
+            gathered = comm.all_gather(HostListing(self.host, self.dir)) if comm.active else [HostListing(self.host, self.dir)]
+        first = next(r for r, lst in enumerate(gathered) if lst.host == self.host)
+        if first != comm.rank or not os.path.isdir(self.dir):
+            return
+        for name in os.listdir(self.dir):
+            m = _STEP_RE.match(name)
+            if m and int(m.group(1)) > step:
+                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
     def _restore_step(self, ch, gathered: list[HostListing], state, comm: Comm, load_kwargs, t0: float, t_plan: float):
         """Load one complete memory step: own host's files from its folder, peers' through their servers."""

@@ -42,6 +42,8 @@ def _restore(root: str, rank: int, layout: str = "fsdp2", seed: int = 7) -> tupl
         "attempts": None if rep is None or rep.source == "storage" else rep.attempts,
     }
     mgr.close()
+    folder = mgr.memory.dir
+    out["memory_folders"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     return out, full_state(model, opt)
 
 

@@ -59,3 +59,4 @@ def test_corrupt_copy_and_kill_during_replication(tmp_path):
     got = launch(2, f"{JOB}:restore_job", {"root": root, "scenarios": [[["h1", "root-away"], "fsdp2", None]]})
     for res, in got:
         assert res["step"] == 5 and res["diff"] == [] and res["source"] == "memory" and res["storage_read"] == 0, res
+        assert res["memory_folders"] == ["step_00000005"], res  # the torn step 6 of the lost run is dropped
