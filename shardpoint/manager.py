@@ -749,7 +749,7 @@ class CheckpointManager:
                 # --- peer memory (shardpoint.peer): report the source of every restore
                 from .peer import RestoreReport
 
-                self.last_restore = RestoreReport(s, "storage", {"total": time.monotonic() - t_restore})
+                self.last_restore = RestoreReport(s, "storage", {"total": time.monotonic() - t_restore}, rank_source="storage")
                 if self.memory is not None:
                     self.memory.forget_newer(s, comm)
                 # --- end peer memory

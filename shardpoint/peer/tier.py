@@ -98,11 +98,12 @@ def _folder(step: int) -> str:
 class RestoreReport:
     """What a restore loaded: the step, its source and timings.
 
-    ``source`` is ``"memory"`` (every byte from this host's memory),
-    ``"peer"`` (some from other hosts' memory) or ``"storage"`` (the
-    persistent tiers). ``bytes_from`` counts bytes read per host (memory) or
-    ``{"storage": n}``; ``seconds`` maps phases (``plan``, ``load``,
-    ``total``) to seconds.
+    ``source`` is the job's: ``"memory"`` (every rank read only its own
+    host's memory), ``"peer"`` (some bytes came from other hosts' memory)
+    or ``"storage"`` (the persistent tiers); ``rank_source`` is this rank's
+    alone. ``bytes_from`` counts the bytes this rank read per host;
+    ``seconds`` maps phases (``plan``, ``load``, ``total``) to seconds;
+    ``attempts`` counts loads (more than one when a copy failed its checksum).
     """
 
     step: int
@@ -110,6 +111,7 @@ class RestoreReport:
     seconds: Mapping[str, float] = field(default_factory=dict)
     bytes_from: Mapping[str, int] = field(default_factory=dict)
     attempts: int = 1
+    rank_source: str = ""
 
 
 class _StepFolder(LocalStorage):
@@ -389,9 +391,11 @@ class PeerMemory:
                         continue
                     return None
                 load_s = time.monotonic() - tl
-                src_kind = "memory" if set(routed.bytes_from) <= {self.host} else "peer"
-                return RestoreReport(ch.step, src_kind, {"plan": t_plan, "load": load_s, "total": time.monotonic() - t0},
-                                     dict(routed.bytes_from), attempts)
+                mine = "memory" if set(routed.bytes_from) <= {self.host} else "peer"
+                kinds = comm.all_gather(mine) if comm.active else [mine]
+                return RestoreReport(ch.step, "peer" if "peer" in kinds else "memory",
+                                     {"plan": t_plan, "load": load_s, "total": time.monotonic() - t0},
+                                     dict(routed.bytes_from), attempts, mine)
         finally:
             if server is not None:
                 server.close()

@@ -37,6 +37,7 @@ def _restore(root: str, rank: int, layout: str = "fsdp2", seed: int = 7) -> tupl
     out = {
         "step": step,
         "source": None if rep is None else rep.source,
+        "rank_source": None if rep is None else rep.rank_source,
         "bytes_from": {} if rep is None else dict(rep.bytes_from),
         "storage_read": mgr.storage.stats.bytes_read,
         "attempts": None if rep is None or rep.source == "storage" else rep.attempts,

@@ -26,7 +26,7 @@ def test_lost_host_restores_from_peer_memory(tmp_path):
     for rank, (res,) in enumerate(got):
         assert res["step"] == 12 and res["diff"] == [], res
         assert res["storage_read"] == 0, res
-        assert res["source"] == ("memory" if rank < 2 else "peer"), res
+        assert res["source"] == "peer" and res["rank_source"] == ("memory" if rank < 2 else "peer"), res
         assert set(res["bytes_from"]) == {"h0"} and res["bytes_from"]["h0"] > 0, res
     # Into 2 ranks (one host) and tensor parallel; then both hosts lost, the root back: step 10 from storage.
     got = launch(2, f"{JOB}:restore_job", {"root": root, "scenarios": [
@@ -49,7 +49,7 @@ def test_corrupt_copy_and_kill_during_replication(tmp_path):
         assert res["step"] == 6 and res["diff"] == [] and res["storage_read"] == 0, res
         assert res["attempts"] == 2, res  # the first attempt met the bad checksum
     # The file that failed was read again from h0's replica (by whichever rank the load had read it).
-    assert any(res["source"] == "peer" for (res,) in got), got
+    assert all(res["source"] == "peer" for (res,) in got) and any(res["rank_source"] == "peer" for (res,) in got), got
     # h1's ranks are SIGKILLed as replication of step 6 starts (before their copies reach h0) and its folder
     # is lost: step 6 is torn, step 5 is the newest complete one.
     root = str(tmp_path / "b")
