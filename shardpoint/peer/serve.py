@@ -20,6 +20,7 @@ import itertools
 import threading
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -77,7 +78,7 @@ class PeerServer:
         with self._lock:
             tag = next(self._tags)
         dst = self._g(self.req, server)
-        out = torch.from_numpy(__import__("numpy").frombuffer(buf, dtype="uint8"))
+        out = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
         hdr = torch.tensor([tag, self.ids[name], offset, len(out), self.comm.rank], dtype=torch.int64)
         dist.send(hdr, dst, group=self.req.group)
         status = torch.empty(1, dtype=torch.int64)
