@@ -3,8 +3,6 @@ fewer ranks and another layout, a corrupt copy, a kill during replication and th
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from shardpoint.testing import LaunchError, launch
@@ -21,9 +19,17 @@ def test_lost_host_restores_from_peer_memory(tmp_path):
         # At most two steps per copy after the last complete one; steps 5 and 10 are stored.
         assert r["memory_steps"] == [12], r
         assert r["stored"] == [5, 10], r
-    # h1 lost (memory folder gone) and the stored checkpoints away: step 12 from h0's memory, 0 stored bytes read.
-    got = launch(4, f"{JOB}:restore_job", {"root": root, "scenarios": [[["h1", "root-away"], "fsdp2", None]]})
-    for rank, (res,) in enumerate(got):
+    # First h1's own copy of rank 2's data is corrupt: the checksum catches it and h0's replica serves it.
+    # Then h1 is lost (memory folder gone) and the stored checkpoints away: step 12 from h0's memory,
+    # 0 stored bytes read.
+    got = launch(4, f"{JOB}:restore_job", {"root": root, "scenarios": [
+        [[], "fsdp2", "h1"], [["h1", "root-away"], "fsdp2", None]]})
+    for res, _ in got:
+        assert res["step"] == 12 and res["diff"] == [] and res["storage_read"] == 0, res
+        assert res["attempts"] == 2 and res["source"] == "peer", res  # the first attempt met the bad checksum
+    # The file that failed was read again from h0's replica (by whichever rank the load had read it).
+    assert any(res["rank_source"] == "peer" for res, _ in got), got
+    for rank, (_, res) in enumerate(got):
         assert res["step"] == 12 and res["diff"] == [], res
         assert res["storage_read"] == 0, res
         assert res["source"] == "peer" and res["rank_source"] == ("memory" if rank < 2 else "peer"), res
@@ -39,21 +45,10 @@ def test_lost_host_restores_from_peer_memory(tmp_path):
         assert res_storage["storage_read"] > 0
 
 
-def test_corrupt_copy_and_kill_during_replication(tmp_path):
-    root = str(tmp_path / "a")
-    os.makedirs(root)
-    launch(4, f"{JOB}:train_job", {"root": root, "steps": 6})
-    # h1's own copy of rank 2's data is corrupt: the checksum catches it and h0's replica serves it.
-    got = launch(4, f"{JOB}:restore_job", {"root": root, "scenarios": [[[], "fsdp2", "h1"]]})
-    for rank, (res,) in enumerate(got):
-        assert res["step"] == 6 and res["diff"] == [] and res["storage_read"] == 0, res
-        assert res["attempts"] == 2, res  # the first attempt met the bad checksum
-    # The file that failed was read again from h0's replica (by whichever rank the load had read it).
-    assert all(res["source"] == "peer" for (res,) in got) and any(res["rank_source"] == "peer" for (res,) in got), got
+def test_kill_during_replication(tmp_path):
+    root = str(tmp_path)
     # h1's ranks are SIGKILLed as replication of step 6 starts (before their copies reach h0) and its folder
     # is lost: step 6 is torn, step 5 is the newest complete one.
-    root = str(tmp_path / "b")
-    os.makedirs(root)
     with pytest.raises(LaunchError):
         launch(4, f"{JOB}:train_job", {"root": root, "steps": 6, "kill_at": 6}, timeout=120)
     got = launch(2, f"{JOB}:restore_job", {"root": root, "scenarios": [[["h1", "root-away"], "fsdp2", None]]})
