@@ -721,7 +721,11 @@ class CheckpointManager:
             # --- peer memory (shardpoint.peer): a memory step at least as new as the newest stored one wins
             t_restore = time.monotonic()
             if self.memory is not None and step is None:
-                rep = self.memory.restore(state, comm, newer_than=cands[0] if cands else None, **kwargs)
+                newest = cands[0] if cands else None
+                with self._watch("restore:memory", step):
+                    rep = self._collective(
+                        "restore:memory", step, lambda: self.memory.restore(state, comm, newer_than=newest, **kwargs)
+                    )
                 if rep is not None:
                     for p in self.policies:
                         p.restored(rep.step, self._clock())

@@ -133,6 +133,7 @@ class PeerMemory:
         host: this host's name (default :func:`host_id`).
         mode: the snapshot: ``"eager"`` (copied into staging memory in the call, written in the
             background), ``"lazy"`` (copied as training goes on) or ``None`` (written in the call).
+        staging_bytes: host staging memory of the snapshot (default: the asynchronous saver's).
         timeout: seconds after which a replication collective counts as failed (a peer died).
 
     Example::
@@ -142,7 +143,8 @@ class PeerMemory:
     """
 
     def __init__(self, dir: str | None = None, replicas: int = 1, interval: int = 1, *,
-                 budget_bytes: int = 256 << 20, host: str | None = None, timeout: float | None = 600.0, mode: str | None = "eager"):
+                 budget_bytes: int = 256 << 20, host: str | None = None, timeout: float | None = 600.0, mode: str | None = "eager",
+                 staging_bytes: int | None = None):
         if int(interval) < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
         if int(replicas) < 0:
@@ -160,6 +162,7 @@ class PeerMemory:
         if mode not in ("eager", "lazy", None):
             raise ValueError(f"mode must be 'eager', 'lazy' or None, got {mode!r}")
         self.mode = mode
+        self.staging_bytes = staging_bytes
         self._saver: AsyncSaver | None = None
         self.timeout = timeout
         self._rcomm: Comm | None = None  # private group of the background replication
@@ -203,7 +206,8 @@ class PeerMemory:
             _sp_save(st, state, process_group=group)
         else:
             if self._saver is None:
-                self._saver = AsyncSaver(process_group=group, timeout=self.timeout)
+                kw = {} if self.staging_bytes is None else {"staging_bytes": int(self.staging_bytes)}
+                self._saver = AsyncSaver(process_group=group, timeout=self.timeout, **kw)
             handle = self._saver.save(st, state, mode=self.mode)
         t1 = time.monotonic()
         self._thread = threading.Thread(target=self._background, args=(step, st, table, t0, t1, handle),
