@@ -43,6 +43,7 @@ from .format.manifest import FORMAT_VERSION
 from .data import ResumableLoader, ResumableSampler
 from .layouts import Fused, Padded, Reduced
 from .manager import CheckpointManager, EveryNSteps, EveryTSeconds, OnDemand
+from .peer import PeerMemory
 from .rng import RNGState
 from .storage import LocalStorage, MemoryStorage, Storage
 from .storage.tiers import TieredStorage
@@ -66,6 +67,7 @@ __all__ = [
     "LocalStorage",
     "MemoryStorage",
     "TieredStorage",
+    "PeerMemory",
     "FORMAT_VERSION",
     "Fused",
     "Padded",

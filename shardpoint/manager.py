@@ -572,6 +572,10 @@ class CheckpointManager:
         stale_lock_s: age after which a step lock whose owner cannot be checked
             (another host) is considered abandoned.
         write_hint: also write the ``latest`` hint file after each commit.
+        memory: a :class:`~shardpoint.PeerMemory` tier: memory checkpoints at
+            its interval, and ``restore`` from the newest step complete in this
+            host's or peers' memory before the stored ones (see
+            :mod:`shardpoint.peer`); ``last_restore`` reports the step and source.
 
     Example::
 
@@ -600,6 +604,7 @@ class CheckpointManager:
         write_hint: bool = True,
         clock: Callable[[], float] = time.monotonic,
         fault_hook: Callable[[str, int | None, int], None] | None = None,
+        memory: Any = None,
     ):
         if keep_last is not None and int(keep_last) < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -650,6 +655,10 @@ class CheckpointManager:
         for p in self.policies:
             if isinstance(p, OnDemand) and p.signals:
                 p.install()
+        # --- peer memory (shardpoint.peer): a PeerMemory tier and the report of the last restore
+        self.memory = memory
+        self.last_restore: Any = None
+        # --- end peer memory
 
     # ------------------------------------------------------------ public
     @property
@@ -701,6 +710,8 @@ class CheckpointManager:
         self._usable()
         comm = self._comm()
         self._settle()
+        if self.memory is not None:  # --- peer memory (shardpoint.peer): the background replication
+            self.memory.wait()
         with self._watch("restore:list", step):
             cands = None
             if comm.rank == 0:
@@ -710,12 +721,28 @@ class CheckpointManager:
             self._hook("restore", step)
             cands = self._collective("restore:list", step, lambda: comm.broadcast(cands))
         try:
-            if not cands:
+            if not cands and (self.memory is None or step is not None):
                 if step is not None:
                     raise CheckpointNotFoundError(f"{self.storage.url}: no complete checkpoint at step {step}")
                 log.info("rank %s: no checkpoint under %s; starting fresh", comm.rank, self.storage.url)
                 return None
             kwargs = {**self.load_options, **load_kwargs}
+            # --- peer memory (shardpoint.peer): a memory step at least as new as the newest stored one wins
+            t_restore = time.monotonic()
+            if self.memory is not None and step is None:
+                newest = cands[0] if cands else None
+                with self._watch("restore:memory", step):
+                    rep = self._collective(
+                        "restore:memory", step, lambda: self.memory.restore(state, comm, newer_than=newest, **kwargs)
+                    )
+                if rep is not None:
+                    for p in self.policies:
+                        p.restored(rep.step, self._clock())
+                    self._loaded = self._last_saved = rep.step
+                    self.last_restore = rep
+                    log.info("rank %s: restored %s from %s memory", comm.rank, step_folder(rep.step), rep.source)
+                    return rep.step
+            # --- end peer memory
             last: BaseException | None = None
             for s in cands:
                 try:
@@ -732,9 +759,18 @@ class CheckpointManager:
                 for p in self.policies:
                     p.restored(s, now)
                 self._loaded = self._last_saved = s
+                # --- peer memory (shardpoint.peer): report the source of every restore
+                from .peer import RestoreReport
+
+                self.last_restore = RestoreReport(s, "storage", {"total": time.monotonic() - t_restore}, rank_source="storage")
+                if self.memory is not None:
+                    self.memory.forget_newer(s, comm)
+                # --- end peer memory
                 log.info("rank %s: restored %s from %s", comm.rank, step_folder(s), self.storage.url)
                 return s
-            assert last is not None
+            if last is None:  # peer memory held nothing and storage is empty
+                log.info("rank %s: no checkpoint in memory or under %s; starting fresh", comm.rank, self.storage.url)
+                return None
             raise last
         finally:
             if comm.rank == 0:
@@ -754,6 +790,11 @@ class CheckpointManager:
         self._usable()
         self._poll()
         comm = self._comm()
+        # --- peer memory (shardpoint.peer): a memory checkpoint at its own interval
+        if self.memory is not None and self.memory.wants(step):
+            with self._watch("memory", step):
+                self._collective("memory", step, lambda: self.memory.save(step, state, comm))
+        # --- end peer memory
         now = self._clock()
         want = any([p.wants(step, now, comm.rank) for p in self.policies])
         stop = any(getattr(p, "stop_pending", False) for p in self.policies)
@@ -854,6 +895,8 @@ class CheckpointManager:
         self._usable(closing=True)
         self._complete_pending()
         self._join_retention()
+        if self.memory is not None:  # --- peer memory (shardpoint.peer): the background replication
+            self.memory.wait()
         comm = self._comm()
         if comm.world > 1:
             with self._watch("wait", None):

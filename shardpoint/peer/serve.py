@@ -1,0 +1,145 @@
+"""Serving memory copies to other hosts over the process group during a restore.
+
+On separate machines a rank cannot open another host's memory folder. Each
+rank therefore runs a small server thread for the length of a restore: a
+request (file, offset, length) arrives on one private gloo group, and the
+bytes go back on a second one. :class:`RemoteFolder` is the client side, a
+read-only :class:`~shardpoint.storage.Storage` that the restore's
+:class:`~shardpoint.peer.routed.RoutedStorage` reads a peer's files through,
+so each byte a rank needs crosses the network once, and only the bytes it needs.
+
+Example::
+
+    with PeerServer(comm, own_folder, names) as srv:
+        st = RemoteFolder(srv, server_rank=2, sizes=manifest.files)
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..dist import Comm, private_group
+from ..errors import StorageError
+from ..storage.base import Storage, Writer
+
+__all__ = ["PeerServer", "RemoteFolder"]
+
+_STOP = -1
+_OK, _MISSING = 0, 1
+
+
+class PeerServer:
+    """Serves byte ranges of this host's step folder to other ranks until :meth:`close`. Collective to create and close."""
+
+    def __init__(self, comm: Comm, folder: Storage | None, names: Sequence[str], timeout: float | None = None):
+        self.comm = comm
+        self.folder = folder
+        self.names = list(names)
+        self.ids = {n: i for i, n in enumerate(self.names)}
+        self.req = private_group(comm, timeout)
+        self.resp = private_group(comm, timeout)
+        self._tags = itertools.count(1)
+        self._lock = threading.Lock()
+        self.served = 0
+        self._thread = threading.Thread(target=self._serve, name="shardpoint-peer-server", daemon=True)
+        self._thread.start()
+
+    def _g(self, group: Comm, r: int) -> int:
+        return dist.get_global_rank(group.group, r) if group.group is not None else r
+
+    def _serve(self) -> None:
+        hdr = torch.empty(5, dtype=torch.int64)
+        while True:
+            src = dist.recv(hdr, src=None, group=self.req.group)
+            tag, fid, off, n, _ = (int(x) for x in hdr)
+            if tag == _STOP:
+                return
+            status = torch.tensor([_OK], dtype=torch.int64)
+            buf = torch.empty(n, dtype=torch.uint8)
+            try:
+                if self.folder is None:
+                    raise FileNotFoundError(self.names[fid])
+                self.folder.readinto(self.names[fid], off, memoryview(buf.numpy()))
+            except (OSError, StorageError):
+                status[0] = _MISSING
+            dist.send(status, src, group=self.resp.group, tag=tag)
+            if status[0] == _OK:
+                dist.send(buf, src, group=self.resp.group, tag=tag)
+                self.served += n
+
+    def fetch(self, server: int, name: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` from ``name`` at ``offset`` as held by group rank ``server``; ``FileNotFoundError`` if it lacks it."""
+        with self._lock:
+            tag = next(self._tags)
+        dst = self._g(self.req, server)
+        out = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
+        hdr = torch.tensor([tag, self.ids[name], offset, len(out), self.comm.rank], dtype=torch.int64)
+        dist.send(hdr, dst, group=self.req.group)
+        status = torch.empty(1, dtype=torch.int64)
+        src = self._g(self.resp, server)
+        dist.recv(status, src, group=self.resp.group, tag=tag)
+        if int(status[0]) != _OK:
+            raise FileNotFoundError(f"rank {server} holds no readable copy of {name}")
+        dist.recv(out, src, group=self.resp.group, tag=tag)
+
+    def close(self) -> None:
+        """Stop serving once every rank is done reading (a barrier, then one stop message per server)."""
+        c = self.comm
+        c.barrier()
+        nxt = (c.rank + 1) % c.world
+        dist.send(torch.tensor([_STOP, 0, 0, 0, c.rank], dtype=torch.int64), self._g(self.req, nxt), group=self.req.group)
+        self._thread.join()
+        c.barrier()
+
+    def __enter__(self) -> "PeerServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RemoteFolder(Storage):
+    """A peer host's step folder, read through that host's :class:`PeerServer` (read-only)."""
+
+    def __init__(self, server: PeerServer, rank: int, sizes: Mapping[str, int], url: str):
+        super().__init__()
+        self.server, self.rank, self.sizes, self.url = server, rank, dict(sizes), url
+
+    def readinto(self, name: str, offset: int, buf: memoryview) -> None:
+        mv = memoryview(buf).cast("B")
+        self.server.fetch(self.rank, name, offset, mv)
+        self.stats.add_read(len(mv))
+
+    def size(self, name: str) -> int:
+        if name not in self.sizes:
+            raise FileNotFoundError(f"{self.url}: {name}")
+        return int(self.sizes[name])
+
+    def get(self, name: str) -> bytes:
+        buf = bytearray(self.size(name))
+        self.readinto(name, 0, memoryview(buf))
+        return bytes(buf)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return sorted(n for n in self.sizes if n.startswith(prefix))
+
+    def location_exists(self) -> bool:
+        return True
+
+    def open_writer(self, name: str) -> Writer:
+        raise StorageError(f"{self.url}: a peer's copy is read-only")
+
+    def put_atomic(self, name: str, data: bytes) -> None:
+        raise StorageError(f"{self.url}: a peer's copy is read-only")
+
+    def delete(self, name: str) -> None:
+        raise StorageError(f"{self.url}: a peer's copy is read-only")
+
+    def child(self, sub: str) -> "Storage":
+        raise StorageError(f"{self.url}: no sub-locations")
