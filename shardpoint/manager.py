@@ -655,10 +655,9 @@ class CheckpointManager:
         for p in self.policies:
             if isinstance(p, OnDemand) and p.signals:
                 p.install()
-        # --- peer memory (shardpoint.peer): a PeerMemory tier and the report of the last restore
+        # Peer memory: a PeerMemory tier and the report of the last restore
         self.memory = memory
         self.last_restore: Any = None
-        # --- end peer memory
 
     # ------------------------------------------------------------ public
     @property
@@ -710,7 +709,7 @@ class CheckpointManager:
         self._usable()
         comm = self._comm()
         self._settle()
-        if self.memory is not None:  # --- peer memory (shardpoint.peer): the background replication
+        if self.memory is not None:  # Peer memory: the background replication
             self.memory.wait()
         with self._watch("restore:list", step):
             cands = None
@@ -727,7 +726,7 @@ class CheckpointManager:
                 log.info("rank %s: no checkpoint under %s; starting fresh", comm.rank, self.storage.url)
                 return None
             kwargs = {**self.load_options, **load_kwargs}
-            # --- peer memory (shardpoint.peer): a memory step at least as new as the newest stored one wins
+            # Peer memory: a memory step at least as new as the newest stored one wins
             t_restore = time.monotonic()
             if self.memory is not None and step is None:
                 newest = cands[0] if cands else None
@@ -742,7 +741,6 @@ class CheckpointManager:
                     self.last_restore = rep
                     log.info("rank %s: restored %s from %s memory", comm.rank, step_folder(rep.step), rep.source)
                     return rep.step
-            # --- end peer memory
             last: BaseException | None = None
             for s in cands:
                 try:
@@ -759,13 +757,12 @@ class CheckpointManager:
                 for p in self.policies:
                     p.restored(s, now)
                 self._loaded = self._last_saved = s
-                # --- peer memory (shardpoint.peer): report the source of every restore
+                # Peer memory: report the source of every restore
                 from .peer import RestoreReport
 
                 self.last_restore = RestoreReport(s, "storage", {"total": time.monotonic() - t_restore}, rank_source="storage")
                 if self.memory is not None:
                     self.memory.forget_newer(s, comm)
-                # --- end peer memory
                 log.info("rank %s: restored %s from %s", comm.rank, step_folder(s), self.storage.url)
                 return s
             if last is None:  # peer memory held nothing and storage is empty
@@ -790,11 +787,10 @@ class CheckpointManager:
         self._usable()
         self._poll()
         comm = self._comm()
-        # --- peer memory (shardpoint.peer): a memory checkpoint at its own interval
+        # Peer memory: a memory checkpoint at its own interval
         if self.memory is not None and self.memory.wants(step):
             with self._watch("memory", step):
                 self._collective("memory", step, lambda: self.memory.save(step, state, comm))
-        # --- end peer memory
         now = self._clock()
         want = any([p.wants(step, now, comm.rank) for p in self.policies])
         stop = any(getattr(p, "stop_pending", False) for p in self.policies)
@@ -895,7 +891,7 @@ class CheckpointManager:
         self._usable(closing=True)
         self._complete_pending()
         self._join_retention()
-        if self.memory is not None:  # --- peer memory (shardpoint.peer): the background replication
+        if self.memory is not None:  # Peer memory: the background replication
             self.memory.wait()
         comm = self._comm()
         if comm.world > 1:
