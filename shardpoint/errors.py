@@ -22,6 +22,7 @@ __all__ = [
     "DistributedError",
     "CheckpointTimeoutError",
     "CheckpointConflictError",
+    "MissingDependencyError",
 ]
 
 
@@ -94,3 +95,16 @@ class CheckpointTimeoutError(CheckpointError):
 
 class CheckpointConflictError(CheckpointError):
     """Another save holds the step folder's lock: two saves raced to the same step."""
+
+
+class MissingDependencyError(CheckpointError, ImportError):
+    """An optional package that a feature needs is not installed.
+
+    Also an ``ImportError``, so ``except ImportError`` keeps working.
+    ``package`` names the missing distribution and ``hint`` the command that
+    installs it.
+    """
+
+    def __init__(self, message: str, package: str = "", hint: str = ""):
+        super().__init__(message)
+        self.package, self.hint = package, hint

@@ -1,0 +1,93 @@
+"""What the framework integrations share: optional imports and rank-local I/O.
+
+Kept small on purpose: each integration is a thin translation between a
+framework's checkpoint hooks and :func:`shardpoint.save` / :func:`shardpoint.load`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+from types import ModuleType
+from typing import Any
+
+from ..errors import DistributedError, MissingDependencyError
+from ..storage import storage_for
+
+__all__ = ["require", "rank_local_group", "top_level_keys", "remove_path"]
+
+
+def require(module: str, package: str, feature: str) -> ModuleType:
+    """Import ``module``, or raise :class:`MissingDependencyError` saying how to install ``package``.
+
+    Example::
+
+        L = require("lightning", "lightning", "shardpoint.integrations.lightning")
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        hint = f"pip install {package}"
+        raise MissingDependencyError(
+            f"{feature} needs the {package!r} package, which could not be imported ({e}); install it with: {hint}",
+            package=package,
+            hint=hint,
+        ) from e
+
+
+def rank_local_group() -> Any:
+    """The ``process_group`` argument that makes a save or load run on this rank alone.
+
+    Frameworks such as Lightning under DDP call their checkpoint plugin on
+    global rank 0 only, so the save must involve no other rank. With no
+    process group (or a world of one) any group works; otherwise this needs
+    :data:`shardpoint.LOCAL`, and a shardpoint without it raises
+    :class:`DistributedError` instead of hanging in a collective.
+    """
+    import shardpoint
+
+    local = getattr(shardpoint, "LOCAL", None)
+    if local is not None:
+        return local
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        rank = dist.get_rank()
+        raise DistributedError(
+            f"rank {rank}: a rank-local save or load needs shardpoint.LOCAL, which this shardpoint "
+            "version lacks; upgrade shardpoint",
+            {rank: "no rank-local process group"},
+        )
+    return None
+
+
+def top_level_keys(manifest: Any) -> list[str]:
+    """The state keys a checkpoint was saved with, from its manifest, in a stable order.
+
+    Example::
+
+        keys = top_level_keys(sp.read_manifest("ckpt/step_100"))  # ["model", "optimizer", ...]
+    """
+    keys = dict.fromkeys(manifest.values)
+    for name in manifest.tensors:
+        keys.setdefault(name.split(".", 1)[0])
+    return list(keys)
+
+
+def remove_path(path: str) -> None:
+    """Delete a checkpoint folder (a local path or a storage URL) and everything in it.
+
+    Example::
+
+        remove_path("ckpt/epoch=0-step=4.ckpt")
+    """
+    if "://" not in path or path.startswith("file://"):
+        local = path[len("file://"):] if path.startswith("file://") else path
+        if os.path.isdir(local) and not os.path.islink(local):
+            shutil.rmtree(local)
+        elif os.path.lexists(local):
+            os.remove(local)
+        return
+    storage = storage_for(path)
+    storage.delete_many(storage.list())
