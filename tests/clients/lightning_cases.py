@@ -68,15 +68,15 @@ class Capture(Callback):
 
 
 def run(rank: int, world: int, *, ckpt_dir: str, epochs: int, out: str, resume: str | None = None,
-        async_io: bool = False, strategy: str = "auto") -> dict[str, Any]:
-    """Fit for ``epochs`` epochs (resuming from ``resume``), checkpointing each epoch, keeping the newest."""
+        async_io: bool = False, strategy: str = "auto", keep: int = 1) -> dict[str, Any]:
+    """Fit for ``epochs`` epochs (resuming from ``resume``), checkpointing each epoch, keeping the newest ``keep``."""
     L.seed_everything(0, verbose=False)
     model = Net()
     io = AsyncShardpointCheckpointIO() if async_io else ShardpointCheckpointIO()
     capture = Capture()
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, plugins=[io],
-        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=1, every_n_epochs=1), capture],
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=keep, every_n_epochs=1), capture],
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     trainer.fit(model, data(), ckpt_path=resume)
