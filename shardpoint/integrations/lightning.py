@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
@@ -37,8 +38,9 @@ from .common import rank_local_group, remove_path, require, top_level_keys
 
 require("lightning", "lightning", "shardpoint.integrations.lightning")
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
+from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 
-__all__ = ["ShardpointCheckpointIO", "AsyncShardpointCheckpointIO", "to_state", "from_state"]
+__all__ = ["ShardpointCheckpointIO", "AsyncShardpointCheckpointIO", "ShardpointFSDPStrategy", "to_state", "from_state"]
 
 # Checkpoint keys that cannot be shardpoint state keys (not a string, empty, or holding '.') live under this key.
 OTHER_KEYS = "lightning_other_keys"
@@ -178,6 +180,69 @@ class AsyncShardpointCheckpointIO(ShardpointCheckpointIO):
     def teardown(self) -> None:
         """Wait for the last save; Lightning calls this when ``fit`` ends."""
         self.wait()
+
+
+_LIVE = re.compile(r"model|optimizer_\d+")
+
+
+class ShardpointFSDPStrategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` with sharded checkpoints written and read by shardpoint.
+
+    Every rank saves its own shards of the model and optimizers (no full
+    state is gathered) with one collective :func:`shardpoint.save`; the rest
+    of Lightning's checkpoint (loops, callbacks, schedulers) is stored beside
+    them as plain values. Loading reshards, so a checkpoint saved by N ranks
+    resumes on any other number. The model is stored under ``model`` and the
+    optimizers under ``optimizer_0``, ``optimizer_1``, ... Takes the same
+    arguments as ``FSDPStrategy``.
+
+    Example::
+
+        strategy = ShardpointFSDPStrategy(auto_wrap_policy={nn.Linear})
+        trainer = L.Trainer(strategy=strategy, devices=2)
+        trainer.fit(model, data, ckpt_path="checkpoints/last.ckpt")
+    """
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Nothing: :meth:`save_checkpoint` saves the live sharded model, so no full copy is gathered."""
+        return {}
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Nothing: :meth:`save_checkpoint` saves the live sharded optimizers."""
+        return {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Save the live sharded model and optimizers and the rest of ``checkpoint``; every rank calls this."""
+        _no_storage_options(storage_options)
+        path = self.broadcast(_where(filepath))
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        state = to_state(rest)
+        state.update(self._live())
+        save(path, state)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Restore the model and optimizers in place on every rank; return the rest of the checkpoint."""
+        path = self.broadcast(_where(checkpoint_path))
+        keys = top_level_keys(read_manifest(path, chunks=False))
+        live = self._live()
+        state: dict[str, Any] = {k: None for k in keys if not _LIVE.fullmatch(k)}
+        state.update(live)
+        saved_optimizers = [k for k in keys if k.startswith("optimizer_") and _LIVE.fullmatch(k)]
+        if sorted(saved_optimizers) == sorted(k for k in live if k != "model"):
+            load(path, state)
+        else:  # restoring the model alone (e.g. for validation): the optimizers are left out on purpose
+            state = {k: v for k, v in state.items() if not k.startswith("optimizer_")}
+            load(path, state, keys=[f"{k}.*" for k in state] + list(state))
+        checkpoint = from_state({k: v for k, v in state.items() if not _LIVE.fullmatch(k)})
+        # The optimizers are already restored; Lightning only checks that the key exists.
+        checkpoint["optimizer_states"] = [None] * len(saved_optimizers)
+        return checkpoint
+
+    def _live(self) -> dict[str, Any]:
+        live: dict[str, Any] = {"model": self.model}
+        for i, opt in enumerate(self.optimizers):
+            live[f"optimizer_{i}"] = getattr(opt, "_optimizer", opt)
+        return live
 
 
 def _local() -> dict[str, Any]:
