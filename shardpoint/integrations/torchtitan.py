@@ -239,20 +239,22 @@ class ShardpointCheckpointManager(BaseCheckpointManager):
         return True
 
 
-def import_dcp(src: str, dst: str, *, force: bool = False, quiet: bool = True) -> Any:
+def import_dcp(src: str, dst: str, *, trust_pickle: bool = False, force: bool = False, quiet: bool = True) -> Any:
     """Convert a checkpoint step written by torchtitan's DCP ``CheckpointManager`` into shardpoint's layout.
 
     torchtitan's DCP checkpoints keep the model's tensors at the top level
     (``layers.0.attention.wq.weight``) beside ``optimizer.*``,
     ``lr_scheduler``, ``dataloader`` and ``train_state``; the model's names
     move under ``model.``, the rest keep theirs, and the sharding of every
-    saved chunk is kept. DCP's metadata and plain objects are pickles: only
-    import checkpoints you trust. Returns shardpoint's import report.
+    saved chunk is kept. DCP's metadata and plain objects are pickles, and
+    unpickling runs code chosen by whoever wrote them: pass
+    ``trust_pickle=True`` only for checkpoints you trust (without it a
+    ``ConversionError`` is raised). Returns shardpoint's import report.
 
     Example::
 
-        import_dcp("outputs/checkpoint/step-1000", "outputs/sp_checkpoint/step-1000")
+        import_dcp("outputs/checkpoint/step-1000", "outputs/sp_checkpoint/step-1000", trust_pickle=True)
         # then resume with ShardpointCheckpointManager.Config(folder="sp_checkpoint", ...)
     """
     others = "|".join(re.escape(k) for k in (MODEL, *TORCHTITAN_KEYS))
-    return _convert_dcp(src, dst, trust_pickle=True, rename=[f"^(?!(?:{others})(?:\\.|$))=model."], force=force, quiet=quiet)
+    return _convert_dcp(src, dst, trust_pickle=trust_pickle, rename=[f"^(?!(?:{others})(?:\\.|$))=model."], force=force, quiet=quiet)

@@ -14,6 +14,7 @@ pytest.importorskip("torchtitan")
 pytest.importorskip("triton")  # torchtitan's model package imports it, even on CPU
 
 import shardpoint as sp  # noqa: E402
+from shardpoint.convert import ConversionError  # noqa: E402
 from shardpoint.testing import launch  # noqa: E402
 
 pytestmark = pytest.mark.dist
@@ -89,7 +90,9 @@ def test_import_dcp_keeps_torchtitan_names(runs, tmp_path):
     src = str(runs["dir"] / "dcp" / "checkpoint" / f"step-{AT}")
     assert os.path.exists(os.path.join(src, ".metadata"))
     dst = str(tmp_path / "checkpoint" / f"step-{AT}")
-    import_dcp(src, dst)
+    with pytest.raises(ConversionError, match="trust_pickle"):
+        import_dcp(src, dst)
+    import_dcp(src, dst, trust_pickle=True)
     m = sp.read_manifest(dst)
     assert "model.tok_embeddings.weight" in m.tensors and "model.layers.0.attention.qkv_linear.wq.weight" in m.tensors
     assert "optimizer.state.tok_embeddings.weight.exp_avg" in m.tensors
@@ -103,7 +106,8 @@ def test_import_dcp_keeps_torchtitan_names(runs, tmp_path):
 def test_resume_from_imported_dcp_is_exact(runs, tmp_path):
     from shardpoint.integrations.torchtitan import import_dcp
 
-    import_dcp(str(runs["dir"] / "dcp" / "checkpoint" / f"step-{AT}"), str(tmp_path / "checkpoint" / f"step-{AT}"))
+    import_dcp(str(runs["dir"] / "dcp" / "checkpoint" / f"step-{AT}"), str(tmp_path / "checkpoint" / f"step-{AT}"),
+               trust_pickle=True)
     resumed = _run(2, str(tmp_path), str(tmp_path / "resumed.pt"), "resume")
     ref = runs["snaps"]["dcp_full"]
     got = torch.load(tmp_path / "resumed.pt", weights_only=False)
