@@ -34,6 +34,7 @@ import torch
 
 from ..api import load, read_manifest, save
 from ..async_save import AsyncSaveHandle, async_save
+from ..errors import UnsupportedStateError
 from .common import rank_local_group, remove_path, require, top_level_keys
 
 require("lightning", "lightning", "shardpoint.integrations.lightning")
@@ -122,7 +123,13 @@ class ShardpointCheckpointIO(CheckpointIO):
         the CPU otherwise.
         """
         where = _where(path)
-        state: dict[str, Any] = dict.fromkeys(top_level_keys(read_manifest(where, chunks=False)))
+        keys = top_level_keys(read_manifest(where, chunks=False))
+        if "model" in keys and "state_dict" not in keys:
+            raise UnsupportedStateError(
+                f"{where}: this checkpoint holds sharded model and optimizer state written by "
+                "ShardpointFSDPStrategy; resume it with ShardpointFSDPStrategy (on any number of ranks)"
+            )
+        state: dict[str, Any] = dict.fromkeys(keys)
         load(where, state, verify=self.verify, **_local())
         checkpoint = from_state(state)
         if map_location is not None:

@@ -74,3 +74,7 @@ def test_load_rejects_a_corrupt_checkpoint(tmp_path):
         io.save_checkpoint({"epoch": 1}, path, storage_options={"x": 1})
     io.remove_checkpoint(path)
     assert not os.path.exists(path)
+    sharded = str(tmp_path / "fsdp.ckpt")  # the layout ShardpointFSDPStrategy writes
+    sp.save(sharded, {"model": torch.nn.Linear(2, 2), "epoch": 1})
+    with pytest.raises(sp.UnsupportedStateError, match="ShardpointFSDPStrategy"):
+        io.load_checkpoint(sharded)
