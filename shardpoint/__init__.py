@@ -10,10 +10,16 @@ Example::
     state = {"model": model, "optimizer": optimizer, "extra": {"step": 100}}
     sp.save("ckpt/step_100", state)
     sp.load("ckpt/step_100", state)
+
+Every call is a collective over the default process group (or the
+``process_group`` given), checked on entry so that ranks in different calls
+raise :class:`DistributedError` instead of hanging; ``process_group=sp.LOCAL``
+runs a save or load on the calling rank alone.
 """
 
 from .api import LoadResult, SaveResult, load, read_manifest, read_tensor, save
 from .async_save import AsyncSaveHandle, AsyncSaver, async_save
+from .dist import LOCAL
 from .errors import (
     CheckpointConflictError,
     CheckpointError,
@@ -45,6 +51,7 @@ __all__ = [
     "AsyncSaver",
     "AsyncSaveHandle",
     "load",
+    "LOCAL",
     "read_manifest",
     "read_tensor",
     "SaveResult",

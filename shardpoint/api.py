@@ -21,7 +21,7 @@ import torch
 import xxhash
 from torch import nn
 
-from .adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters, unwrap_module
+from .adapters import AdapterContext, SaveTensor, WholeEntry, adapter_for, build_context, default_adapters, unwrap_module
 from .dist import Comm, Outcome, raise_if_failed, run_guarded
 from .engine.io import DEFAULT_BLOCK_SIZE, write_chunks
 from .engine.indexes import IndexReader, resolve, resolve_all, wanted_box
@@ -44,7 +44,9 @@ from .format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, Manifes
 from .grid import Grid
 from .planning.save_plan import ReplicaItem, assign_writers
 from .layouts import LayoutView, Rule, apply_load, apply_reduce, apply_save, optimizer_doc_to_logical, optimizer_doc_to_physical
+from .dcp_names import dcp_to_native, is_dcp_optimizer_doc
 from .monitor import Recorder, format_summary
+from .rank_local import rank_local_tensors
 from .storage import Storage, storage_for
 
 __all__ = ["save", "load", "read_tensor", "read_manifest", "SaveResult", "LoadResult"]
@@ -128,6 +130,7 @@ def save(
     trace_dir: str | None = None,
     on_metrics: Any = None,
     replicated_over: Any = None,
+    collective_timeout: float | None = None,
 ) -> SaveResult:
     """Save ``state`` to ``path``; a collective when a process group is initialised.
 
@@ -147,24 +150,35 @@ def save(
     ranks, or a dict from state keys to those. Under pipeline parallelism
     each rank passes its stage's data-parallel group (``[rank]`` with no
     data parallelism), since other stages hold other layers.
+    ``process_group`` limits the save to that group's ranks (the others take
+    no part); :data:`~shardpoint.LOCAL` saves from the calling rank alone,
+    with no collective (see :data:`~shardpoint.LOCAL`). Before any work the
+    ranks check that they all entered the same save of the same path: ranks
+    that disagree, or one that does not arrive within ``collective_timeout``
+    seconds (default: ``SHARDPOINT_COLLECTIVE_TIMEOUT``, else 600), raise
+    :class:`DistributedError` instead of hanging (see :mod:`shardpoint.handshake`).
 
     Example::
 
         sp.save("ckpt/step_100", {"model": model, "optimizer": opt, "extra": {"step": 100}})
         sp.save("ckpt/pp", {"model": stage, "optimizer": opt}, replicated_over=dp_group)
+        sp.save("ckpt/rank0", {"model": ddp.module}, process_group=sp.LOCAL)  # rank 0 only
     """
     _check_state(state)
     _check_block(block_size)
     comm = Comm.resolve(process_group)
+    if comm.local and replicated_over is not None:
+        raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
     storage = storage_for(path)
     where = storage.url
+    comm.enter("save", where, collective_timeout)
     t0 = time.monotonic()
     # Each rank names its data file with its own id: no collective is needed to start.
     save_id = uuid.uuid4().hex
     result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
 
     def local() -> dict:
-        prep = _prepare(state, comm, allow_pickle, where, result, layouts, replicated_over=replicated_over)
+        prep = _prepare(state, comm, allow_pickle, where, result, layouts, replicated_over=replicated_over, rank_local=comm.local)
         tb = time.monotonic()
         records, files = [], {}
         if prep.mine:
@@ -354,7 +368,7 @@ def _checked_grid(t: SaveTensor, prep: _Prepared, comm: Comm, picked: bool, memo
     return grid
 
 
-def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=(), cache: dict | None = None, replicated_over: Any = None) -> _Prepared:
+def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=(), cache: dict | None = None, replicated_over: Any = None, rank_local: bool = False) -> _Prepared:
     ta = time.monotonic()
     # Repeated saves (AsyncSaver) reuse the context and the unchanged module and
     # optimizer parts; layout rules reduce across ranks, so they take the full path.
@@ -396,6 +410,8 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     for part in opt_parts:
         # Optimizer state changes only inside step(): safe to copy lazily.
         lazy_ok.update(t.fqn for t in part.tensors if ".state." in t.fqn)
+    if rank_local:  # process_group=LOCAL: one writer, so every tensor must be whole here
+        tensors = rank_local_tensors(tensors, where)
     if rules:
         tensors = apply_reduce(tensors, rules, comm)
         logical: list[SaveTensor] = []
@@ -634,6 +650,19 @@ def _name_selected(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _entry_keys(manifest: Manifest) -> list[str]:
+    """Every top-level key of the checkpoint: entries with values, and the tops of tensor names."""
+    keys = dict.fromkeys(manifest.values)
+    keys.update(dict.fromkeys(f.split(".", 1)[0] for f in manifest.tensors))
+    return list(keys)
+
+
+def _param_names(opt: torch.optim.Optimizer, ctx: AdapterContext) -> list[str]:
+    """The state names of ``opt``'s parameters (those a module in the state owns)."""
+    names = (ctx.param_names.get(id(p)) for g in opt.param_groups for p in g["params"])
+    return [n for n in names if n is not None]
+
+
 def _physical_shapes(state) -> dict[str, tuple]:
     shapes = {}
     for key, obj in state.items():
@@ -659,7 +688,8 @@ def read_tensor(path: str | Storage, name: str, index: tuple | None = None, *, v
     """Read one logical tensor (or a box of it) by name, with no process group.
 
     ``index`` is a tuple of slices (step 1) selecting a box; only the bytes
-    covering that box are read.
+    covering that box are read. Never a collective: any one rank may call it
+    while the others are elsewhere.
 
     Example::
 
@@ -743,6 +773,7 @@ def load(
     report: LoadResult | None = None,
     trace_dir: str | None = None,
     on_metrics: Any = None,
+    collective_timeout: float | None = None,
 ) -> MutableMapping[str, Any]:
     """Load a checkpoint into ``state``, resharding to the current layout.
 
@@ -764,16 +795,27 @@ def load(
     loading in that case). ``layouts`` describes fused or padded tensors of
     the *target* (see :mod:`shardpoint.layouts`). Pass a
     :class:`LoadResult` as ``report`` to receive timings, bytes and key lists.
+    An optimizer saved the way ``get_optimizer_state_dict`` keys it (state by
+    the model's parameter names, ``param_groups``) loads too: its entries are
+    matched to the optimizer's parameters by name (:mod:`shardpoint.dcp_names`).
+    A non-strict load into an empty dict, ``sp.load(path, {}, strict=False)``,
+    fills it with everything in the checkpoint: each entry as saved, tensors
+    as plain full tensors on the CPU (a module or optimizer entry as the dict
+    of its value document and tensors by name). ``process_group`` and
+    ``collective_timeout`` mean what they mean for :func:`save`
+    (:data:`~shardpoint.LOCAL`: this rank alone, no collective).
 
     Example::
 
         state = {"model": model, "optimizer": opt, "extra": {}}
         sp.load("ckpt/step_100", state); step = state["extra"]["step"]
+        everything = sp.load("ckpt/step_100", {}, strict=False)
     """
     _check_state(state)
     comm = Comm.resolve(process_group)
     storage = storage_for(path)
     where = storage.url
+    comm.enter("load", where, collective_timeout)
     t0 = time.monotonic()
     got = run_guarded(lambda: _manifest_bytes(storage)) if comm.rank == 0 else None
     if comm.world == 1 and got is not None and not got.ok:
@@ -781,6 +823,9 @@ def load(
     got = comm.broadcast(got.sendable() if comm.rank == 0 else None)
     raise_if_failed([got], f"load of {where}")
     manifest = Manifest.from_json(got.value, where)
+    fill = None
+    if not state and not strict:  # nothing to restore into: return every entry as saved
+        fill, state = state, {k: WholeEntry() for k in _entry_keys(manifest)}
     result = LoadResult(where, recorder=Recorder("load", where, comm.rank))
     _mark(result, "manifest", t0)
 
@@ -805,6 +850,9 @@ def load(
                 missing.append(key)
                 continue
             doc = manifest.values.get(key)
+            if isinstance(obj, torch.optim.Optimizer) and is_dcp_optimizer_doc(doc):
+                # Keyed the way get_optimizer_state_dict keys it: a naming view onto this optimizer.
+                doc = dcp_to_native(doc, _param_names(obj, ctx), where)
             if layouts and isinstance(obj, torch.optim.Optimizer):
                 doc = optimizer_doc_to_physical(key, doc, layouts, ctx.param_names.values())
             part = adapter_for(obj, adapters).load(key, obj, doc, tensors, ctx, where)
@@ -867,6 +915,9 @@ def load(
     new = comm.check(run_guarded(read), f"load of {where}")
     for key, value in new.items():
         state[key] = value
+    if fill is not None:  # entries that keys= left out stay out
+        fill.update({k: v for k, v in state.items() if not isinstance(v, WholeEntry)})
+        state = fill
     _mark(result, "total", t0)
     result.timings = result.recorder.summary()
     result.recorder.emit(trace_dir, on_metrics)

@@ -30,7 +30,6 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures as cf
-import datetime
 import logging
 import os
 import threading
@@ -39,11 +38,10 @@ import uuid
 from typing import Any, MutableMapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .api import SaveResult, _check_block, _check_state, _data_file, _finish_save, _mark, _prepare
 from .monitor import Recorder, format_summary
-from .dist import Comm, run_guarded
+from .dist import Comm, private_group, run_guarded
 from .engine.io import DEFAULT_BLOCK_SIZE
 from .engine.pipeline import StagedWrite
 from .engine.staging import StagingRing
@@ -162,10 +160,11 @@ class AsyncSaver:
         self.staging_bytes = int(staging_bytes)
         self.piece_bytes = max(1, min(int(piece_bytes), self.staging_bytes // 2 or 1))
         self._pg_arg = process_group
-        self._comm: Comm | None = None
+        self._comms: dict[Any, Comm] = {}  # the user's group -> its private coordination group
         self._ring: StagingRing | None = None
         self._inflight: AsyncSaveHandle | None = None
         self._plan_cache: dict = {}
+        self._plan_caches: dict[Any, dict] = {}
         # Two long-lived workers (writer and lazy copier): a thread start per save
         # waits for the new thread to take the GIL, which costs the loop milliseconds.
         self._pool: cf.ThreadPoolExecutor | None = None
@@ -180,17 +179,18 @@ class AsyncSaver:
             )
         return self._pool
 
-    def _coordination(self) -> Comm:
-        if self._comm is None:
-            base = Comm.resolve(self._pg_arg)
-            if base.active and base.world > 1:
-                ranks = None if base.group is None else dist.get_process_group_ranks(base.group)
-                # A private gloo group: background collectives cannot interleave with training ones.
-                kw = {} if self.timeout is None else {"timeout": datetime.timedelta(seconds=self.timeout)}
-                self._comm = Comm(dist.new_group(ranks=ranks, backend="gloo", **kw), True)
-            else:
-                self._comm = base
-        return self._comm
+    def _coordination(self, base: Comm) -> Comm:
+        """The private coordination group for the saves of ``base``'s ranks (one per group).
+
+        Background collectives run on a private gloo group, so they cannot
+        interleave with the training loop's collectives. For a subset of the
+        world only its members create it (see :func:`~shardpoint.dist.private_group`).
+        """
+        key = _group_key(base)
+        comm = self._comms.get(key)
+        if comm is None:
+            comm = self._comms[key] = private_group(base, self.timeout)
+        return comm
 
     def wait(self) -> SaveResult | None:
         """Wait for the in-flight save, if any, and return its result."""
@@ -211,25 +211,37 @@ class AsyncSaver:
         on_metrics: Any = None,
         layouts: Sequence[Any] = (),
         replicated_over: Any = None,
+        process_group: Any = None,
+        collective_timeout: float | None = None,
     ) -> AsyncSaveHandle:
         """Start saving ``state`` to ``path``; see the module docs for ``mode``.
 
-        ``layouts`` and ``replicated_over`` mean what they mean for :func:`shardpoint.save`.
+        ``layouts``, ``replicated_over``, ``collective_timeout`` and
+        ``process_group`` mean what they mean for :func:`shardpoint.save`;
+        ``process_group`` defaults to the saver's. With
+        :data:`~shardpoint.LOCAL` the calling rank saves alone, and nothing
+        in the background is a collective.
         """
         if mode not in ("eager", "lazy"):
             raise ValueError(f"mode must be 'eager' or 'lazy', got {mode!r}")
         _check_state(state)
         _check_block(block_size)
         self.wait()
-        comm = self._coordination()
+        base = Comm.resolve(self._pg_arg if process_group is None else process_group)
+        if base.local and replicated_over is not None:
+            raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
         storage = storage_for(path)
         where = storage.url
+        base.enter("async_save", where, collective_timeout)  # every rank agrees before any group is made
+        comm = self._coordination(base)
+        # Plans depend on the ranks: one cache for the saver's own group, one per other group.
+        cache = self._plan_cache if process_group is None else self._plan_caches.setdefault(_group_key(base), {})
         t0 = time.monotonic()
         save_id = uuid.uuid4().hex  # per rank; the manifest takes rank 0's
         result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
         handle = AsyncSaveHandle(where, result)
         handle._storage = storage
-        prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result, layouts, self._plan_cache, replicated_over=replicated_over))
+        prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result, layouts, cache, replicated_over=replicated_over, rank_local=base.local))
         if comm.world == 1 and not prep_out.ok:
             raise prep_out.exc
         if self._ring is None:
@@ -330,6 +342,11 @@ class AsyncSaver:
             if isinstance(err, CheckpointError):
                 raise err
         return handle
+
+
+def _group_key(comm: Comm) -> Any:
+    """A dict key for the ranks of ``comm``: its group, the default group, or "this rank alone"."""
+    return ("local",) if comm.local else ("group", comm.group) if comm.active else ("none",)
 
 
 def _nice_target(delta: int) -> int | None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from . import errors as _errors
 from .errors import CheckpointError, DistributedError
 
-__all__ = ["Comm", "Outcome", "run_guarded"]
+__all__ = ["Comm", "Outcome", "run_guarded", "LocalGroup", "LOCAL", "private_group"]
 
 log = logging.getLogger("shardpoint")
 T = TypeVar("T")
@@ -53,8 +53,42 @@ def run_guarded(fn: Callable[[], T]) -> Outcome:
         return Outcome(False, None, type(e).__name__, str(e), e, attrs or None)
 
 
+@dataclass(frozen=True)
+class LocalGroup:
+    """The type of :data:`LOCAL`: "this rank alone", as a ``process_group`` argument.
+
+    Pass :data:`LOCAL` (the one instance) rather than creating others.
+    """
+
+    def __repr__(self) -> str:
+        return "shardpoint.LOCAL"
+
+
+LOCAL = LocalGroup()
+"""``process_group=sp.LOCAL`` runs a save, load or async save on the calling rank alone.
+
+No collective runs, even when a default process group exists, so one rank
+can save while the others are elsewhere (Lightning calls a checkpoint
+plugin's ``save_checkpoint`` on global rank 0 only under DDP). The state must
+be complete on this rank: plain tensors, and DTensors that are replicated
+over their mesh (saved from this rank's full copy). A DTensor sharded across
+ranks, or an FSDP1/ZeRO flat shard, raises
+:class:`~shardpoint.errors.UnsupportedStateError` naming it. A load with
+``LOCAL`` fills this rank's tensors (for a DTensor, its own shard) from the
+checkpoint, reading only what it needs.
+
+Example::
+
+    if rank == 0:
+        sp.save("ckpt/step_100", {"model": ddp_model.module, "extra": {"step": 100}}, process_group=sp.LOCAL)
+"""
+
+
 class Comm:
     """The ranks taking part in one save or load.
+
+    ``local`` marks a world of one chosen with :data:`LOCAL` while other ranks
+    may exist (the state must then be complete on this rank).
 
     Example::
 
@@ -62,20 +96,56 @@ class Comm:
         comm.rank, comm.world
     """
 
-    def __init__(self, group: Any = None, active: bool = False):
+    local = False
+
+    def __init__(self, group: Any = None, active: bool = False, local: bool = False):
         self.group = group
         self.active = active
+        self.local = local
         self.rank = dist.get_rank(group) if active else 0
         self.world = dist.get_world_size(group) if active else 1
 
     @staticmethod
     def resolve(process_group: Any = None) -> "Comm":
-        """Use ``process_group``, else the default group when initialised, else a world of one."""
+        """Use ``process_group``, else the default group when initialised, else a world of one.
+
+        :data:`LOCAL` gives a world of one even when a default group exists.
+        """
+        if isinstance(process_group, LocalGroup):
+            return Comm(None, False, local=True)
         if process_group is not None:
+            if dist.is_available() and dist.is_initialized() and dist.get_rank(process_group) < 0:
+                raise ValueError(
+                    f"rank {dist.get_rank()} is not a member of the process_group passed; only the group's "
+                    "ranks take part in the call (use process_group=sp.LOCAL for this rank alone)"
+                )
             return Comm(process_group, True)
         if dist.is_available() and dist.is_initialized():
             return Comm(None, True)
         return Comm(None, False)
+
+    def enter(self, op: str, path: str, timeout: float | None = None) -> None:
+        """Check that every rank of the group entered the same ``op`` on ``path`` (see :mod:`shardpoint.handshake`).
+
+        Raises :class:`DistributedError` on disagreement, or when a rank does
+        not arrive within ``timeout`` seconds (``None``: the environment or
+        the default). Free in a world of one.
+        """
+        if not self.active or self.world == 1:
+            return
+        from .handshake import Entry, collective_timeout, enter, mismatch_message
+
+        entry = Entry(op, path)
+        seconds = collective_timeout(timeout)
+        store = _group_store(self.group)
+        if store is not None:
+            enter(store, self.rank, self.world, entry, seconds)
+            return
+        # No store to wait on with a timeout: still name a disagreement, without one.
+        tags = self.all_gather(entry.tag())
+        for r, t in enumerate(tags):
+            if t != tags[0]:
+                raise DistributedError(mismatch_message(entry, self.rank, Entry.parse(tags[0]), r, Entry.parse(t)), {r: t})
 
     def _global(self, group_rank: int) -> int:
         if self.group is None:
@@ -155,6 +225,46 @@ class Comm:
         if not outcome.ok:  # pragma: no cover - raise_if_failed already raised
             raise DistributedError(outcome.message, {self.rank: outcome.message})
         return outcome.value
+
+
+def private_group(base: Comm, timeout: float | None = None) -> Comm:
+    """A new gloo group over ``base``'s ranks, for background or bounded collectives.
+
+    Creating a group is itself a collective. Over the whole world every rank
+    must call ``new_group``. For a subset the other ranks take no part in
+    the caller's work, so the members create it alone
+    (``use_local_synchronization=True``: torch names such a group from its
+    ranks and the number of groups each member has made, which is equal on
+    the members as long as they create groups in the same order). A world of
+    one needs no group and gets ``base`` back.
+
+    Example::
+
+        coord = private_group(Comm.resolve(dp_group), timeout=300)
+    """
+    if not base.active or base.world == 1:
+        return base
+    import datetime
+
+    kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    if base.group is None:
+        return Comm(dist.new_group(backend="gloo", **kw), True)
+    ranks = sorted(dist.get_process_group_ranks(base.group))
+    if len(ranks) == dist.get_world_size():
+        return Comm(dist.new_group(ranks=ranks, backend="gloo", **kw), True)
+    return Comm(dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, **kw), True)
+
+
+def _group_store(group: Any):
+    """The key-value store of ``group`` (``None``: the default group), or ``None`` where torch hides it."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        if group is None:
+            return c10d._get_default_store()
+        return c10d._get_process_group_store(group)
+    except (AttributeError, KeyError, ValueError, RuntimeError):  # another torch, or a backend without a store
+        return None
 
 
 def raise_if_failed(outcomes: list[Outcome], what: str) -> None:

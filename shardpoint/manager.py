@@ -79,7 +79,7 @@ from .api import load as _sp_load
 from .api import read_manifest
 from .api import save as _sp_save
 from .async_save import AsyncSaver
-from .dist import Comm
+from .dist import Comm, private_group
 from .errors import (
     CheckpointConflictError,
     CheckpointError,
@@ -895,14 +895,8 @@ class CheckpointManager:
 
     def _comm(self) -> Comm:
         if self._comm_obj is None:
-            base = Comm.resolve(self._pg_arg)
-            if base.active and base.world > 1:
-                ranks = None if base.group is None else dist.get_process_group_ranks(base.group)
-                kw = {} if self.timeout is None else {"timeout": timedelta(seconds=self.timeout)}
-                # A private gloo group: its timeout bounds every manager collective.
-                self._comm_obj = Comm(dist.new_group(ranks=ranks, backend="gloo", **kw), True)
-            else:
-                self._comm_obj = base
+            # A private gloo group: its timeout bounds every manager collective.
+            self._comm_obj = private_group(Comm.resolve(self._pg_arg), self.timeout)
         return self._comm_obj
 
     def _group(self) -> Any:

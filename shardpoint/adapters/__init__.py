@@ -17,6 +17,7 @@ from .megatron import MegatronAdapter
 from .module import ModuleAdapter, unwrap_module
 from .optimizer import OptimizerAdapter
 from .tree import StatefulAdapter, TreeAdapter
+from .whole import WholeEntry, WholeEntryAdapter
 
 __all__ = [
     "AdapterContext",
@@ -31,12 +32,13 @@ __all__ = [
     "default_adapters",
     "adapter_for",
     "unwrap_module",
+    "WholeEntry",
 ]
 
 
 def default_adapters() -> list:
     """A fresh list of the built-in adapters, most specific first."""
-    return [DeepSpeedAdapter(), OptimizerAdapter(), FSDP1Adapter(), MegatronAdapter(), ModuleAdapter(), StatefulAdapter(), TreeAdapter()]
+    return [WholeEntryAdapter(), DeepSpeedAdapter(), OptimizerAdapter(), FSDP1Adapter(), MegatronAdapter(), ModuleAdapter(), StatefulAdapter(), TreeAdapter()]
 
 
 def adapter_for(obj: Any, adapters: list) -> Any:

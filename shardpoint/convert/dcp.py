@@ -7,9 +7,13 @@ reads, with or without a process group. It runs DCP's own writer
 planner then reads that one tensor from the shardpoint checkpoint. Tensor names
 are the checkpoint's names (``model.layers.0.w``), which is what DCP's
 ``flatten_state_dict`` makes of ``{"model": model.state_dict()}``, so
-``dcp.load({"model": model.state_dict()}, checkpoint_id=OUT)`` works. Plain
-values (``{"extra": {"step": 7}}``, optimizer hyper-parameters) are written
-as DCP objects too.
+``dcp.load({"model": model.state_dict()}, checkpoint_id=OUT)`` works. An
+optimizer is written the way ``get_optimizer_state_dict`` lays it out
+(``optimizer.state.layers.0.w.exp_avg`` and ``optimizer.param_groups``, see
+:mod:`shardpoint.dcp_names`), so ``dcp.load`` fills the dicts of
+``get_model_state_dict`` and ``get_optimizer_state_dict``, and
+``set_optimizer_state_dict`` restores the optimizer. Plain values
+(``{"extra": {"step": 7}}``) are written as DCP objects too.
 
 :func:`import_dcp` reads a DCP folder chunk by chunk through DCP's own reader
 and keeps its sharding: each saved DCP chunk becomes one shardpoint chunk,
@@ -35,6 +39,7 @@ import torch
 
 from ..adapters.base import torch_dtype
 from ..engine.io import DEFAULT_BLOCK_SIZE
+from ..dcp_names import dcp_to_native, is_dcp_optimizer_doc, is_native_optimizer_doc, native_to_dcp, rename_refs
 from ..format.values import decode_value
 from ..geometry import Box
 from .common import (
@@ -122,7 +127,11 @@ def export_dcp(
     if values and not prefix and not rename and not keys and not exclude:
         # Every entry's value document (optimizer hyper-parameters, step counters, a module's
         # extra state) becomes DCP objects; its tensor references become the tensors themselves.
+        entries = m.layout.get("entries", {}) if isinstance(m.layout, dict) else {}
         for key, doc in m.values.items():
+            if str(entries.get(key, "")).startswith("optimizer") and is_native_optimizer_doc(doc):
+                # The layout of get_optimizer_state_dict: state by the model's parameter names.
+                doc = native_to_dcp(doc, reader.where)
             tree = decode_value(doc, lambda f: (in_trees.add(f), placeholder(f))[1], False, reader.where)
             if tree is not None and tree != {}:
                 state[key] = tree
@@ -193,8 +202,10 @@ def import_dcp(
 
     Needs ``trust_pickle=True`` (see :data:`TRUST_PICKLE_HELP`). Each DCP key
     keeps its name (after ``rename``, with ``prefix`` in front); a DCP folder
-    saved from ``{"model": sd, "optim": ...}`` therefore loads with
-    ``sp.load(path, {"model": model})``, and one saved from a bare
+    saved from ``{"model": sd, "optimizer": osd}`` therefore loads with
+    ``sp.load(path, {"model": model, "optimizer": opt})`` (an optimizer keyed
+    the way ``get_optimizer_state_dict`` keys it is matched to ``opt``'s
+    parameters by name at load time), and one saved from a bare
     ``model.state_dict()`` needs ``prefix="model."``. Non-tensor objects that
     the manifest can store (numbers, strings, lists, dicts) become values;
     others are skipped and listed in the result.
@@ -241,6 +252,14 @@ def import_dcp(
             state[fqn] = None  # an object; DCP hands it to load_bytes
     if not state:
         raise ConversionError(f"{src}: no DCP key selected")
+    # Optimizers keyed the way get_optimizer_state_dict keys them are stored in
+    # shardpoint's own scheme when their model entry is unambiguous.
+    owners = {} if (prefix or rename or keys or exclude) else _optimizer_owners(md.state_dict_metadata, planner_paths)
+    renamed: dict[str, str] = {}  # DCP name -> stored name
+    for fqn in finals:
+        top, _, rest = fqn.partition(".")
+        if top in owners and rest.startswith("state.") and isinstance(md.state_dict_metadata[fqn], TensorStorageMetadata):
+            renamed[fqn] = finals[fqn] = f"{top}.state.{owners[top]}.{rest[len('state.'):]}"
     leaves: list[tuple[tuple, Any]] = []
     written: set[str] = set()
     if "://" not in path:
@@ -271,7 +290,7 @@ def import_dcp(
                       box=Box(tuple(int(o) for o in read_item.dest_offsets), tuple(int(n) for n in read_item.lengths)), placement="dcp")
                 if finals[fqn] not in written:
                     written.add(finals[fqn])
-                    leaves.append((new_path(fqn, finals[fqn]), torch.empty(0, device="meta")))
+                    leaves.append((new_path(fqn, fqn if fqn in renamed else finals[fqn]), torch.empty(0, device="meta")))
                 result.bytes += t.numel() * t.element_size()
                 bar.update(tensor.numel() * tensor.element_size())
 
@@ -289,8 +308,38 @@ def import_dcp(
                 dcp.load(state, storage_reader=reader, planner=_ChunkPlanner(flatten_state_dict=False, allow_partial_load=True), no_dist=True)
         finally:
             ctx.__exit__(None, None, None)
-        for top, doc in encode_entries(leaves, written, src).items():
-            w.set_value(top, doc, kind="values")
+        for top, doc in encode_entries(leaves, written | set(renamed), src).items():
+            kind = "values"
+            if top in owners and is_dcp_optimizer_doc(doc):
+                params = [f"{owners[top]}.{n}" for g in doc["param_groups"] for n in g["params"]]
+                doc = dcp_to_native(rename_refs(doc, lambda f: renamed.get(f, f)), params, src)
+                kind = "optimizer:dcp"
+            w.set_value(top, doc, kind=kind)
         w.commit()
     result.tensors = len(written)
     return result
+
+
+def _optimizer_owners(metadata: dict, paths: dict) -> dict[str, str]:
+    """DCP optimizer entries and the model entry owning their parameters: ``{opt key: model key}``.
+
+    An optimizer entry is one with ``<key>.param_groups.<i>.params`` objects;
+    its owner is the one other entry holding a tensor ``<owner>.<param>`` for
+    every parameter named in its groups' and state's paths. Entries with no
+    owner or several keep the DCP names (``sp.load`` maps them at load time).
+    """
+    params: dict[str, set[str]] = {}
+    for fqn, path in paths.items():
+        if isinstance(path, tuple) and len(path) == 4 and path[1] == "state" and isinstance(path[2], str):
+            params.setdefault(str(path[0]), set()).add(path[2])
+        elif isinstance(path, tuple) and len(path) == 4 and path[1] == "param_groups" and path[3] == "params":
+            params.setdefault(str(path[0]), set())
+    tops = {f.partition(".")[0] for f in metadata}
+    owners = {}
+    for key, names in params.items():
+        if not names:
+            continue
+        found = [m for m in sorted(tops) if m != key and all(f"{m}.{n}" in metadata for n in names)]
+        if len(found) == 1:
+            owners[key] = found[0]
+    return owners
