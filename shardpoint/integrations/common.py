@@ -12,7 +12,8 @@ import shutil
 from types import ModuleType
 from typing import Any
 
-from ..errors import DistributedError, MissingDependencyError
+from ..dist import LOCAL
+from ..errors import MissingDependencyError
 from ..storage import storage_for
 
 __all__ = ["require", "rank_local_group", "top_level_keys", "remove_path"]
@@ -40,26 +41,15 @@ def rank_local_group() -> Any:
     """The ``process_group`` argument that makes a save or load run on this rank alone.
 
     Frameworks such as Lightning under DDP call their checkpoint plugin on
-    global rank 0 only, so the save must involve no other rank. With no
-    process group (or a world of one) any group works; otherwise this needs
-    :data:`shardpoint.LOCAL`, and a shardpoint without it raises
-    :class:`DistributedError` instead of hanging in a collective.
+    global rank 0 only, so the save must involve no other rank: that is
+    :data:`shardpoint.LOCAL`, which runs with no collective even when a
+    default process group exists.
+
+    Example::
+
+        sp.save(path, state, process_group=rank_local_group())
     """
-    import shardpoint
-
-    local = getattr(shardpoint, "LOCAL", None)
-    if local is not None:
-        return local
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        rank = dist.get_rank()
-        raise DistributedError(
-            f"rank {rank}: a rank-local save or load needs shardpoint.LOCAL, which this shardpoint "
-            "version lacks; upgrade shardpoint",
-            {rank: "no rank-local process group"},
-        )
-    return None
+    return LOCAL
 
 
 def top_level_keys(manifest: Any) -> list[str]:

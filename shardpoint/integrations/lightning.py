@@ -112,7 +112,7 @@ class ShardpointCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to the folder ``path`` (replacing a previous checkpoint there atomically)."""
         _no_storage_options(storage_options)
-        save(_where(path), to_state(checkpoint), **_local())
+        save(_where(path), to_state(checkpoint), process_group=rank_local_group())
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Read the whole checkpoint at ``path`` on this rank, verifying checksums.
@@ -130,7 +130,7 @@ class ShardpointCheckpointIO(CheckpointIO):
                 "ShardpointFSDPStrategy; resume it with ShardpointFSDPStrategy (on any number of ranks)"
             )
         state: dict[str, Any] = dict.fromkeys(keys)
-        load(where, state, verify=self.verify, **_local())
+        load(where, state, verify=self.verify, process_group=rank_local_group())
         checkpoint = from_state(state)
         if map_location is not None:
             if not isinstance(map_location, (str, torch.device)):
@@ -166,7 +166,7 @@ class AsyncShardpointCheckpointIO(ShardpointCheckpointIO):
         """Start writing ``checkpoint`` to ``path``; returns once its tensors are staged."""
         _no_storage_options(storage_options)
         self.wait()
-        self._pending = async_save(_where(path), to_state(checkpoint), **_local())
+        self._pending = async_save(_where(path), to_state(checkpoint), process_group=rank_local_group())
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Wait for the save in flight, then load as :class:`ShardpointCheckpointIO` does."""
@@ -250,11 +250,6 @@ class ShardpointFSDPStrategy(FSDPStrategy):
         for i, opt in enumerate(self.optimizers):
             live[f"optimizer_{i}"] = getattr(opt, "_optimizer", opt)
         return live
-
-
-def _local() -> dict[str, Any]:
-    group = rank_local_group()
-    return {} if group is None else {"process_group": group}
 
 
 def _where(path: Any) -> str:

@@ -7,18 +7,13 @@ import torch
 
 pytest.importorskip("lightning")
 
-import shardpoint as sp  # noqa: E402
 from shardpoint.integrations.lightning import ShardpointCheckpointIO  # noqa: E402
 from shardpoint.testing import launch  # noqa: E402
 
 from . import lightning_cases as C  # noqa: E402
 from .test_lightning import assert_same_state  # noqa: E402
 
-pytestmark = [
-    pytest.mark.dist,
-    # Lightning saves on rank 0 alone under DDP; that needs shardpoint's rank-local saves (shardpoint.LOCAL).
-    pytest.mark.skipif(not hasattr(sp, "LOCAL"), reason="needs shardpoint.LOCAL for the rank-0-only save"),
-]
+pytestmark = pytest.mark.dist
 
 # Lightning catches SIGTERM under DDP, so a hang is cut off by the launcher's hard timeout instead.
 TIMEOUT = 240
