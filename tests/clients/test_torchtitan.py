@@ -27,17 +27,18 @@ AT, STEPS = 3, 6
 CONTAINER = pytest.mark.xfail(strict=True, reason="optimizer containers are not yet saved through their own state_dict")
 
 
-def _run(world: int, base: str, out: str, phase: str, kind: str = "shardpoint") -> list:
-    return launch(world, "tests.clients.torchtitan_cases:run",
-                  {"base": base, "out": out, "phase": phase, "kind": kind, "steps": STEPS, "at": AT}, timeout=TIMEOUT)
+def _run(world: int, base: str, out: str, phase: str, kind: str = "shardpoint", async_save: bool = False) -> list:
+    return launch(world, "tests.clients.torchtitan_cases:run", {
+        "base": base, "out": out, "phase": phase, "kind": kind, "steps": STEPS, "at": AT, "async_save": async_save,
+    }, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One uninterrupted run saving with shardpoint, its resume on 2 ranks and on 1, and a run saving with DCP."""
+    """One uninterrupted run saving asynchronously with shardpoint, its resume on 2 ranks and on 1, and a run saving with DCP."""
     d = tmp_path_factory.mktemp("titan")
     out = {"dir": d}
-    out["full"] = _run(2, str(d / "sp"), str(d / "full.pt"), "full")
+    out["full"] = _run(2, str(d / "sp"), str(d / "full.pt"), "full", async_save=True)
     out["resumed"] = _run(2, str(d / "sp"), str(d / "resumed.pt"), "resume")
     out["one"] = _run(1, str(d / "sp"), str(d / "one.pt"), "resume")
     out["dcp"] = _run(2, str(d / "dcp"), str(d / "dcp_full.pt"), "full", kind="dcp")

@@ -141,22 +141,27 @@ def snapshot(parts: dict[str, Any], ts: TrainState) -> dict[str, Any]:
     }
 
 
-def manager_for(kind: str, parts: dict[str, Any], ts: TrainState, base: str, interval: int):
+def manager_for(kind: str, parts: dict[str, Any], ts: TrainState, base: str, interval: int, async_save: bool = False):
     if kind == "dcp":
-        from torchtitan.components.checkpointer import CheckpointManager as Manager
+        from torchtitan.components.checkpointer import CheckpointManager
+
+        cfg = CheckpointManager.Config(enable=True, folder="checkpoint", interval=interval, keep_latest_k=0,
+                                       last_save_model_only=False)
     else:
-        from shardpoint.integrations.torchtitan import ShardpointCheckpointManager as Manager
-    cfg = Manager.Config(enable=True, folder="checkpoint", interval=interval, keep_latest_k=0, last_save_model_only=False)
+        from shardpoint.integrations.torchtitan import ShardpointCheckpointManager
+
+        cfg = ShardpointCheckpointManager.Config(enable=True, folder="checkpoint", interval=interval, keep_latest_k=0,
+                                                 last_save_model_only=False, async_save=async_save)
     return cfg.build(dataloader=None, model_parts=parts["model_parts"], optimizers=parts["optimizers"],
                      lr_schedulers=parts["lr_schedulers"], states={"train_state": ts}, sd_adapter=None, base_folder=base)
 
 
 def run(rank: int, world: int, *, base: str, out: str, phase: str, kind: str = "shardpoint",
-        steps: int = 6, at: int = 3) -> dict[str, Any]:
+        steps: int = 6, at: int = 3, async_save: bool = False) -> dict[str, Any]:
     """``full``: train ``steps`` steps, saving at step ``at``; ``resume``: load step ``at`` and train the rest."""
     parts = build(world, seed=0 if phase == "full" else 1)
     ts = TrainState()
-    manager = manager_for(kind, parts, ts, base, interval=at)
+    manager = manager_for(kind, parts, ts, base, interval=at, async_save=async_save)
     losses, mid = [], None
     if phase == "resume":
         assert manager.load(step=at)
