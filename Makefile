@@ -1,17 +1,24 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Every install uses the exact versions tested together; pyproject.toml itself declares ranges.
+PIP := $(BIN)/pip install -q -c constraints.txt
+# torchtitan 0.3.0's own requirements, installed after it (it goes in with --no-deps, see install below);
+# its model package imports triton even on a machine without a GPU.
+TORCHTITAN_DEPS := spmd_types tyro docstring_parser tensorboard torchdata einops triton
 
-.PHONY: install test demo bench bench-quick unit clean
+.PHONY: install test demo docs package-check test-min bench bench-quick unit clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(PIP) torch
 	# deepspeed builds from source: DS_BUILD_OPS=0 skips its C++/CUDA ops (the tests need none).
-	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[test,s3,tools,deepspeed]'
-	# megatron-core with --no-deps: resolving its torch>=2.6 requirement can pull a CUDA torch from PyPI.
-	$(BIN)/pip install -q --no-deps megatron-core==0.16.1
+	DS_BUILD_OPS=0 $(PIP) -e '.[dev,deepspeed]'
+	# --no-deps: megatron-core's torch requirement can pull a CUDA torch, and torchtitan's datasets<4.8
+	# caps fsspec below the tested version. torchtitan's other requirements follow.
+	$(PIP) --no-deps megatron-core torchtitan
+	$(PIP) $(TORCHTITAN_DEPS)
 	touch $@
 
 install: $(BIN)/.installed
@@ -26,10 +33,30 @@ demo: install
 	$(BIN)/python examples/demo.py
 	$(BIN)/python examples/elastic_demo.py --out demo_out/elastic
 
+# The documentation site, built in strict mode (any warning fails it), then its links checked.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
+	$(BIN)/python tools/check_links.py build/site
+
+# Builds the wheel and sdist and installs them into fresh venvs beside torch (see tools/package_check.sh).
+package-check: install
+	PY=$(PY) BUILD_PY=$(BIN)/python tools/package_check.sh
+
+# The unit, storage and golden tests on the lowest tested version of every requirement (constraints-min.txt).
+test-min:
+	rm -rf build/test-min && $(PY) -m venv build/test-min
+	build/test-min/bin/pip install -q -c constraints-min.txt torch numpy xxhash fsspec psutil rich tqdm \
+	  safetensors boto3 botocore matplotlib \
+	  $$(grep -E '^(pytest|pytest-timeout|hypothesis|expecttest|moto)==' constraints.txt | sed 's/^moto==/moto[server]==/')
+	build/test-min/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/storage tests/golden \
+	  --ignore=tests/unit/test_deepspeed_geometry.py --ignore=tests/unit/test_export_hf_config.py
+
 # The benchmarks' own extra: matplotlib for the plots, and ByteCheckpoint 0.0.2 as a peer. ByteCheckpoint
-# goes in with --no-deps (its metadata pins torch<=2.5); its runtime dependencies are the 'bench' extra.
+# goes in with --no-deps (its metadata pins torch<=2.5); its runtime dependencies are the 'bench' extra plus
+# the grpcio and protobuf it was built against, installed without constraints.txt because they are older
+# than the tested set's.
 $(BIN)/.bench-installed: $(BIN)/.installed
-	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[bench]'
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[bench]' grpcio==1.69.0 protobuf==3.20.3
 	$(BIN)/pip install -q --no-deps bytecheckpoint==0.0.2
 	touch $@
 
@@ -43,4 +70,4 @@ bench-quick: install $(BIN)/.bench-installed
 	$(BIN)/python bench/scale_sim.py --quick
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

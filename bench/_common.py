@@ -36,7 +36,7 @@ def setup_env() -> None:
 
 
 # ------------------------------------------------------------------ workload sizes
-# The two sizes of the benchmark suite (issue 9): TinyGPT + AdamW after one step holds
+# The two sizes of the benchmark suite: TinyGPT + AdamW after one step holds
 # 12 bytes of state per parameter (fp32 weight, exp_avg, exp_avg_sq) plus the step counts.
 SIZES: dict[str, dict] = {
     "100mb": dict(vocab=1024, dim=384, heads=6, layers=4, seq=16),  # 7.9 M parameters, 94.6 MB of state
@@ -170,7 +170,7 @@ def prime_page_memory(scratch: str, threads: int = 4, block: int = 8 << 20) -> b
     Reading and dropping scratch data right before a load hands it that
     much recently used memory. It is not a neutral fix: at three times the
     checkpoint's size it steadied shardpoint's cold loads but slowed DCP's
-    loads that followed shardpoint's (docs/benchmarks.md, "Session 9"), so
+    loads that followed shardpoint's (docs/benchmarks.md, "The resharding load"), so
     it is off unless asked for.
     """
     if not drop_caches():

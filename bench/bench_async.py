@@ -1,4 +1,4 @@
-"""Asynchronous save while training: shardpoint vs PyTorch DCP vs ByteCheckpoint (issue 4).
+"""Asynchronous save while training: shardpoint vs PyTorch DCP vs ByteCheckpoint.
 
 Every system trains the same 4-rank FSDP2 TinyGPT with AdamW (forward,
 backward, optimizer step) in its own 4-rank job (gloo, one torch thread per
@@ -31,7 +31,7 @@ Usage::
 
     python bench/bench_async.py --quick
     python bench/bench_async.py --json bench-async.json --plot docs/bench_async.png
-    python bench/bench_async.py --size 100mb --layout ddp --systems sp-lazy,dcp-thread   # suite (issue 9)
+    python bench/bench_async.py --size 100mb --layout ddp --systems sp-lazy,dcp-thread   # suite
 
 ``--layout`` trains another 4-rank layout instead of FSDP2 (``ddp``; ``2d``:
 FSDP2 x TP on a 2 x 2 mesh, where ByteCheckpoint 0.0.2 has no checkpointer and

@@ -1,4 +1,4 @@
-"""Loading: shardpoint vs PyTorch DCP vs ByteCheckpoint, same layout, resharded and replicated (issue 5).
+"""Loading: shardpoint vs PyTorch DCP vs ByteCheckpoint, same layout, resharded and replicated.
 
 One 4-rank FSDP2 TinyGPT + AdamW state (trained a few steps) is saved once by
 each system. Then, in one run, each checkpoint is loaded into:
@@ -44,7 +44,7 @@ Usage::
 
     python bench/bench_load.py --quick
     python bench/bench_load.py --json bench-load.json --plot docs/bench_load.png
-    python bench/bench_load.py --size 1.5gb --repeats 3      # a suite state size (issue 9): 100mb or 1.5gb
+    python bench/bench_load.py --size 1.5gb --repeats 3      # a suite state size: 100mb or 1.5gb
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def load_job(rank: int, world: int, target: str, cfg: dict, root: str, systems: 
             run["wall_s"] = time.monotonic() - t
             if st is not None:
                 # Unmap now: pages mapped by a live storage object survive the next drop of the page
-                # cache, and the next system's "cold" load would find them (before session 7 it did).
+                # cache, and the next system's "cold" load would find them (an unclosed one did).
                 st.close()
                 st = None
             io1 = C.proc_io()
@@ -254,7 +254,7 @@ def aggregate(target: str, ranks: list[dict], ckpt_sizes: dict) -> list[dict]:
             "error": next((e["error"] for e in per if e["error"]), None),
             "wall_s": C.summary(e["wall_s"] for e in good),
             # Split by what ran just before: on the benchmark VM a cold load is faster right after a
-            # load of the same system (docs/benchmarks.md, "Session 9").
+            # load of the same system (docs/benchmarks.md, "The resharding load").
             "wall_s_after_self": C.summary(e["wall_s"] for e in good if e["after"] == s),
             "wall_s_after_other": C.summary(e["wall_s"] for e in good if e["after"] not in (None, s)),
             "wall_s_values": [round(e["wall_s"], 4) for e in per],

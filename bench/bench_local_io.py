@@ -6,7 +6,7 @@ the local filesystem, again and again, in these ways:
 
 - raw files (the state's tensors written back to back into one file, 64-byte
   aligned as shardpoint lays them out, then fsync of the file and folder):
-  - ``os.write`` sequential, buffered (the local backend before issue 6);
+  - ``os.write`` sequential, buffered (for comparison);
   - ``LocalStorage`` writer, positional ``os.pwrite``, buffered;
   - ``LocalStorage(direct=True)`` writer, O_DIRECT with 1 staging buffer
     (written in the caller's thread) and with 2 (a writing thread);

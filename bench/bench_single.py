@@ -1,4 +1,4 @@
-"""Single process: shardpoint vs plain ``torch.save``/``torch.load`` vs safetensors (issue 9).
+"""Single process: shardpoint vs plain ``torch.save``/``torch.load`` vs safetensors.
 
 One process holds a TinyGPT and its AdamW after one training step (so
 ``exp_avg``, ``exp_avg_sq`` and ``step`` exist). Each system saves that state

@@ -18,7 +18,7 @@ Times are the slowest rank's, measured from a barrier.
     .venv/bin/python bench/bench_sync.py            # default (~460 MB of state)
     .venv/bin/python bench/bench_sync.py --quick    # small state, 2 repeats
     .venv/bin/python bench/bench_sync.py --json out.json --repeats 5
-    .venv/bin/python bench/bench_sync.py --size 1.5gb --layout ddp   # suite sizes and layouts (issue 9)
+    .venv/bin/python bench/bench_sync.py --size 1.5gb --layout ddp   # suite sizes and layouts
 
 ``--layout`` picks the 4-rank layout that saves and loads (``fsdp2``, the
 default; ``ddp``; ``2d``: FSDP2 x TP on a 2 x 2 mesh); ``--reshard-layout``

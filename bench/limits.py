@@ -1,4 +1,4 @@
-"""The machine's own limits, measured by the benchmark suite itself (issue 9).
+"""The machine's own limits, measured by the benchmark suite itself.
 
 Three figures bound what any checkpointing system can do on this machine,
 and every result of the suite is also shown as a fraction of one of them:

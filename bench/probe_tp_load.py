@@ -152,8 +152,8 @@ def _record_reads(st, log: list) -> None:
     """Log every data-file read as ``(kind, file, offset, length)``, in the order asked.
 
     ``kind`` is ``read``, ``map`` (a span mapped by the loading thread) or
-    ``populate`` (a mapped piece brought in by a reader thread, since
-    session 8); :func:`_disk_order` keeps what the disk was asked for.
+    ``populate`` (a mapped piece brought in by a reader thread);
+    :func:`_disk_order` keeps what the disk was asked for.
     """
     many, mapr, pop = st.readinto_many, st.map_range, st.populate  # LocalStorage.readinto goes through readinto_many
 

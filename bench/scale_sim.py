@@ -20,7 +20,7 @@ parallel); every rank's index and status are still built, so the commit,
 manifest and indexes are full size. Pipeline layouts are saved as with
 ``replicated_over=<the stage's ranks>``; ``--pp-check`` shows what happens
 without it. Format version 1's numbers (one JSON manifest listing every
-chunk) are kept in ``docs/scale.md`` as measured in session 2; that code
+chunk) are kept in ``docs/scale.md`` as they were measured; that code
 path no longer exists.
 
 Usage::
@@ -1066,7 +1066,7 @@ def simulate(cfg: Config, log: Callable[[str], None]) -> dict:
 
 
 # ----------------------------------------------------------------------------- report
-# Format version 1, as measured in session 2 (docs/scale.md keeps the full tables): that code path is gone.
+# Format version 1, as measured (docs/scale.md keeps the full tables): that code path is gone.
 # layout -> (ranks, gather MB (e), rank-0 unpickle s (e), commit s, manifest MB, parse s)
 V1_SAVE = {
     "TP8 PP16 DP2": (256, 13.7, 0.3, 0.48, 9.3, 0.69),
@@ -1249,7 +1249,7 @@ def plot(res: dict, path: str) -> None:
         a.xaxis.set_minor_locator(NullLocator())
         a.xaxis.set_major_formatter(ScalarFormatter())
         a.tick_params(axis="x", labelrotation=45, labelsize=7)
-    fig.suptitle("shardpoint on paper: Llama-style 70B + AdamW, format version 1 (solid, session 2) vs 2 (dashed)")
+    fig.suptitle("shardpoint on paper: Llama-style 70B + AdamW, format version 1 (solid) vs 2 (dashed)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,4 +1,4 @@
-"""The benchmark suite (issue 9): shardpoint against its peers and the machine's own limits.
+"""The benchmark suite: shardpoint against its peers and the machine's own limits.
 
 ``make bench`` runs ``bench/suite.py``; ``make bench-quick`` runs ``bench/suite.py --quick``.
 The driver runs the pieces as separate processes, one at a time, each holding

@@ -32,10 +32,13 @@ from .errors import (
     IncompleteCheckpointError,
     KeyMismatchError,
     ShapeMismatchError,
+    StateNotRestoredError,
     UnsupportedStateError,
 )
 from .adapters.base import LoadTarget, dtype_name, torch_dtype
 from .adapters.reuse import PartCache
+from .adapters.landing import entry_tensors, live_storages, unlanded
+from .adapters.optimizer import own_protocol
 from .adapters.megatron import is_megatron, megatron_global_shapes
 from .geometry import Box
 from .errors import StorageError
@@ -70,10 +73,14 @@ class SaveResult:
 class LoadResult:
     """What a load did on this rank; ``missing``/``unexpected`` are filled under ``strict=False``.
 
+    ``not_restored`` names tensors read from the checkpoint that did not reach
+    the live state (a strict load raises :class:`StateNotRestoredError` instead).
+
     ``bytes_read`` counts tensor data; ``index_bytes`` the index files
     (format version 2) this rank read to find it. ``timings`` holds seconds
     per phase: ``manifest``, ``prepare`` (targets from the state), ``index``,
-    ``plan``, ``read`` (the whole read phase), and within it ``verify``,
+    ``plan``, ``read`` (the whole read phase), ``landing`` (proving that the
+    state landed, after the objects installed it), and within ``read`` ``verify``,
     ``copy``, ``wait`` (the loading thread idle until a read lands) and
     ``communicate``; phases that run in reader threads add up over threads.
     """
@@ -85,6 +92,7 @@ class LoadResult:
     bytes_received: int = 0
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    not_restored: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     recorder: Recorder | None = field(default=None, repr=False)
 
@@ -395,7 +403,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
         tensors.extend(part.tensors)
         values[key] = part.value
         layout[key] = part.framework
-        if isinstance(obj, torch.optim.Optimizer):
+        if isinstance(obj, torch.optim.Optimizer) and not own_protocol(type(obj)):
             opt_parts.append(part)
             if rules:
                 values[key] = optimizer_doc_to_logical(key, part.value, rules)
@@ -759,6 +767,19 @@ def _key_mismatch(where: str, missing: list[str], unexpected: list[str], strict:
     log.warning("%s", msg)
 
 
+def _not_restored(where: str, rank: int, names: list[str], strict: bool) -> None:
+    """Report tensors that a load read but that did not reach the live state."""
+    msg = (
+        f"{where}: rank {rank}: {len(names)} tensor(s) read from the checkpoint did not reach the live state: "
+        f"{names[:20]}{' ...' if len(names) > 20 else ''}. The object's load_state_dict (its hooks or a "
+        "_load_from_state_dict override) did not install them, so training would resume from other values; "
+        "fix how that object loads its state"
+    )
+    if strict:
+        raise StateNotRestoredError(msg + " (pass strict=False to load anyway, keeping their current values)", names)
+    log.warning("%s", msg)
+
+
 def load(
     path: str | Storage,
     state: MutableMapping[str, Any],
@@ -850,10 +871,11 @@ def load(
                 missing.append(key)
                 continue
             doc = manifest.values.get(key)
-            if isinstance(obj, torch.optim.Optimizer) and is_dcp_optimizer_doc(doc):
+            native_optimizer = isinstance(obj, torch.optim.Optimizer) and not own_protocol(type(obj))
+            if native_optimizer and is_dcp_optimizer_doc(doc):
                 # Keyed the way get_optimizer_state_dict keys it: a naming view onto this optimizer.
                 doc = dcp_to_native(doc, _param_names(obj, ctx), where)
-            if layouts and isinstance(obj, torch.optim.Optimizer):
+            if layouts and native_optimizer:
                 doc = optimizer_doc_to_physical(key, doc, layouts, ctx.param_names.values())
             part = adapter_for(obj, adapters).load(key, obj, doc, tensors, ctx, where)
             if view is not None:
@@ -910,7 +932,19 @@ def load(
         result.bytes_read, result.bytes_needed = stats.bytes_read, stats.bytes_needed
         result.bytes_received = stats.bytes_received
         _mark(result, "read", tr)
-        return {key: p.finish() for key, p in parts.items()}
+        values = {key: p.finish() for key, p in parts.items()}
+        tl = time.monotonic()
+        bad: list[str] = []
+        for key, p in parts.items():
+            if p.landed is not None:
+                bad.extend(p.landed(p.targets))
+            else:
+                bad.extend(unlanded(p.targets, live_storages(entry_tensors(values[key]))))
+        _mark(result, "landing", tl)
+        result.not_restored = sorted(set(bad))
+        if bad:
+            _not_restored(where, comm.rank, result.not_restored, strict)
+        return values
 
     new = comm.check(run_guarded(read), f"load of {where}")
     for key, value in new.items():
@@ -922,7 +956,7 @@ def load(
     result.timings = result.recorder.summary()
     result.recorder.emit(trace_dir, on_metrics)
     if report is not None:
-        for f in ("path", "bytes_read", "index_bytes", "bytes_needed", "bytes_received", "missing", "unexpected", "timings", "recorder"):
+        for f in ("path", "bytes_read", "index_bytes", "bytes_needed", "bytes_received", "missing", "unexpected", "not_restored", "timings", "recorder"):
             setattr(report, f, getattr(result, f))
     log.info("rank %s read %s bytes from %s: %s", comm.rank, result.bytes_read, where, format_summary(result.timings))
     return state

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .api import read_manifest
 from .engine.io import verify_chunk
 from .errors import CheckpointError
+from .extras import require
 from .storage import storage_for
 
 __all__ = ["main", "build_parser"]
@@ -45,9 +46,11 @@ def _human(n: float) -> str:
 
 
 def _console():
-    from rich.console import Console
+    return require("rich.console", "cli", "the shardpoint command's tables").Console(highlight=False)
 
-    return Console(highlight=False)
+
+def _table(title: str):
+    return require("rich.table", "cli", "the shardpoint command's tables").Table(title=title)
 
 
 def _dump(doc) -> None:
@@ -70,9 +73,7 @@ def _inspect(args) -> int:
         if args.json:
             _dump({"tensor": args.tensor, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "chunks": rows})
             return 0
-        from rich.table import Table
-
-        table = Table(title=f"{args.tensor}  {t.dtype}{list(t.shape)}, {_human(t.nbytes)}, {len(rows)} chunk(s)")
+        table = _table(f"{args.tensor}  {t.dtype}{list(t.shape)}, {_human(t.nbytes)}, {len(rows)} chunk(s)")
         for col in ("chunk", "rank", "offsets", "sizes", "flat", "file", "offset", "bytes"):
             table.add_column(col, justify="right" if col in ("chunk", "rank", "offset", "bytes") else "left", overflow="fold")
         for r in rows:
@@ -101,9 +102,7 @@ def _inspect(args) -> int:
         return 0
     if args.plot:
         return 0
-    from rich.table import Table
-
-    table = Table(title=f"{args.path}  (format v{m.format_version}, saved by {m.world_size} rank(s))")
+    table = _table(f"{args.path}  (format v{m.format_version}, saved by {m.world_size} rank(s))")
     for col in ("tensor", "dtype", "shape", "chunks", "bytes"):
         table.add_column(col, justify="right" if col in ("chunks", "bytes") else "left", overflow="fold")
     for k in names:
@@ -134,7 +133,7 @@ def verify_checkpoint(path: str, jobs: int = 4, quiet: bool = True) -> tuple[int
         if real < size:
             problems.append(f"data file {name} is truncated: {real} of {size} bytes")
     work = [(fqn, c) for fqn, t in m.tensors.items() for c in t.chunks]
-    from tqdm import tqdm
+    from .convert.common import progress
 
     def check(item):
         fqn, c = item
@@ -145,9 +144,11 @@ def verify_checkpoint(path: str, jobs: int = 4, quiet: bool = True) -> tuple[int
             return str(e)
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        for err in tqdm(pool.map(check, work), total=len(work), disable=quiet, desc="verify", unit="chunk", file=sys.stderr, leave=False):
-            if err:
-                problems.append(err)
+        with progress(len(work), "verify", quiet, unit="chunk") as bar:
+            for err in pool.map(check, work):
+                bar.update(1)
+                if err:
+                    problems.append(err)
     return len(work), problems
 
 
@@ -173,17 +174,20 @@ _DEFAULT_PREFIX = {"hf": "model.", "torch": "model.", "dcp": "", "deepspeed": ""
 
 def _export(args) -> int:
     from .convert import common, export_dcp, export_hf, export_torch
+    from .convert.hf import HF_CONFIG_KEY
 
     dtype = common.parse_dtype(args.dtype)
     prefix = _DEFAULT_PREFIX[args.to] if args.prefix is None else args.prefix
     kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype, force=args.force, quiet=args.quiet, verify=not args.no_verify)
     if args.to == "hf":
-        r = export_hf(args.path, args.out, shard_size=args.shard_size, config=args.config, **kw)
+        r = export_hf(args.path, args.out, shard_size=args.shard_size, config=args.config, config_key=args.config_key, **kw)
         files = ", ".join(r.files) if len(r.files) <= 3 else f"{r.files[0]} ... {r.files[-1]}"
         summary = f"exported {r.tensors} tensors ({_human(r.bytes)}) to {args.out}: {files} + model.safetensors.index.json"
+        summary += (f" + config.json (from {r.config})" if r.config else
+                    f"; no config.json: pass --config, or save the model config as the value {args.config_key}")
     else:
-        if args.config or args.shard_size != "5GB":
-            raise common.ConversionError("--config and --shard-size apply to --to hf only")
+        if args.config or args.shard_size != "5GB" or args.config_key != HF_CONFIG_KEY:
+            raise common.ConversionError("--config, --config-key and --shard-size apply to --to hf only")
         fn = export_dcp if args.to == "dcp" else export_torch
         r = fn(args.path, args.out, **kw)
         summary = f"exported {r.tensors} tensors ({_human(r.bytes)}) to {args.out} ({args.to})"
@@ -241,9 +245,7 @@ def _diff(args) -> int:
         return 0
     con = _console()
     if d.changed:
-        from rich.table import Table
-
-        table = Table(title=f"{len(d.changed)} of {d.compared} tensors differ (atol={args.atol}, rtol={args.rtol})")
+        table = _table(f"{len(d.changed)} of {d.compared} tensors differ (atol={args.atol}, rtol={args.rtol})")
         for col in ("tensor", "dtype", "shape", "differing", "max abs diff", "max rel diff"):
             table.add_column(col, justify="left" if col in ("tensor", "dtype", "shape") else "right", overflow="fold")
         for t in d.changed:
@@ -312,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pe = _cmd(sub, "export", "write a checkpoint's tensors as Hugging Face safetensors, a DCP folder or a torch.save file", (
         "  shardpoint export ckpt/step_100 --to hf hf_out --dtype bf16 --shard-size 5GB --config config.json\n"
+        "  shardpoint export ckpt/step_100 --to hf hf_out   # config.json from the saved value extra.hf_config\n"
         "  shardpoint export ckpt/step_100 --to hf hf_out --rename '^tok\\.=embed_tokens.'\n"
         "  shardpoint export ckpt/step_100 --to dcp dcp_out\n"
         "  shardpoint export ckpt/step_100 --to torch model.pt   # {name: tensor} without the 'model.' prefix\n"
@@ -320,7 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--to", required=True, choices=("hf", "dcp", "torch"))
     pe.add_argument("out", help="output folder (hf, dcp) or file (torch)")
     pe.add_argument("--shard-size", default="5GB", help="hf: largest safetensors file (5GB, 500MB, 2GiB)")
-    pe.add_argument("--config", metavar="config.json", help="hf: copy this config.json into the output folder")
+    pe.add_argument("--config", metavar="config.json", help="hf: write this config.json into the output folder "
+                    "(default: the config the checkpoint carries, if any)")
+    pe.add_argument("--config-key", default="extra.hf_config", metavar="KEY",
+                    help="hf: the saved value that carries the model config dict (default: extra.hf_config)")
     pe.add_argument("--no-verify", action="store_true", help="skip checksum verification of what is read")
     _naming(pe, "stripped from exported names; default 'model.' for hf and torch, '' for dcp")
     pe.set_defaults(fn=_export)

@@ -23,6 +23,8 @@ __all__ = [
     "CheckpointTimeoutError",
     "CheckpointConflictError",
     "MissingDependencyError",
+    "StateNotRestoredError",
+    "IncompleteStateError",
 ]
 
 
@@ -98,13 +100,41 @@ class CheckpointConflictError(CheckpointError):
 
 
 class MissingDependencyError(CheckpointError, ImportError):
-    """An optional package that a feature needs is not installed.
+    """A feature needs an optional package that is not installed; the message names the extra to install.
 
-    Also an ``ImportError``, so ``except ImportError`` keeps working.
-    ``package`` names the missing distribution and ``hint`` the command that
-    installs it.
+    The core (save, load, the manager, local and in-memory storage) needs none
+    of them; the CLI's tables and progress bars, Hugging Face import, S3 and
+    plots each come with an extra such as ``pip install 'shardpoint[cli]'``.
+    It is also an ``ImportError``, so code that already guards an optional
+    import keeps working. ``package`` names the missing distribution and
+    ``hint`` the command that installs it, where the raiser gives them.
     """
 
     def __init__(self, message: str, package: str = "", hint: str = ""):
         super().__init__(message)
         self.package, self.hint = package, hint
+
+
+class StateNotRestoredError(CheckpointError):
+    """A load wrote tensors that did not reach the live training state.
+
+    Raised by a strict load after its landing check: every tensor read from
+    the checkpoint must be live state (a parameter, buffer or optimizer state
+    tensor the load filled in place) or have reached live state through the
+    object's own ``load_state_dict``. ``entries`` names those that did not,
+    on the rank that raised it.
+    """
+
+    def __init__(self, message: str, entries: list[str] | None = None):
+        super().__init__(message)
+        self.entries = list(entries or [])
+
+
+class IncompleteStateError(CheckpointError):
+    """A save was handed an object whose state is certainly incomplete.
+
+    For example a module with parameters whose ``state_dict()`` is empty, or an
+    optimizer that keeps its real state in inner optimizers while its own
+    ``.state`` is empty. Saving it would produce a checkpoint that cannot
+    restore training.
+    """

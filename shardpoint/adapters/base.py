@@ -109,11 +109,16 @@ class LoadPart:
 
     ``finish()`` runs after every target is filled and returns the entry's new
     value (the same object for in-place restores). ``missing``/``unexpected``
-    list tensor names for strict checking.
+    list tensor names for strict checking. ``landed(targets)`` runs after
+    ``finish`` with the targets as the load used them and names those whose
+    data did not reach the live state (see :mod:`shardpoint.adapters.landing`);
+    ``None`` means the loader checks that every target aliases a tensor of
+    the entry's new value.
     """
 
     targets: list[LoadTarget] = field(default_factory=list)
     finish: Callable[[], Any] = lambda: None
+    landed: Callable[[list[LoadTarget]], list[str]] | None = None
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     consumed: set[str] = field(default_factory=set)

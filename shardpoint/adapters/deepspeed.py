@@ -71,6 +71,7 @@ from .base import (
     SaveTensor,
 )
 from .fsdp1 import Piece1D
+from .landing import live_storages, module_tensors, storage_of, unlanded
 from .optimizer import OptimizerAdapter
 from .tensors import load_target, save_tensor
 
@@ -756,6 +757,8 @@ class DeepSpeedAdapter:
             if tgt is not None:
                 part.targets.append(tgt)
 
+        copied: dict[int, bool] = {}
+
         def finish():
             with torch.no_grad():
                 for dst, src in copies:  # ZeRO-3: fp32 master -> this rank's bit16 partition
@@ -763,11 +766,18 @@ class DeepSpeedAdapter:
                         dst.copy_(src)
                 for dst, src in casts:
                     dst.copy_(src)
+                    copied[storage_of(src)] = True  # reached the live low-precision copy
             casts.clear()
             self._restore_counters(obj, counters)
             return obj
 
+        def landed(targets):
+            # The fp32 partitions the ZeRO optimizer steps are live state, as are the module's tensors.
+            live = live_storages(module_tensors(module)) | {storage_of(s.local) for s in lay.slots}
+            return unlanded(targets, live, copied)
+
         part.finish = finish
+        part.landed = landed
         return part
 
     @staticmethod

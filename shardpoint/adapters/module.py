@@ -13,12 +13,13 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..errors import UnsupportedStateError
+from ..errors import IncompleteStateError, UnsupportedStateError
 from ..format.values import decode_value, encode_value
 from .base import AdapterContext, LoadPart, SavePart
+from .landing import alias_key, live_storages, local_of, module_tensors, same_bits, storage_of, unlanded
 from .tensors import is_dtensor, load_target, save_tensor
 
-__all__ = ["ModuleAdapter", "unwrap_module", "module_framework"]
+__all__ = ["ModuleAdapter", "unwrap_module", "module_framework", "protocol_prefixes"]
 
 
 def unwrap_module(m: nn.Module) -> nn.Module:
@@ -53,7 +54,64 @@ def module_framework(m: nn.Module) -> str:
     return "module"
 
 
+# Load hooks that torch's own parallelisms register and that a fill in place already honours:
+# FSDP2 reshards before loading (``to_sharded_hook``) and re-points its sharded parameter after
+# loading (a lambda made in ``FSDPParam.__init__``); neither changes what the values are.
+_KNOWN_LOAD_HOOKS = frozenset({
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam.__init__.<locals>.<lambda>"),
+})
+
+
+def _hook_name(h: Any) -> tuple[str, str]:
+    fn = getattr(h, "hook", h)  # pre-hooks are stored wrapped (torch's _WrappedHook)
+    return getattr(fn, "__module__", "") or "", getattr(fn, "__qualname__", "") or ""
+
+
+def _own_load(sub: nn.Module, root: bool) -> bool:
+    """Whether ``sub`` declares its own way of loading: an override, or a hook torch does not own.
+
+    Overriding ``_load_from_state_dict`` (or ``load_state_dict`` on the root,
+    the only place torch calls it) or registering a load pre- or post-hook is
+    the module's declaration that loading is more than copying values into
+    its tensors; its entries then go through ``load_state_dict``.
+    """
+    cls = type(sub)
+    if cls._load_from_state_dict is not nn.Module._load_from_state_dict:
+        return True
+    if root and cls.load_state_dict is not nn.Module.load_state_dict:
+        return True
+    for hooks in (sub._load_state_dict_pre_hooks, sub._load_state_dict_post_hooks):
+        for h in hooks.values():
+            if _hook_name(h) not in _KNOWN_LOAD_HOOKS:
+                return True
+    return False
+
+
+def protocol_prefixes(m: nn.Module) -> tuple[str, ...]:
+    """State-dict name prefixes of the submodules of ``m`` that load their own way (``""``: all of ``m``)."""
+    out = []
+    for name, sub in m.named_modules():
+        if _own_load(sub, sub is m):
+            if not name:
+                return ("",)
+            out.append(name + ".")
+    return tuple(out)
+
+
 class ModuleAdapter:
+    """Modules: in place where the state dict's tensors are the live ones, ``load_state_dict`` elsewhere.
+
+    A state-dict entry that aliases a parameter or buffer (same storage,
+    offset, shape, strides and placements) is filled in place: that is what
+    ``load_state_dict`` would copy into, minus the copy. Every other entry
+    (a copy made by a state-dict hook, a tensor of a module that overrides
+    ``_load_from_state_dict`` or registers load hooks) is read into a fresh
+    tensor shaped like the state dict's own, DTensors keeping their mesh and
+    placements, and handed to ``module.load_state_dict``; afterwards the
+    state dict is taken again to prove that the values arrived.
+    """
+
     name = "module"
 
     def claims(self, obj: Any) -> bool:
@@ -73,7 +131,8 @@ class ModuleAdapter:
         m = self._check(key, obj)
         part = SavePart(framework=fw)
         extra = {}
-        for name, t in m.state_dict().items():
+        sd = m.state_dict()
+        for name, t in sd.items():
             fqn = f"{key}.{name}"
             if isinstance(t, torch.Tensor):
                 st = save_tensor(fqn, t, ctx)
@@ -84,6 +143,12 @@ class ModuleAdapter:
                     raise UnsupportedStateError(f"{f}: tensors inside extra_state are not supported")
 
                 extra[name] = encode_value(t, fqn, on_tensor, ctx.allow_pickle)
+        if not sd and next(iter(m.parameters()), None) is not None:
+            raise IncompleteStateError(
+                f"state[{key!r}]: {type(m).__qualname__} has parameters but its state_dict() is empty, so the "
+                "checkpoint would restore nothing; check its state_dict hooks or overrides, or save the "
+                "module that holds the parameters"
+            )
         part.value = {"extra": extra} if extra else {}
         return part
 
@@ -92,7 +157,11 @@ class ModuleAdapter:
         part = LoadPart()
         extra_docs = (doc or {}).get("extra", {}) if isinstance(doc, dict) else {}
         extras = {}
-        for name, t in m.state_dict().items():
+        sd = m.state_dict()
+        routed = protocol_prefixes(m)
+        live = None  # alias keys of parameters and buffers, built on the first tensor entry
+        fresh: dict[str, torch.Tensor] = {}  # entries handed to load_state_dict
+        for name, t in sd.items():
             fqn = f"{key}.{name}"
             if not isinstance(t, torch.Tensor):
                 if name in extra_docs:
@@ -102,19 +171,45 @@ class ModuleAdapter:
                 continue
             if part.expect(tensors, fqn, tuple(t.shape), t.dtype, where) is None:
                 continue
-            tgt = load_target(fqn, t)
+            if live is None:
+                live = {alias_key(x) for x in module_tensors(m)}
+            if not name.startswith(routed) and alias_key(t) in live:
+                tgt = load_target(fqn, t)  # proven to be the live tensor: fill in place
+            else:
+                dest = torch.empty_like(t.detach(), memory_format=torch.contiguous_format)
+                fresh[name] = dest
+                tgt = load_target(fqn, dest)
             if tgt is not None:
                 part.targets.append(tgt)
+        vouched: dict[int, bool] = {}
 
         def finish():
+            given: dict[str, Any] = {}
+            if fresh:
+                # Only entries the load still reads (``keys=`` may have dropped some targets).
+                wanted = {storage_of(t.dest) for t in part.targets}
+                given = {n: d for n, d in fresh.items() if local_of(d).numel() == 0 or storage_of(d) in wanted}
             if extras:
                 # Extra state holds no shards; let the module restore it its own way.
                 def get_tensor(f):
                     raise UnsupportedStateError(f"{where}: tensors inside extra_state ({f}) are not supported")
 
-                sd = {n: decode_value(d, get_tensor, ctx.allow_pickle, where) for n, d in extras.items()}
-                m.load_state_dict(sd, strict=False)
+                given.update({n: decode_value(d, get_tensor, ctx.allow_pickle, where) for n, d in extras.items()})
+            if given:
+                m.load_state_dict(given, strict=False)
+            if fresh:
+                after = m.state_dict()
+                for n, d in fresh.items():
+                    if n in given and local_of(d).numel() > 0:
+                        now = after.get(n)
+                        vouched[storage_of(d)] = isinstance(now, torch.Tensor) and (
+                            alias_key(now) == alias_key(d) or same_bits(now, d)
+                        )
             return obj
 
+        def landed(targets):
+            return unlanded(targets, live_storages(module_tensors(m)), vouched)
+
         part.finish = finish
+        part.landed = landed
         return part

@@ -20,20 +20,24 @@ with zeros in padding, so FSDP1 state moves to and from any layout.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 import torch
 
-from ..errors import ShapeMismatchError, UnsupportedStateError
+from ..errors import IncompleteStateError, ShapeMismatchError, UnsupportedStateError
 from ..format.values import decode_value, encode_value
 from ..geometry import Box
 from .base import AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor, dtype_name, torch_dtype
+from .landing import live_storages, optimizer_tensors, unlanded
 from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
 
 # State that is one value per parameter even when the parameter itself is 0-d.
 _SCALAR_STATE = frozenset({"step"})
 
-__all__ = ["OptimizerAdapter", "param_name", "reusable_state"]
+__all__ = ["OptimizerAdapter", "param_name", "reusable_state", "own_protocol", "check_saved_state"]
+
+log = logging.getLogger("shardpoint")
 
 
 def param_name(key: str, p: torch.Tensor, gi: int, i: int, ctx: AdapterContext) -> str:
@@ -41,11 +45,71 @@ def param_name(key: str, p: torch.Tensor, gi: int, i: int, ctx: AdapterContext) 
     return ctx.param_names.get(id(p), f"{key}.unnamed.{gi}.{i}")
 
 
+def own_protocol(cls: type) -> bool:
+    """Whether an optimizer class declares its own state protocol by overriding torch's.
+
+    Such a class (an optimizer container whose ``.state`` is empty and whose
+    ``state_dict``/``load_state_dict`` delegate to inner optimizers, say) is an
+    optimizer only by inheritance: its state is what those methods say, so it
+    is saved and loaded through them (:class:`~shardpoint.adapters.tree.StatefulAdapter`).
+    """
+    base = torch.optim.Optimizer
+    return cls.state_dict is not base.state_dict or cls.load_state_dict is not base.load_state_dict
+
+
+def _inner_optimizers(opt: Any) -> dict[str, bool]:
+    """Attributes of ``opt`` that hold other optimizers (directly or in a list): name -> whether any holds state."""
+    found = {}
+    for k, v in vars(opt).items():
+        items = v if isinstance(v, (list, tuple)) else [v]
+        inner = [x for x in items if isinstance(x, torch.optim.Optimizer) and x is not opt]
+        if inner:
+            found[k] = any(bool(x.state) for x in inner)
+    return found
+
+
+def check_saved_state(key: str, opt: Any, state_tensors: int) -> None:
+    """Refuse or flag an optimizer whose saved state holds no tensors although it should.
+
+    An optimizer whose own ``.state`` is empty while the optimizers it holds
+    have state keeps its real state in them: saving it would save nothing, so
+    that is an error (a warning while they have none yet). A subclass from
+    outside torch with an empty ``.state`` while its parameters hold
+    gradients may have stepped without recording state here; that gets a
+    warning.
+    """
+    if state_tensors or not isinstance(opt, torch.optim.Optimizer) or opt.state:
+        return
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if not params:
+        return
+    inner = _inner_optimizers(opt)
+    what = (
+        f"state[{key!r}]: {type(opt).__qualname__} is a torch.optim.Optimizer with an empty .state that "
+        f"holds other optimizers ({', '.join(sorted(inner))}): its state lives there and would not be saved. Give "
+        "the class state_dict()/load_state_dict() methods that delegate to them, or put each inner "
+        "optimizer in the state as its own entry"
+    )
+    if any(inner.values()):
+        raise IncompleteStateError(what)
+    if inner:  # nothing stepped yet, so nothing is lost now; every later save would be
+        log.warning("%s", what)
+        return
+    if any(p.grad is not None for p in params) and not type(opt).__module__.startswith("torch."):
+        log.warning(
+            "state[%r]: %s has parameters with gradients but no optimizer state to save; if it keeps its "
+            "state elsewhere, give it state_dict()/load_state_dict() methods",
+            key, type(opt).__qualname__,
+        )
+
+
 class OptimizerAdapter:
+    """``torch.optim.Optimizer`` state by parameter name; classes with their own protocol are not claimed."""
+
     name = "optimizer"
 
     def claims(self, obj: Any) -> bool:
-        return isinstance(obj, torch.optim.Optimizer)
+        return isinstance(obj, torch.optim.Optimizer) and not own_protocol(type(obj))
 
     def save(self, key: str, opt: torch.optim.Optimizer, ctx: AdapterContext) -> SavePart:
         part = SavePart(framework=f"optimizer:{type(opt).__name__}")
@@ -76,6 +140,7 @@ class OptimizerAdapter:
                 if s:
                     state[name] = encode_value(dict(s), f"{key}.state.{name}", _on_state(p, ctx, on_tensor, part), ctx.allow_pickle)
         part.value = {"groups": groups, "group_of": group_of, "state": state}
+        check_saved_state(key, opt, sum(1 for t in part.tensors if t.fqn.startswith(f"{key}.state.")))
         return part
 
     def load(self, key, opt, doc, tensors: Mapping[str, Any], ctx, where="<checkpoint>") -> LoadPart:
@@ -175,6 +240,7 @@ class OptimizerAdapter:
             return opt
 
         part.finish = finish
+        part.landed = lambda targets: unlanded(targets, live_storages(optimizer_tensors(opt)))
         return part
 
 

@@ -38,6 +38,7 @@ from ..adapters.base import LoadTarget, dtype_name, torch_dtype
 from ..engine.io import ALIGN, DEFAULT_BLOCK_SIZE, block_checksums, tensor_bytes
 from ..engine.load import execute_reads
 from ..errors import CheckpointError, KeyMismatchError, ShapeMismatchError, UnsupportedStateError
+from ..extras import require
 from ..format.manifest import DTYPE_SIZES, MANIFEST_NAME, ChunkMeta, Manifest, TensorMeta
 from ..geometry import Box
 from ..storage import Storage, storage_for
@@ -176,10 +177,27 @@ class NameMap:
         return self.prefix + self._renamed(name)
 
 
-def progress(total: float | None, desc: str, quiet: bool, unit: str = "B"):
-    """A tqdm bar on stderr (bytes by default), disabled by ``quiet``."""
-    from tqdm import tqdm
+class _NoBar:
+    """What ``progress`` returns when quiet: the bar's interface, doing nothing (no tqdm needed)."""
 
+    def update(self, n: float = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def progress(total: float | None, desc: str, quiet: bool, unit: str = "B"):
+    """A tqdm bar on stderr (bytes by default); with ``quiet``, a silent stand-in that needs no tqdm."""
+    if quiet:
+        return _NoBar()
+    tqdm = require("tqdm", "cli", "progress bars").tqdm
     return tqdm(total=total, desc=desc, disable=quiet, unit=unit, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000, file=sys.stderr, leave=False)
 
 

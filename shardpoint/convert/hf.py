@@ -12,13 +12,21 @@ without an index), one tensor at a time into a new shardpoint checkpoint, so a
 pretrained model can start a sharded run: ``sp.load(path, {"model": model})``
 fills an FSDP2 or TP model directly.
 
+A ``config.json`` lands beside the weights, so ``from_pretrained(out)``
+opens the folder directly, when one is given (``config=`` a file or a dict)
+or when the checkpoint carries one: a dict saved as the value
+``extra.hf_config`` (``{"extra": {"hf_config": model.config.to_dict()}}``),
+or under another dotted name passed as ``config_key``.
+
 Names: by default checkpoint names ``model.<hf name>`` map to ``<hf name>``
 (``sp.save(path, {"model": hf_model})`` stores them so). ``rename`` rules
 (regex substitutions) map other naming schemes.
 
 Example::
 
-    export_hf("ckpt/step_100", "hf_out", dtype=torch.bfloat16, shard_size="5GB", config="config.json")
+    sp.save("ckpt/step_100", {"model": model, "extra": {"hf_config": model.config.to_dict()}})
+    export_hf("ckpt/step_100", "hf_out", dtype=torch.bfloat16, shard_size="5GB")  # writes config.json too
+    export_hf("ckpt/other", "hf_out2", config="config.json")  # or give the config
     import_hf("hf_model_dir", "ckpt/pretrained")
 """
 
@@ -28,15 +36,16 @@ import json
 import math
 import os
 import re
-import shutil
 import struct
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from ..adapters.base import torch_dtype
 from ..engine.io import DEFAULT_BLOCK_SIZE, tensor_bytes
+from ..extras import require
+from ..format.values import decode_value
 from .common import (
     CheckpointReader,
     CheckpointWriter,
@@ -49,7 +58,16 @@ from .common import (
     progress,
 )
 
-__all__ = ["export_hf", "import_hf", "HFExportResult", "ImportResult", "SAFETENSORS_DTYPES", "flat_value_docs"]
+__all__ = [
+    "export_hf",
+    "import_hf",
+    "carried_config",
+    "HFExportResult",
+    "ImportResult",
+    "SAFETENSORS_DTYPES",
+    "HF_CONFIG_KEY",
+    "flat_value_docs",
+]
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -67,6 +85,8 @@ SAFETENSORS_DTYPES = {
     torch.complex64: "C64",
 }
 INDEX_NAME = "model.safetensors.index.json"
+HF_CONFIG_KEY = "extra.hf_config"
+"""Where a checkpoint carries a Hugging Face model config by default: ``state["extra"]["hf_config"]``."""
 _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 
 
@@ -79,6 +99,7 @@ class HFExportResult:
     tensors: int = 0
     bytes: int = 0
     names: dict[str, str] = field(default_factory=dict)  # checkpoint name -> HF name
+    config: str | None = None  # where config.json came from: a file, "argument" or "value <key>"; None if not written
 
 
 @dataclass
@@ -143,7 +164,8 @@ def export_hf(
     rename: Sequence[str] = (),
     keys: Sequence[str] = (),
     exclude: Sequence[str] = (),
-    config: str | None = None,
+    config: str | Mapping[str, Any] | None = None,
+    config_key: str = HF_CONFIG_KEY,
     force: bool = False,
     quiet: bool = True,
     verify: bool = True,
@@ -153,13 +175,18 @@ def export_hf(
     ``dtype`` casts floating-point tensors; ``shard_size`` caps each file
     (``"5GB"``; a tensor larger than the cap gets a file of its own);
     ``rename`` holds ``REGEX=REPLACEMENT`` rules applied after stripping
-    ``prefix``; ``keys`` are globs over checkpoint names; ``config`` is a
-    ``config.json`` copied into ``out`` so that
-    ``AutoModelForCausalLM.from_pretrained(out)`` works directly. One file is
+    ``prefix``; ``keys`` are globs over checkpoint names. ``config.json`` is
+    written into ``out``, so that ``AutoModelForCausalLM.from_pretrained(out)``
+    works directly, from ``config`` (a path to a ``config.json`` or a dict such
+    as ``model.config.to_dict()``) or, when ``config`` is None, from the dict
+    the checkpoint carries as the value ``config_key`` (see
+    :func:`carried_config`); with neither, no ``config.json`` is written and
+    ``result.config`` is None. One file is
     named ``model.safetensors``, several ``model-0000i-of-0000n.safetensors``;
     ``model.safetensors.index.json`` is written in both cases.
     """
     reader = CheckpointReader(path, verify=verify)
+    config_doc, config_from = _config_doc(reader, config, config_key)
     names = NameMap(prefix, parse_rename(rename), tuple(keys), tuple(exclude))
     cap = parse_size(shard_size)
     plan = _plan(reader, names, dtype, reader.where)
@@ -198,10 +225,73 @@ def export_hf(
     index = {"metadata": {"total_size": total, "source": "shardpoint"}, "weight_map": dict(sorted(weight_map.items()))}
     with open(os.path.join(out, INDEX_NAME), "w") as f:
         json.dump(index, f, indent=2)
-    if config:
-        shutil.copyfile(config, os.path.join(out, "config.json"))
+    if config_doc is not None:
+        tmp = os.path.join(out, "config.json.tmp")
+        with open(tmp, "w") as f:
+            f.write(config_doc)
+        os.replace(tmp, os.path.join(out, "config.json"))
+        result.config = config_from
     result.tensors, result.bytes = len(plan), total
     return result
+
+
+def carried_config(path, key: str = HF_CONFIG_KEY) -> dict | None:
+    """The model config dict a checkpoint carries as the value ``key``, or None if it carries none.
+
+    A run that wants its checkpoints to export as complete Hugging Face
+    folders saves its config beside the weights, as a plain value (JSON in the
+    manifest, no pickle); ``export_hf`` then writes it as ``config.json``.
+    ``path`` is a checkpoint path, a :class:`~shardpoint.storage.Storage` or
+    a :class:`~shardpoint.convert.common.CheckpointReader`.
+
+    Example::
+
+        sp.save("ckpt/step_100", {"model": model, "extra": {"hf_config": model.config.to_dict()}})
+        carried_config("ckpt/step_100")["model_type"]   # 'llama'
+    """
+    reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
+    doc: Any = reader.manifest.values
+    for part in key.split("."):
+        if not isinstance(doc, dict) or part not in doc or doc.get("__sp__") is not None:
+            return None
+        doc = doc[part]
+
+    def no_tensor(fqn: str):
+        raise ConversionError(f"{reader.where}: value {key!r} holds tensor {fqn!r}; a model config holds plain values")
+
+    value = decode_value(doc, no_tensor, where=reader.where)
+    if not isinstance(value, dict):
+        raise ConversionError(f"{reader.where}: value {key!r} is a {type(value).__name__}, not a config dict")
+    return value
+
+
+def _config_doc(reader: CheckpointReader, config, key: str) -> tuple[str | None, str | None]:
+    """The text of config.json and where it came from, checked before any weight is written."""
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as f:
+                value = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConversionError(f"cannot read the config {config}: {e}") from None
+        source = os.fspath(config)
+    elif config is not None:
+        value, source = dict(config), "argument"
+    else:
+        value, source = carried_config(reader, key), f"value {key}"
+        if value is None:
+            return None, None
+    if not isinstance(value, dict):
+        raise ConversionError(f"the config from {source} is a {type(value).__name__}, not a JSON object")
+
+    def plain(v):
+        if isinstance(v, torch.dtype):  # HF writes dtypes as their names: "bfloat16"
+            return str(v).removeprefix("torch.")
+        raise ConversionError(f"the config from {source} holds a {type(v).__name__}, which config.json cannot store")
+
+    try:
+        return json.dumps(value, indent=2, sort_keys=True, default=plain) + "\n", source
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"the config from {source} cannot be written as JSON: {e}") from None
 
 
 def _source_files(src: str) -> list[str]:
@@ -258,7 +348,7 @@ def import_hf(
     ``keys`` are globs over the source names; ``dtype`` casts floating-point
     tensors. The result loads with ``sp.load(path, {"model": model})``.
     """
-    from safetensors import safe_open
+    safe_open = require("safetensors", "hf", "importing safetensors files").safe_open
 
     files = _source_files(src)
     names = NameMap(prefix, parse_rename(rename), tuple(keys), tuple(exclude))

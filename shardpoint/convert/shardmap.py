@@ -6,7 +6,7 @@ panel per tensor, showing the tensor as a rectangle of dim 0 (rows) by dim 1
 (columns; all further dims are folded into the picture's depth and not drawn),
 each chunk a box coloured by the rank that wrote it. A flat chunk (a
 row-major element range, as FSDP1 and ZeRO store) is drawn as the rows it
-covers. Needs ``matplotlib`` (``pip install 'shardpoint[tools]'``).
+covers. Needs ``matplotlib`` (``pip install 'shardpoint[plot]'``).
 
 Example::
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Sequence
 
+from ..extras import require
 from ..format.manifest import ChunkMeta, Manifest, TensorMeta
 from .common import ConversionError
 
@@ -82,14 +83,11 @@ def plot_shard_map(
     Returns the number of tensors drawn (the largest ``max_tensors`` first,
     then ordered by name).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch, Rectangle
-    except ImportError:  # pragma: no cover - matplotlib is in the tools and test extras
-        raise ConversionError("--plot needs matplotlib: pip install 'shardpoint[tools]'") from None
+    matplotlib = require("matplotlib", "plot", "shard map plots (inspect --plot)")
+    matplotlib.use("Agg")
+    plt = require("matplotlib.pyplot", "plot", "shard map plots (inspect --plot)")
+    patches = require("matplotlib.patches", "plot", "shard map plots (inspect --plot)")
+    Patch, Rectangle = patches.Patch, patches.Rectangle
     names = sorted(m.tensors)
     if keys:
         names = [n for n in names if any(fnmatch.fnmatchcase(n, k) for k in keys)]

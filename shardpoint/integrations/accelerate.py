@@ -35,7 +35,7 @@ from ..errors import UnsupportedStateError
 from ..rng import RNGState
 from .common import require
 
-require("accelerate", "accelerate", "shardpoint.integrations.accelerate")
+require("accelerate", "accelerate", "shardpoint.integrations.accelerate", "pip install 'shardpoint[accelerate]'")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 

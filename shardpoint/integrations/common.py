@@ -19,17 +19,19 @@ from ..storage import storage_for
 __all__ = ["require", "rank_local_group", "top_level_keys", "remove_path"]
 
 
-def require(module: str, package: str, feature: str) -> ModuleType:
+def require(module: str, package: str, feature: str, hint: str = "") -> ModuleType:
     """Import ``module``, or raise :class:`MissingDependencyError` saying how to install ``package``.
+
+    ``hint`` is the install command (``pip install <package>`` when empty).
 
     Example::
 
-        L = require("lightning", "lightning", "shardpoint.integrations.lightning")
+        L = require("lightning", "lightning", "shardpoint.integrations.lightning", "pip install 'shardpoint[lightning]'")
     """
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        hint = f"pip install {package}"
+        hint = hint or f"pip install {package}"
         raise MissingDependencyError(
             f"{feature} needs the {package!r} package, which could not be imported ({e}); install it with: {hint}",
             package=package,

@@ -37,7 +37,7 @@ from ..async_save import AsyncSaveHandle, async_save
 from ..errors import UnsupportedStateError
 from .common import rank_local_group, remove_path, require, top_level_keys
 
-require("lightning", "lightning", "shardpoint.integrations.lightning")
+require("lightning", "lightning", "shardpoint.integrations.lightning", "pip install 'shardpoint[lightning]'")
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 

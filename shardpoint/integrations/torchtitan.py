@@ -44,7 +44,8 @@ from ..format.manifest import MANIFEST_NAME
 from ..storage import storage_for
 from .common import remove_path, require
 
-require("torchtitan", "torchtitan", "shardpoint.integrations.torchtitan")
+require("torchtitan", "torchtitan", "shardpoint.integrations.torchtitan",
+        "pip install --no-deps torchtitan, then its requirements (see the torchtitan integration guide)")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torchtitan.components.checkpointer import (  # noqa: E402

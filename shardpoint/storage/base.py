@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .. import errors
 from ..errors import StorageError
 
 __all__ = ["Storage", "Writer", "IOStats", "ShortReadError", "MissingDependencyError"]
@@ -27,8 +28,12 @@ class ShortReadError(StorageError):
     """An object ended before the requested byte range (truncated data)."""
 
 
-class MissingDependencyError(StorageError):
+class MissingDependencyError(errors.MissingDependencyError, StorageError):
     """A backend needs an optional package that is not installed; the message says what to install.
+
+    Both a :class:`shardpoint.errors.MissingDependencyError` and a
+    :class:`~shardpoint.errors.StorageError`, so storage code that handles
+    backend failures sees it too.
 
     Example::
 

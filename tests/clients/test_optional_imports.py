@@ -8,7 +8,11 @@ import sys
 
 import pytest
 
-FRAMEWORKS = {"lightning": "lightning", "accelerate": "accelerate", "torchtitan": "torchtitan"}
+FRAMEWORKS = {
+    "lightning": "pip install 'shardpoint[lightning]'",
+    "accelerate": "pip install 'shardpoint[accelerate]'",
+    "torchtitan": "pip install --no-deps torchtitan, then its requirements (see the torchtitan integration guide)",
+}
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -25,11 +29,11 @@ def test_import_shardpoint_needs_no_framework():
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("module,package", sorted(FRAMEWORKS.items()))
-def test_missing_framework_raises_a_typed_error(module, package):
+@pytest.mark.parametrize("module,hint", sorted(FRAMEWORKS.items()))
+def test_missing_framework_raises_a_typed_error(module, hint):
     # sys.modules[name] = None makes `import name` fail, as if the package were not installed.
     done = _python(
-        f"import sys; sys.modules[{package!r}] = None\n"
+        f"import sys; sys.modules[{module!r}] = None\n"
         "import shardpoint as sp\n"
         "try:\n"
         f"    import shardpoint.integrations.{module}\n"
@@ -37,4 +41,4 @@ def test_missing_framework_raises_a_typed_error(module, package):
         "    print('typed', e.hint)\n"
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"typed pip install {package}"
+    assert done.stdout.strip() == f"typed {hint}"
