@@ -1,4 +1,4 @@
-"""What the framework integrations share: optional imports and rank-local I/O.
+"""What the framework integrations share: optional imports, checkpoint keys and removal.
 
 Kept small on purpose: each integration is a thin translation between a
 framework's checkpoint hooks and :func:`shardpoint.save` / :func:`shardpoint.load`.
@@ -12,11 +12,10 @@ import shutil
 from types import ModuleType
 from typing import Any
 
-from ..dist import LOCAL
 from ..errors import MissingDependencyError
 from ..storage import storage_for
 
-__all__ = ["require", "rank_local_group", "top_level_keys", "remove_path"]
+__all__ = ["require", "top_level_keys", "remove_path"]
 
 
 def require(module: str, package: str, feature: str, hint: str = "") -> ModuleType:
@@ -37,21 +36,6 @@ def require(module: str, package: str, feature: str, hint: str = "") -> ModuleTy
             package=package,
             hint=hint,
         ) from e
-
-
-def rank_local_group() -> Any:
-    """The ``process_group`` argument that makes a save or load run on this rank alone.
-
-    Frameworks such as Lightning under DDP call their checkpoint plugin on
-    global rank 0 only, so the save must involve no other rank: that is
-    :data:`shardpoint.LOCAL`, which runs with no collective even when a
-    default process group exists.
-
-    Example::
-
-        sp.save(path, state, process_group=rank_local_group())
-    """
-    return LOCAL
 
 
 def top_level_keys(manifest: Any) -> list[str]:

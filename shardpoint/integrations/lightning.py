@@ -35,7 +35,8 @@ import torch
 from ..api import load, read_manifest, save
 from ..async_save import AsyncSaveHandle, async_save
 from ..errors import UnsupportedStateError
-from .common import rank_local_group, remove_path, require, top_level_keys
+from ..dist import LOCAL
+from .common import remove_path, require, top_level_keys
 
 require("lightning", "lightning", "shardpoint.integrations.lightning", "pip install 'shardpoint[lightning]'")
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
@@ -112,7 +113,7 @@ class ShardpointCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to the folder ``path`` (replacing a previous checkpoint there atomically)."""
         _no_storage_options(storage_options)
-        save(_where(path), to_state(checkpoint), process_group=rank_local_group())
+        save(_where(path), to_state(checkpoint), process_group=LOCAL)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Read the whole checkpoint at ``path`` on this rank, verifying checksums.
@@ -130,7 +131,7 @@ class ShardpointCheckpointIO(CheckpointIO):
                 "ShardpointFSDPStrategy; resume it with ShardpointFSDPStrategy (on any number of ranks)"
             )
         state: dict[str, Any] = dict.fromkeys(keys)
-        load(where, state, verify=self.verify, process_group=rank_local_group())
+        load(where, state, verify=self.verify, process_group=LOCAL)
         checkpoint = from_state(state)
         if map_location is not None:
             if not isinstance(map_location, (str, torch.device)):
@@ -166,7 +167,7 @@ class AsyncShardpointCheckpointIO(ShardpointCheckpointIO):
         """Start writing ``checkpoint`` to ``path``; returns once its tensors are staged."""
         _no_storage_options(storage_options)
         self.wait()
-        self._pending = async_save(_where(path), to_state(checkpoint), process_group=rank_local_group())
+        self._pending = async_save(_where(path), to_state(checkpoint), process_group=LOCAL)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Wait for the save in flight, then load as :class:`ShardpointCheckpointIO` does."""

@@ -1,5 +1,9 @@
 """ShardpointCheckpointManager with torchtitan's own Llama, parallelize_llama (FSDP2), optimizers and schedulers.
 
+Its OptimizersContainer is an Optimizer by inheritance only (its own ``.state`` is empty; its
+``state_dict``/``load_state_dict`` delegate to one AdamW per model part), so an exact resume proves
+that the container was saved and restored through its own protocol.
+
 Also the import of a checkpoint written by torchtitan's own DCP CheckpointManager.
 """
 
@@ -21,14 +25,6 @@ pytestmark = pytest.mark.dist
 
 TIMEOUT = 300
 AT, STEPS = 3, 6
-# torchtitan's OptimizersContainer is an Optimizer by inheritance only (its own .state is empty; its
-# state_dict/load_state_dict delegate to one optimizer per model part). A shardpoint that does not yet
-# restore objects through their own protocol (and check that the state landed, StateNotRestoredError)
-# loses its Adam state, so these resumes cannot be exact there; with it they must be.
-CONTAINER = pytest.mark.xfail(
-    not hasattr(sp, "StateNotRestoredError"), strict=True,
-    reason="optimizer containers are not yet saved through their own state_dict",
-)
 
 
 def _run(world: int, base: str, out: str, phase: str, kind: str = "shardpoint", async_save: bool = False) -> list:
@@ -79,7 +75,6 @@ def test_resumed_model_lands_exactly(runs):
         assert s[name]["mid"]["lr"] == s["full"]["mid"]["lr"] and s[name]["mid"]["train"] == s["full"]["mid"]["train"]
 
 
-@CONTAINER
 def test_resume_is_exact(runs):
     s = runs["snaps"]
     assert_same(s["resumed"]["mid"], s["full"]["mid"])
@@ -107,7 +102,6 @@ def test_import_dcp_keeps_torchtitan_names(runs, tmp_path):
     assert torch.equal(sp.read_tensor(dst, "model.tok_embeddings.weight"), emb)
 
 
-@CONTAINER
 def test_resume_from_imported_dcp_is_exact(runs, tmp_path):
     from shardpoint.integrations.torchtitan import import_dcp
 
