@@ -770,16 +770,21 @@ def load_targets(specs, m: ModelSpec, lay: Layout, rank: int) -> list[LoadTarget
 
 
 class CountingStorage:
-    """Forwards ``get`` (all ``IndexReader`` calls) and counts the index files and bytes read."""
+    """Forwards the metadata reads ``IndexReader`` makes and counts the index files and bytes read."""
 
     def __init__(self, base):
         self.base, self.files, self.bytes = base, 0, 0
 
-    def get(self, name: str) -> bytes:
-        data = self.base.get(name)
+    def _count(self, data: bytes) -> bytes:
         self.files += 1
         self.bytes += len(data)
         return data
+
+    def get(self, name: str) -> bytes:
+        return self._count(self.base.get(name))
+
+    def get_limited(self, name: str, limit: int) -> bytes:
+        return self._count(self.base.get_limited(name, limit))
 
 
 def plan_load(storage, man: Manifest, targets: list[LoadTarget]) -> tuple[Manifest, list, CountingStorage]:

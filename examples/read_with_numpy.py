@@ -1,12 +1,12 @@
 """Read one tensor from a shardpoint checkpoint with only json and numpy.
 
-This is the proof that the format (docs/format.md, versions 1 and 2) needs no
+This is the proof that the format (docs/format.md, versions 1 to 3) needs no
 shardpoint and no torch to read: it parses manifest.json, finds each chunk
-(listed in the manifest in version 1; in the writers' index files in version 2,
-located by the tensor's grid or holders), reads its bytes, places them by
-their box (and flat range), and prints the result. With --verify it also
-checks the xxh3_64 block checksums and, for version 2, the index digests
-(needs ``xxhash``).
+(listed in the manifest in version 1; in the writers' index files in versions
+2 and 3, located by the tensor's grid or holders), reads its bytes, places them
+by their box (and flat range), and prints the result. With --verify it also
+checks the xxh3_64 block checksums, the index digests (version 2 and later)
+and the manifest's own digest (version 3) (needs ``xxhash``).
 
     python examples/read_with_numpy.py CHECKPOINT_DIR TENSOR_NAME [--verify]
 """
@@ -43,7 +43,9 @@ def _chunks_v2(folder, m, name, verify):
         ranks = m["meshes"][t["grid"]["mesh"]]["ranks"]
     else:
         ranks = [r for a, b in t["holders"] for r in range(a, b)]
-    key = xxhash.xxh3_64_intdigest(name.encode("utf-8"))
+    # Version 3 binds the key to the dtype too: name, a NUL byte, dtype name.
+    raw_key = name.encode("utf-8") + (b"\0" + t["dtype"].encode() if m["format_version"] >= 3 else b"")
+    key = xxhash.xxh3_64_intdigest(raw_key)
     for r in sorted(set(ranks)):
         if m["ranks"][r] is None:
             continue
@@ -52,6 +54,10 @@ def _chunks_v2(folder, m, name, verify):
             raw = f.read()
         if verify and xxhash.xxh3_128_hexdigest(raw) != digest:
             raise ValueError(f"{index_file}: digest differs from the manifest")
+        if m["format_version"] >= 3:  # the last 16 bytes: xxh3_128 of the rest
+            if verify and xxhash.xxh3_128_digest(raw[:-16]) != raw[-16:]:
+                raise ValueError(f"{index_file}: does not match its own digest")
+            raw = raw[:-16]
         n, nd, ns = (int(v) for v in np.frombuffer(raw, "<u8", 3, 8))
         rows = np.frombuffer(raw, ROW, n, 32)
         dims = np.frombuffer(raw, "<u8", nd, 32 + ROW.itemsize * n)
@@ -72,9 +78,16 @@ def _chunks_v2(folder, m, name, verify):
 
 def read_tensor(folder, name, verify=False):
     with open(os.path.join(folder, "manifest.json"), "rb") as f:
-        m = json.load(f)
-    if m.get("format") != "shardpoint" or m.get("format_version") not in (1, 2):
-        raise ValueError(f"{folder}: not a shardpoint format version 1 or 2 checkpoint")
+        text = f.read()
+    m = json.loads(text)
+    if m.get("format") != "shardpoint" or m.get("format_version") not in (1, 2, 3):
+        raise ValueError(f"{folder}: not a shardpoint format version 1, 2 or 3 checkpoint")
+    if verify and m["format_version"] >= 3:  # the digest covers every byte before ',"digest":'
+        import xxhash
+
+        head = text[: text.rindex(b',"digest":"')]
+        if xxhash.xxh3_128_hexdigest(head) != m["digest"]:
+            raise ValueError(f"{folder}: manifest.json does not match its own digest")
     t = m["tensors"][name]
     dtype = np.dtype(NUMPY[t["dtype"]])
     out = np.zeros(t["shape"], dtype=dtype)

@@ -43,6 +43,8 @@ from .adapters.megatron import is_megatron, megatron_global_shapes
 from .geometry import Box
 from .errors import StorageError
 from .format.index import encode_index, fqn_key, index_digest
+from .format.strict import Limits
+from .format.values import check_optimizer_doc
 from .format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, Manifest, RankFiles, TensorMeta, rank_runs
 from .grid import Grid
 from .planning.save_plan import ReplicaItem, assign_writers
@@ -249,7 +251,7 @@ class _Prepared:
         if files:
             (data, _size), = files.items()
             index = data[: -len(".bin")] + ".idx"
-            blob = encode_index(records)
+            blob = encode_index(records, {t.fqn: dtype_name(t.data.dtype) for t in self.mine})
             try:
                 with storage.open_writer(index) as w:
                     w.write(blob)
@@ -592,7 +594,7 @@ def _commit(storage: Storage, save_id: str, world: int, block: int, statuses: li
     tensors: dict[str, TensorMeta] = {}
     keys: dict[int, str] = {}
     for fqn, (dt, shape) in meta.items():
-        other = keys.setdefault(fqn_key(fqn), fqn)
+        other = keys.setdefault(fqn_key(fqn, dt), fqn)
         if other != fqn:
             raise UnsupportedStateError(f"{where}: tensor names {other!r} and {fqn!r} share a 64-bit key; rename one")
         g = grids[fqn]
@@ -721,11 +723,44 @@ def read_tensor(path: str | Storage, name: str, index: tuple | None = None, *, v
             lo, hi, _ = sl.indices(meta.shape[d])
             offs[d], sizes[d] = lo, max(0, hi - lo)
         box = Box(tuple(offs), tuple(sizes))
+    manifest = resolve(storage, manifest, {name: [box]}, storage.url)
+    _check_provided(storage, manifest.tensors[name], name, box)
     dest = torch.empty(box.sizes, dtype=torch_dtype(meta.dtype))
     target = LoadTarget(name, dest, tuple(meta.shape), box)
-    manifest = resolve(storage, manifest, {name: [box]}, storage.url)
     execute_reads(storage, manifest, [target], storage.url, verify)
     return dest
+
+
+def _check_provided(storage: Storage, meta: TensorMeta, name: str, box: Box) -> None:
+    """Before allocating: the chunks must hold ``numel x itemsize`` bytes of ``box``, in files that big.
+
+    A crafted shape or file size then fails here as a typed error instead of
+    in ``torch.empty`` or a short read.
+    """
+    chunks = meta.chunks or ()
+    have = 0
+    for c in chunks:
+        inter = c.box.intersect(box) if c.flat is None else None
+        have += inter.numel if inter is not None else 0
+    need = box.numel
+    flat = any(c.flat is not None for c in chunks)
+    if not flat and have < need:
+        raise CorruptCheckpointError(
+            f"{storage.url}: tensor {name!r}: its chunks provide {have} of the {need} elements "
+            f"({need * meta.itemsize} bytes) of the box {box.offsets}+{box.sizes}; the checkpoint is corrupt"
+        )
+    sizes: dict[str, int] = {}
+    for c in chunks:
+        if c.file not in sizes:
+            try:
+                sizes[c.file] = storage.size(c.file)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{storage.url}: data file {c.file} of tensor {name!r} is missing") from None
+        if c.offset + c.nbytes > sizes[c.file]:
+            raise CorruptCheckpointError(
+                f"{storage.url}: data file {c.file} of tensor {name!r} is shorter than the manifest says "
+                f"(truncated?): its chunk bytes [{c.offset}, {c.offset + c.nbytes}) run past its {sizes[c.file]} bytes"
+            )
 
 
 def read_manifest(path: str | Storage, *, chunks: bool = True) -> Manifest:
@@ -746,7 +781,7 @@ def read_manifest(path: str | Storage, *, chunks: bool = True) -> Manifest:
 
 def _manifest_bytes(storage: Storage) -> bytes:
     try:
-        return storage.get(MANIFEST_NAME)
+        return storage.get_limited(MANIFEST_NAME, Limits.from_env().manifest_bytes)
     except FileNotFoundError:
         if not storage.location_exists():
             raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: the path does not exist") from None
@@ -876,6 +911,7 @@ def load(
                 # Keyed the way get_optimizer_state_dict keys it: a naming view onto this optimizer.
                 doc = dcp_to_native(doc, _param_names(obj, ctx), where)
             if layouts and native_optimizer:
+                check_optimizer_doc(doc, f"{where}: entry {key!r}")
                 doc = optimizer_doc_to_physical(key, doc, layouts, ctx.param_names.values())
             part = adapter_for(obj, adapters).load(key, obj, doc, tensors, ctx, where)
             if view is not None:

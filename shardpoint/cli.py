@@ -17,18 +17,31 @@ Commands (each has ``--help`` with examples)::
     shardpoint diff ckpt/step_100 resumed/step_100 --atol 1e-6
     shardpoint trace traces/step_100                     # slowest phases and ranks
 
-Exit status: 0 on success, 1 when ``verify`` finds damage or ``diff`` finds a
-difference, 2 on any error (bad arguments, unreadable checkpoint).
+Exit status:
+  0  success
+  1  ``verify`` found damage (a missing, truncated, unsafe or corrupt data file or
+     chunk), or ``diff`` found a difference
+  2  any error: bad arguments, or a checkpoint that cannot be read (missing,
+     malformed or unsafe metadata); one line on stderr names the problem
+
+Outputs of ``export``, ``import`` and ``reshard`` to a local path are written
+under a temporary name next to it and renamed into place only on success; a
+failed run leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shutil
 import sys
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from .api import read_manifest
+from .engine.indexes import IndexReader
 from .engine.io import verify_chunk
 from .errors import CheckpointError
 from .extras import require
@@ -122,7 +135,7 @@ def _inspect(args) -> int:
 def verify_checkpoint(path: str, jobs: int = 4, quiet: bool = True) -> tuple[int, list[str]]:
     """Check every data file and chunk checksum of ``path``; return (chunks checked, problems)."""
     storage = storage_for(path)
-    m = read_manifest(storage)
+    m = read_manifest(storage, chunks=False)  # unreadable metadata is an error (exit 2), not damage found
     problems: list[str] = []
     for name, size in m.files.items():
         try:
@@ -130,9 +143,21 @@ def verify_checkpoint(path: str, jobs: int = 4, quiet: bool = True) -> tuple[int
         except FileNotFoundError:
             problems.append(f"missing data file {name}")
             continue
+        except CheckpointError as e:  # a link, FIFO or device in place of a file
+            problems.append(str(e))
+            continue
         if real < size:
             problems.append(f"data file {name} is truncated: {real} of {size} bytes")
-    work = [(fqn, c) for fqn, t in m.tensors.items() for c in t.chunks]
+    work = []
+    reader = IndexReader(storage, m, storage.url)
+    for fqn, t in m.tensors.items():
+        try:  # a missing, unsafe or damaged index file is damage found, reported once
+            chunks = t.chunks if t.chunks is not None else reader.chunks(fqn)
+        except CheckpointError as e:
+            if str(e) not in problems:
+                problems.append(str(e))
+            continue
+        work.extend((fqn, c) for c in chunks)
     from .convert.common import progress
 
     def check(item):
@@ -169,6 +194,55 @@ def _verify(args) -> int:
 
 
 # ------------------------------------------------------------------ export / import
+def _is_local(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+@contextlib.contextmanager
+def _staged(out: str, force: bool, folder: bool = True):
+    """Yield a temporary path next to ``out``; on success move it into place, on failure remove it.
+
+    A folder output with ``force`` keeps ``out``'s other files (the entries
+    written replace theirs), as writing into it directly would.
+    Remote outputs (``s3://``...) are written in place: their commit is the
+    manifest, written last.
+    """
+    if not _is_local(out):
+        yield out
+        return
+    out = out[len("file://"):] if out.startswith("file://") else out
+    from .convert.common import ConversionError
+
+    if os.path.exists(out) and not force:
+        if not folder:
+            raise ConversionError(f"{out} exists; pass --force to replace it")
+        if not os.path.isdir(out):
+            raise ConversionError(f"{out} exists and is not a folder")
+        if os.listdir(out):
+            raise ConversionError(f"{out} exists and is not empty; pass --force to write into it")
+    parent = os.path.dirname(os.path.abspath(out))
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.partial-{uuid.uuid4().hex[:12]}")
+    try:
+        yield tmp
+    except BaseException:
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+    if not folder or not os.path.isdir(out):
+        if folder and os.path.lexists(out):
+            os.rmdir(out)  # an empty folder (checked above)
+        os.replace(tmp, out)
+        return
+    for entry in os.listdir(tmp):  # --force into an existing folder
+        dst = os.path.join(out, entry)
+        if os.path.isdir(dst) and not os.path.islink(dst):
+            shutil.rmtree(dst)
+        os.replace(os.path.join(tmp, entry), dst)
+    os.rmdir(tmp)
+
+
 _DEFAULT_PREFIX = {"hf": "model.", "torch": "model.", "dcp": "", "deepspeed": ""}
 
 
@@ -179,17 +253,21 @@ def _export(args) -> int:
     dtype = common.parse_dtype(args.dtype)
     prefix = _DEFAULT_PREFIX[args.to] if args.prefix is None else args.prefix
     kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype, force=args.force, quiet=args.quiet, verify=not args.no_verify)
+    if args.to != "hf" and (args.config or args.shard_size != "5GB" or args.config_key != HF_CONFIG_KEY):
+        raise common.ConversionError("--config, --config-key and --shard-size apply to --to hf only")
+    with _staged(args.out, args.force, folder=args.to != "torch") as out:
+        if out != args.out:
+            kw["force"] = True  # the staging folder is new; the real output was checked above
+        if args.to == "hf":
+            r = export_hf(args.path, out, shard_size=args.shard_size, config=args.config, config_key=args.config_key, **kw)
+        else:
+            r = (export_dcp if args.to == "dcp" else export_torch)(args.path, out, **kw)
     if args.to == "hf":
-        r = export_hf(args.path, args.out, shard_size=args.shard_size, config=args.config, config_key=args.config_key, **kw)
         files = ", ".join(r.files) if len(r.files) <= 3 else f"{r.files[0]} ... {r.files[-1]}"
         summary = f"exported {r.tensors} tensors ({_human(r.bytes)}) to {args.out}: {files} + model.safetensors.index.json"
         summary += (f" + config.json (from {r.config})" if r.config else
                     f"; no config.json: pass --config, or save the model config as the value {args.config_key}")
     else:
-        if args.config or args.shard_size != "5GB" or args.config_key != HF_CONFIG_KEY:
-            raise common.ConversionError("--config, --config-key and --shard-size apply to --to hf only")
-        fn = export_dcp if args.to == "dcp" else export_torch
-        r = fn(args.path, args.out, **kw)
         summary = f"exported {r.tensors} tensors ({_human(r.bytes)}) to {args.out} ({args.to})"
     if not args.quiet:
         print(summary)
@@ -202,16 +280,19 @@ def _import(args) -> int:
     dtype = common.parse_dtype(args.dtype)
     prefix = _DEFAULT_PREFIX[args.fmt] if args.prefix is None else args.prefix
     kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype, block_size=args.block_size, force=args.force, quiet=args.quiet)
-    if args.fmt == "deepspeed":
-        from .convert.deepspeed_native import import_deepspeed
+    with _staged(args.path, args.force) as path:
+        force = True if path != args.path else args.force
+        kw["force"] = force
+        if args.fmt == "deepspeed":
+            from .convert.deepspeed_native import import_deepspeed
 
-        r = import_deepspeed(args.src, args.path, trust_pickle=args.trust_pickle, block_size=args.block_size, force=args.force)
-    elif args.fmt == "hf":
-        r = import_hf(args.src, args.path, **kw)
-    elif args.fmt == "dcp":
-        r = import_dcp(args.src, args.path, trust_pickle=args.trust_pickle, **kw)
-    else:
-        r = import_torch(args.src, args.path, trust_pickle=args.trust_pickle, **kw)
+            r = import_deepspeed(args.src, path, trust_pickle=args.trust_pickle, block_size=args.block_size, force=force)
+        elif args.fmt == "hf":
+            r = import_hf(args.src, path, **kw)
+        elif args.fmt == "dcp":
+            r = import_dcp(args.src, path, trust_pickle=args.trust_pickle, **kw)
+        else:
+            r = import_torch(args.src, path, trust_pickle=args.trust_pickle, **kw)
     if not args.quiet:
         print(f"imported {r.tensors} tensors ({_human(r.bytes)}) from {args.src} into {args.path}")
         if r.skipped:
@@ -223,8 +304,9 @@ def _import(args) -> int:
 def _reshard(args) -> int:
     from .convert import reshard
 
-    r = reshard(args.path, args.out, args.to_layout, tp_rules=args.tp_rule, block_size=args.block_size,
-                force=args.force, quiet=args.quiet, verify=not args.no_verify)
+    with _staged(args.out, args.force) as out:
+        r = reshard(args.path, out, args.to_layout, tp_rules=args.tp_rule, block_size=args.block_size,
+                    force=True if out != args.out else args.force, quiet=args.quiet, verify=not args.no_verify)
     if not args.quiet:
         spread = ", ".join(f"r{k}={_human(v)}" for k, v in list(r.per_rank_bytes.items())[:16])
         print(f"wrote {r.chunks} chunks ({_human(r.bytes)}) for {r.spec} ({r.world} ranks) to {args.out}: {spread}"
@@ -395,12 +477,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except CheckpointError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - bad input of any kind: one line, exit 2, never a traceback
+        _error_line(e)
         return 2
-    except (OSError, ValueError) as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+    except BaseException as e:  # e.g. a library's BaseException-derived error; never SystemExit's job
+        if isinstance(e, SystemExit):
+            raise
+        _error_line(e)
         return 2
+
+
+def _error_line(e: BaseException) -> None:
+    kind = type(e).__name__ if isinstance(e, (CheckpointError, OSError, ValueError)) else f"unexpected {type(e).__name__}"
+    text = " ".join(str(e).split()) or "(no message)"
+    print(f"error: {kind}: {text[:2000]}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",
     "CorruptCheckpointError",
+    "UnsafeCheckpointError",
     "FormatError",
     "KeyMismatchError",
     "ShapeMismatchError",
@@ -42,6 +43,15 @@ class IncompleteCheckpointError(CheckpointError):
 
 class CorruptCheckpointError(CheckpointError):
     """Bytes on storage do not match their recorded checksum or size."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A checkpoint file is not a plain file inside the checkpoint.
+
+    Raised before anything is read from it: a symbolic link (to anywhere), a
+    FIFO, a device, a directory where a file belongs, or a metadata file larger
+    than the format's limit. The message names the file.
+    """
 
 
 class FormatError(CheckpointError):

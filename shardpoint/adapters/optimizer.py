@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import IncompleteStateError, ShapeMismatchError, UnsupportedStateError
-from ..format.values import decode_value, encode_value
+from ..format.values import check_optimizer_doc, decode_value, encode_value
 from ..geometry import Box
 from .base import AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor, dtype_name, torch_dtype
 from .landing import live_storages, optimizer_tensors, unlanded
@@ -145,9 +145,7 @@ class OptimizerAdapter:
 
     def load(self, key, opt, doc, tensors: Mapping[str, Any], ctx, where="<checkpoint>") -> LoadPart:
         part = LoadPart()
-        saved_state = doc.get("state", {})
-        saved_groups = doc.get("groups", [])
-        group_of = doc.get("group_of", {})
+        saved_state, saved_groups, group_of = check_optimizer_doc(doc, f"{where}: entry {key!r}")
         new_state: dict[int, tuple[torch.Tensor, Any]] = {}
         cleared: list[torch.Tensor] = []
         seen = set()
@@ -222,7 +220,7 @@ class OptimizerAdapter:
                     part.missing.append(fqn)
                     return None
                 part.consumed.add(fqn)
-                dest = torch.zeros(tuple(meta.shape), dtype=torch_dtype(meta.dtype))
+                dest = empty_like_target(None, tuple(meta.shape), torch_dtype(meta.dtype)).zero_()
                 part.targets.append(load_target(fqn, dest))
                 return dest
 
@@ -365,7 +363,7 @@ def _load_views(key, p, views, saved_state, group_of, tensors, part: LoadPart, c
                 return dest
             dest = scalars.get(suffix)
             if dest is None:  # one copy serves every original parameter of ``p``
-                dest = scalars[suffix] = torch.zeros(tuple(meta.shape), dtype=dt)
+                dest = scalars[suffix] = empty_like_target(None, tuple(meta.shape), dt).zero_()
                 part.targets.append(LoadTarget(fqn, dest, tuple(meta.shape), Box.full(meta.shape)))
             return dest
 

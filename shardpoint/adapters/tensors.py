@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedStateError
+from ..errors import CorruptCheckpointError, UnsupportedStateError
 from ..geometry import Box
 from .base import AdapterContext, LoadTarget, SaveTensor, global_cost
 
@@ -228,4 +228,10 @@ def empty_like_target(like: torch.Tensor | None, shape: tuple[int, ...], dtype: 
     if like is not None and tuple(like.shape) == tuple(shape):
         return torch.empty_like(like.detach(), dtype=dtype)
     dev = device if device is not None else (like.device if like is not None and not is_dtensor(like) else "cpu")
-    return torch.empty(shape, dtype=dtype, device=dev)
+    try:
+        return torch.empty(shape, dtype=dtype, device=dev)
+    except (RuntimeError, MemoryError) as e:  # a checkpoint's shape that no memory can hold
+        raise CorruptCheckpointError(
+            f"cannot allocate a {dtype} tensor of shape {tuple(shape)} to load into ({str(e)[:120]}); "
+            "the checkpoint's shape is not plausible"
+        ) from None

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..errors import IncompleteStateError, ShapeMismatchError, UnsupportedStateError
+from ..errors import CheckpointError, FormatError, IncompleteStateError, ShapeMismatchError, UnsupportedStateError
 from ..format.values import decode_value, encode_value
 from .base import AdapterContext, LoadPart, SavePart, dtype_name, torch_dtype
 from .landing import alias_key, live_storages, local_of, same_bits, storage_of, tree_tensors, unlanded
@@ -175,7 +175,16 @@ class StatefulAdapter:
 
         def finish():
             settle(part.targets)
-            obj.load_state_dict(holder[0])
+            try:
+                obj.load_state_dict(holder[0])
+            except CheckpointError:
+                raise
+            except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+                # The state came from the checkpoint: a document the object refuses is bad input.
+                raise FormatError(
+                    f"{where}: entry {key!r}: the saved state does not fit {type(obj).__qualname__}.load_state_dict "
+                    f"({type(e).__name__}: {str(e)[:300]})"
+                ) from e
             given = {}
             for fqn, t in _existing_tensors(key, holder[0]).items():
                 if local_of(t).numel() > 0:

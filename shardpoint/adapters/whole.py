@@ -47,7 +47,7 @@ class WholeEntryAdapter:
         raise UnsupportedStateError(f"state[{key!r}] is a load placeholder, not state to save")
 
     def load(self, key, obj, doc, tensors: Mapping[str, Any], ctx, where="<checkpoint>"):
-        part, holder = decode_tree(key, doc, None, tensors, ctx, where)
+        part, holder, settle = decode_tree(key, doc, None, tensors, ctx, where)
         prefix = key + "."
         rest: dict[str, torch.Tensor] = {}
         for fqn in tensors:
@@ -60,6 +60,7 @@ class WholeEntryAdapter:
                 rest[fqn[len(prefix):]] = dest
 
         def finish() -> Any:
+            settle(part.targets)
             value = holder[0]
             if not rest:
                 return value

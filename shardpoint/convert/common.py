@@ -39,7 +39,8 @@ from ..engine.io import ALIGN, DEFAULT_BLOCK_SIZE, block_checksums, tensor_bytes
 from ..engine.load import execute_reads
 from ..errors import CheckpointError, KeyMismatchError, ShapeMismatchError, UnsupportedStateError
 from ..extras import require
-from ..format.manifest import DTYPE_SIZES, MANIFEST_NAME, ChunkMeta, Manifest, TensorMeta
+from ..format.index import encode_index, fqn_key, index_digest
+from ..format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, ChunkMeta, Manifest, RankFiles, TensorMeta, rank_runs
 from ..geometry import Box
 from ..storage import Storage, storage_for
 
@@ -376,12 +377,30 @@ class CheckpointWriter:
             f.writer.close()
         files = {f.name: f.pos for f in self._files.values()}
         tensors = {}
+        keys: dict[int, str] = {}
+        per_rank: dict[int, list[tuple[str, ChunkMeta]]] = {}
         for fqn, t in self._tensors.items():
             covered = sum(c.numel for c in t.chunks)
             if covered != math.prod(t.shape):
                 raise ConversionError(f"{self.where}: chunks of {fqn!r} cover {covered} of {math.prod(t.shape)} elements")
+            other = keys.setdefault(fqn_key(fqn, t.dtype), fqn)
+            if other != fqn:
+                raise ConversionError(f"{self.where}: tensor names {other!r} and {fqn!r} share a 64-bit key; rename one")
             cs = sorted(t.chunks, key=lambda c: c.box.offsets)
-            tensors[fqn] = TensorMeta(t.dtype, t.shape, tuple(cs))
+            for c in cs:
+                per_rank.setdefault(c.rank, []).append((fqn, c))
+            # Format version 3: chunk records live in the writers' index files; the manifest names the holders.
+            tensors[fqn] = TensorMeta(t.dtype, t.shape, tuple(cs), holders=rank_runs(c.rank for c in cs))
+        world = max([self.world_size] + [r + 1 for r in self._files])
+        ranks: list[RankFiles | None] = [None] * world
+        for r, f in sorted(self._files.items()):
+            recs = per_rank.get(r, [])
+            blob = encode_index(recs, {fqn: self._tensors[fqn].dtype for fqn, _ in recs})
+            index = f.name[: -len(".bin")] + ".idx"
+            with self.storage.open_writer(index) as w:
+                w.write(blob)
+            files[index] = len(blob)
+            ranks[r] = RankFiles(f.name, index, index_digest(blob))
         defaults: dict[str, Any] = {}
         for fqn in sorted(tensors):
             top, _, rest = fqn.partition(".")
@@ -396,7 +415,6 @@ class CheckpointWriter:
                 defaults[top][rest] = {"__sp__": "tensor", "key": fqn}
                 self.entries.setdefault(top, "module")
         self.values.update(defaults)
-        world = max([self.world_size] + [r + 1 for r in self._files])
         manifest = Manifest(
             save_id=self.save_id,
             world_size=world,
@@ -406,8 +424,10 @@ class CheckpointWriter:
             files=files,
             layout={"world_size": world, "entries": self.entries, "placements": self.placements, **self.extra_layout},
             created=time.time(),
+            format_version=FORMAT_VERSION,
+            ranks=tuple(ranks),
         )
-        data = manifest.to_json()
+        data = manifest.to_json()  # sealed with its digest
         Manifest.from_json(data, self.where)  # the reader's validation, before the commit
         self.storage.put_atomic(MANIFEST_NAME, data)
         self._done = True

@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
@@ -40,6 +41,7 @@ import torch
 from ..adapters.base import torch_dtype
 from ..engine.io import DEFAULT_BLOCK_SIZE
 from ..dcp_names import dcp_to_native, is_dcp_optimizer_doc, is_native_optimizer_doc, native_to_dcp, rename_refs
+from ..errors import CheckpointError
 from ..format.values import decode_value
 from ..geometry import Box
 from .common import (
@@ -174,11 +176,31 @@ def export_dcp(
     prepare_output_dir(out, force)
     ctx = _quiet_dcp()
     try:
-        with bar:
+        with bar, _dcp_errors(f"exporting {path} to {out}"):
             dcp.save(state, storage_writer=FileSystemWriter(out, thread_count=1), planner=_StreamingPlanner(), no_dist=True)
     finally:
         ctx.__exit__(None, None, None)
     return result
+
+
+@contextlib.contextmanager
+def _dcp_errors(what: str):
+    """Turn DCP's ``CheckpointException`` (a ``BaseException`` holding each rank's error) into ours.
+
+    A shardpoint error raised while DCP pulled tensors (a corrupt source) comes
+    out as itself; anything else becomes a ``ConversionError`` naming it.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        causes = [pair[0] if isinstance(pair, tuple) else pair for pair in e.failures.values()]
+        for c in causes:
+            if isinstance(c, CheckpointError):
+                raise c from None
+        first = causes[0] if causes else e
+        raise ConversionError(f"{what} failed: {type(first).__name__}: {first}") from None
 
 
 _RANK_RE = re.compile(r"__(\d+)_")
@@ -304,7 +326,7 @@ def import_dcp(
 
         ctx = _quiet_dcp()
         try:
-            with bar:
+            with bar, _dcp_errors(f"importing {src}"):
                 dcp.load(state, storage_reader=reader, planner=_ChunkPlanner(flatten_state_dict=False, allow_partial_load=True), no_dist=True)
         finally:
             ctx.__exit__(None, None, None)

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections import Counter
@@ -100,26 +101,31 @@ def export_torch(
     if os.path.dirname(out):
         os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = out + ".tmp"
-    with FakeTensorMode():
-        fakes = {name: torch.empty(shape, dtype=dt) for _, name, dt, shape in plan}
-    with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(fakes, tmp)
-    del fakes
-    result = ImportResult(out)
-    total = sum(torch.Size(s).numel() * torch.empty((), dtype=dt).element_size() for _, _, dt, s in plan)
-    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-        mapped = torch.load(tmp, mmap=True, weights_only=True)
-    with progress(total, "export torch", quiet) as bar:
-        for fqn, name, dt, _ in plan:
-            t = cast(reader.read(fqn), dt)
-            mapped[name].copy_(t)
-            n = t.numel() * t.element_size()
-            result.bytes += n
-            bar.update(n)
-            del t
-    del mapped
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    try:
+        with FakeTensorMode():
+            fakes = {name: torch.empty(shape, dtype=dt) for _, name, dt, shape in plan}
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(fakes, tmp)
+        del fakes
+        result = ImportResult(out)
+        total = sum(torch.Size(s).numel() * torch.empty((), dtype=dt).element_size() for _, _, dt, s in plan)
+        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+            mapped = torch.load(tmp, mmap=True, weights_only=True)
+        with progress(total, "export torch", quiet) as bar:
+            for fqn, name, dt, _ in plan:
+                t = cast(reader.read(fqn), dt)
+                mapped[name].copy_(t)
+                n = t.numel() * t.element_size()
+                result.bytes += n
+                bar.update(n)
+                del t
+        del mapped
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # a failed export leaves no partial file behind
+        raise
     os.replace(tmp, out)
     result.tensors = len(plan)
     return result

@@ -23,6 +23,7 @@ from typing import Iterable, Mapping
 from ..errors import CorruptCheckpointError
 from ..format.index import ChunkIndex, index_digest
 from ..format.manifest import ChunkMeta, Manifest, TensorMeta
+from ..format.strict import Limits
 from ..geometry import Box
 from ..storage.base import Storage
 
@@ -47,8 +48,14 @@ class IndexReader:
         if entry is None:
             return None
         size = self.manifest.files[entry.index]
+        limit = Limits.from_env().index_bytes
+        if size > limit:
+            raise CorruptCheckpointError(
+                f"{self.where}: the manifest says index file {entry.index} of rank {rank} is {size} bytes, "
+                f"over the limit of {limit} (SHARDPOINT_MAX_INDEX_BYTES)"
+            )
         try:
-            data = self.storage.get(entry.index)
+            data = self.storage.get_limited(entry.index, limit)
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"{self.where}: index file {entry.index} of rank {rank} is missing; the checkpoint is damaged"
@@ -59,10 +66,16 @@ class IndexReader:
                 f"{self.where}: index file {entry.index} of rank {rank} does not match the manifest "
                 f"({len(data)} bytes, expected {size}, or its digest differs); the checkpoint is corrupt"
             )
-        got = self._cache[rank] = ChunkIndex.parse(
+        got = ChunkIndex.parse(
             data, file=entry.data, file_size=self.manifest.files[entry.data], rank=rank,
             block=self.manifest.block_size, where=f"{self.where}: {entry.index}",
         )
+        if (got.version >= 3) != (self.manifest.format_version >= 3):
+            raise CorruptCheckpointError(
+                f"{self.where}: index file {entry.index} of rank {rank} has index version {got.version}, "
+                f"which a format-version-{self.manifest.format_version} manifest cannot name; the checkpoint is corrupt"
+            )
+        self._cache[rank] = got
         return got
 
     def chunks(self, fqn: str, boxes: Iterable[Box] | None = None) -> tuple[ChunkMeta, ...]:
@@ -75,7 +88,7 @@ class IndexReader:
                 for r in range(a, b):
                     idx = self.index(r)
                     if idx is not None:
-                        out.extend(idx.chunks(fqn, meta.shape, meta.itemsize, what))
+                        out.extend(idx.chunks(fqn, meta.shape, meta.itemsize, what, meta.dtype))
             if boxes is not None:
                 wanted = list(boxes)
                 out = [c for c in out if any(_touches(c.box, w) for w in wanted)]
@@ -103,7 +116,7 @@ class IndexReader:
 
     def _shard_chunk(self, fqn: str, meta: TensorMeta, rank: int, shard: Box, what: str) -> ChunkMeta:
         idx = self.index(rank)
-        rows = [] if idx is None else idx.chunks(fqn, meta.shape, meta.itemsize, what)
+        rows = [] if idx is None else idx.chunks(fqn, meta.shape, meta.itemsize, what, meta.dtype)
         for c in rows:
             if c.flat is None and (c.box == shard or (c.box.numel == 0 and shard.numel == 0)):
                 return c

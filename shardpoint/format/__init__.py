@@ -1,6 +1,6 @@
 """The on-disk contract: the JSON manifest, per-rank chunk indexes and the safe value codec. See docs/format.md."""
 
-from .index import ChunkIndex, encode_index, index_digest
+from .index import ChunkIndex, encode_index, fqn_key, index_digest
 from .manifest import (
     DTYPE_SIZES,
     FORMAT_VERSION,
@@ -11,8 +11,11 @@ from .manifest import (
     RankFiles,
     TensorMeta,
     check_file_name,
+    seal,
+    unseal,
 )
-from .values import decode_value, encode_value
+from .strict import Limits, strict_loads
+from .values import check_optimizer_doc, decode_value, encode_value
 
 __all__ = [
     "DTYPE_SIZES",
@@ -25,6 +28,12 @@ __all__ = [
     "RankFiles",
     "TensorMeta",
     "check_file_name",
+    "check_optimizer_doc",
+    "fqn_key",
+    "Limits",
+    "seal",
+    "strict_loads",
+    "unseal",
     "decode_value",
     "encode_value",
     "encode_index",

@@ -27,10 +27,14 @@ Byte layout (integers little-endian, no padding; every array starts 8-aligned)::
     ...     8*ndims         dims: u64
     ...     8*nsums         checksums: u64
 
-    The file is exactly 32 + 56*nrows + 8*ndims + 8*nsums bytes.
+    (index version 3 only) 16  digest: xxh3_128 of every byte before it, big-endian
+
+    The file is exactly 32 + 56*nrows + 8*ndims + 8*nsums bytes (version 2),
+    plus 16 for the digest (version 3).
 
     ROW_DTYPE (56 bytes):
-    0   key         u64  fqn_key(fqn) = xxh3_64 of the UTF-8 name
+    0   key         u64  fqn_key: xxh3_64 of the UTF-8 name (version 2), or of
+                         the name, a NUL byte and the dtype name (version 3)
     8   offset      u64  byte offset of the chunk in the data file
     16  nbytes      u64  stored byte count
     24  flat_start  u64  flat range start (0 without the flat flag)
@@ -57,7 +61,7 @@ from __future__ import annotations
 
 import re
 import struct
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -71,17 +75,22 @@ __all__ = [
     "INDEX_VERSION",
     "ROW_DTYPE",
     "HEADER_SIZE",
+    "TRAILER_SIZE",
+    "READ_INDEX_VERSIONS",
     "fqn_key",
     "index_digest",
     "encode_index",
     "ChunkIndex",
 ]
 
-# Index layout version, stored in bytes 6-7 of the magic (matches manifest format version 2).
-INDEX_VERSION = 2
-# First 8 bytes of every index file.
+# Index layout version, stored in bytes 6-7 of the magic (matches the manifest format version).
+INDEX_VERSION = 3
+READ_INDEX_VERSIONS = (2, 3)
+# First 8 bytes of every index file this version writes.
 INDEX_MAGIC = b"SPIDX\x00" + INDEX_VERSION.to_bytes(2, "little")
 _MAGIC_PREFIX = INDEX_MAGIC[:6]
+# Version 3 ends with the xxh3_128 digest of everything before it.
+TRAILER_SIZE = 16
 # Magic plus the three u64 counts (nrows, ndims, nsums).
 HEADER_SIZE = 32
 # One row per chunk; see the module docstring for the field meanings.
@@ -105,9 +114,20 @@ _HEX = re.compile(r"[0-9a-f]*")
 _U64 = np.uint64
 
 
-def fqn_key(fqn: str) -> int:
-    """The 64-bit lookup key of a tensor name: xxh3_64 of its UTF-8 bytes."""
-    return xxhash.xxh3_64_intdigest(fqn.encode("utf-8"))
+def fqn_key(fqn: str, dtype: str | None = None) -> int:
+    """The 64-bit lookup key of a tensor's chunks in an index.
+
+    Version 2 (``dtype=None``): xxh3_64 of the UTF-8 name. Version 3: xxh3_64
+    of the name, a NUL byte and the dtype name, so the rows are bound to what
+    the manifest says the tensor is: renaming or retyping a manifest entry
+    leaves it with no chunks, and the load fails instead of reinterpreting bytes.
+
+    Example::
+
+        fqn_key("model.w", "float32") != fqn_key("model.w", "int32")   # True
+    """
+    raw = fqn.encode("utf-8") if dtype is None else fqn.encode("utf-8") + b"\0" + dtype.encode("ascii")
+    return xxhash.xxh3_64_intdigest(raw)
 
 
 def index_digest(data: bytes | memoryview) -> str:
@@ -115,9 +135,12 @@ def index_digest(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def encode_index(records: Sequence[tuple[str, ChunkMeta]]) -> bytes:
+def encode_index(records: Sequence[tuple[str, ChunkMeta]], dtypes: Mapping[str, str] | None = None) -> bytes:
     """Encode ``(fqn, chunk)`` records of one rank's one data file as index bytes.
 
+    With ``dtypes`` (each record's tensor's dtype name) the index is version
+    3: keys bind name and dtype, and a digest trailer follows. Without it,
+    version 2 (kept for tests of older checkpoints).
     ``ChunkMeta.file`` and ``.rank`` are not stored (the reader supplies them).
     Raises ``ValueError`` on records no reader would accept: more than
     ``MAX_NDIM`` dims, a flat range outside its box, or malformed checksums.
@@ -134,7 +157,8 @@ def encode_index(records: Sequence[tuple[str, ChunkMeta]]) -> bytes:
             if not 0 <= flat[0] <= flat[1] <= box.numel:
                 raise ValueError(f"{fqn!r}: flat range {flat} outside its box of {box.numel} elements")
         # Sort fields first; the input position breaks ties so ChunkMeta is never compared.
-        items.append((fqn_key(fqn), box.offsets, box.sizes, flags, flat, c.offset, len(items), c))
+        key = fqn_key(fqn) if dtypes is None else fqn_key(fqn, dtypes[fqn])
+        items.append((key, box.offsets, box.sizes, flags, flat, c.offset, len(items), c))
     items.sort(key=lambda t: t[:7])
 
     rows, dims, sums = [], [], []
@@ -153,7 +177,10 @@ def encode_index(records: Sequence[tuple[str, ChunkMeta]]) -> bytes:
     # A hex digest is the big-endian spelling of the integer.
     sum_arr = np.frombuffer(bytes.fromhex(joined), dtype=">u8").astype("<u8")
     header = struct.pack("<3Q", len(rows), len(dims), len(sums))
-    return INDEX_MAGIC + header + row_arr.tobytes() + dim_arr.tobytes() + sum_arr.tobytes()
+    if dtypes is None:
+        return b"SPIDX\x00\x02\x00" + header + row_arr.tobytes() + dim_arr.tobytes() + sum_arr.tobytes()
+    body = INDEX_MAGIC + header + row_arr.tobytes() + dim_arr.tobytes() + sum_arr.tobytes()
+    return body + xxhash.xxh3_128_digest(body)
 
 
 class ChunkIndex:
@@ -164,7 +191,7 @@ class ChunkIndex:
     the reader supplied; they go into every returned ``ChunkMeta``.
     """
 
-    __slots__ = ("file", "rank", "_rows", "_keys", "_dims", "_sums", "_dstart", "_sstart", "_spans", "_lists")
+    __slots__ = ("file", "rank", "version", "_rows", "_keys", "_dims", "_sums", "_dstart", "_sstart", "_spans", "_lists")
 
     def __init__(self, *args, **kwargs):  # pragma: no cover - guard only
         raise TypeError("build a ChunkIndex with ChunkIndex.parse")
@@ -194,11 +221,15 @@ class ChunkIndex:
         if len(data) < HEADER_SIZE:
             raise FormatError(f"{pre}: {len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
         magic = data[:8]
-        if magic != INDEX_MAGIC:
-            if magic[:6] == _MAGIC_PREFIX:
-                v = int.from_bytes(magic[6:], "little")
-                raise FormatError(f"{pre}: index format version {v} is not supported (reads version {INDEX_VERSION})")
+        if magic[:6] != _MAGIC_PREFIX:
             raise FormatError(f"{pre}: bad magic {magic!r}, not a shardpoint chunk index")
+        version = int.from_bytes(magic[6:], "little")
+        if version not in READ_INDEX_VERSIONS:
+            raise FormatError(f"{pre}: index format version {version} is not supported (reads versions 2 and 3)")
+        if version >= 3:
+            if len(data) < HEADER_SIZE + TRAILER_SIZE or xxhash.xxh3_128_digest(data[:-TRAILER_SIZE]) != data[-TRAILER_SIZE:]:
+                raise FormatError(f"{pre}: the index does not match its own digest; the file is damaged")
+            data = data[:-TRAILER_SIZE]
         # Python ints: a lying count cannot overflow the size check or allocate.
         n, nd, ns = (int.from_bytes(data[i : i + 8], "little") for i in (8, 16, 24))
         want = HEADER_SIZE + ROW_DTYPE.itemsize * n + 8 * nd + 8 * ns
@@ -271,7 +302,7 @@ class ChunkIndex:
         )
 
         self = object.__new__(ChunkIndex)
-        self.file, self.rank = file, rank
+        self.file, self.rank, self.version = file, rank, version
         self._rows, self._keys, self._dims, self._sums = rows, keys, dims, sums
         self._dstart = dstart
         self._sstart = (send - nsum).astype(np.int64)  # <= ns, fits
@@ -293,23 +324,29 @@ class ChunkIndex:
         out.flags.writeable = False
         return out
 
-    def _span(self, fqn: str) -> tuple[int, int]:
+    def _span(self, fqn: str, dtype: str | None) -> tuple[int, int]:
+        if self.version >= 3:
+            if dtype is None:
+                raise ValueError("a version-3 index needs the tensor's dtype to find its rows")
+            return self._spans.get(fqn_key(fqn, dtype), (0, 0))
         return self._spans.get(fqn_key(fqn), (0, 0))
 
-    def rows_for(self, fqn: str) -> int:
-        """Number of rows whose key is ``fqn_key(fqn)`` (O(log rows))."""
-        lo, hi = self._span(fqn)
+    def rows_for(self, fqn: str, dtype: str | None = None) -> int:
+        """Number of rows of tensor ``fqn`` (its ``dtype`` is needed for version 3; O(1))."""
+        lo, hi = self._span(fqn, dtype)
         return hi - lo
 
-    def chunks(self, fqn: str, shape: Sequence[int], itemsize: int, what: str) -> list[ChunkMeta]:
-        """All chunks of tensor ``fqn`` (global ``shape``, ``itemsize`` bytes per element) here.
+    def chunks(self, fqn: str, shape: Sequence[int], itemsize: int, what: str, dtype: str | None = None) -> list[ChunkMeta]:
+        """All chunks of tensor ``fqn`` (global ``shape``, dtype ``dtype`` of ``itemsize`` bytes) here.
+
+        ``dtype`` is part of the key in a version-3 index (required there).
 
         Returns an empty list when the index has none. Each row is checked
         against the tensor: box rank equals ``len(shape)``, the box lies inside
         ``shape``, and ``nbytes`` equals its element count times ``itemsize``;
         otherwise ``FormatError(f"{what}: ...")``. O(log rows + rows returned).
         """
-        lo, hi = self._span(fqn)
+        lo, hi = self._span(fqn, dtype)
         out: list[ChunkMeta] = []
         if lo == hi:
             return out

@@ -13,6 +13,14 @@ loader resolves the chunks it needs (:mod:`shardpoint.engine.indexes`).
 offset, box, mesh and rank is validated before any read is planned from it,
 so a tampered manifest cannot point outside the checkpoint or make the loader
 allocate absurd memory. See ``docs/format.md``.
+
+Version 3 keeps version 2's layout and adds integrity of the metadata
+itself: ``manifest.json`` ends with its own digest (``"digest"``, the
+xxh3_128 of every byte before that member, see :func:`seal`), checked before
+the JSON is parsed, and each index row's key binds the chunk to its tensor's
+name *and* dtype (:func:`shardpoint.format.index.fqn_key`), so an edit that
+renames or retypes one entry consistently finds no chunks. The JSON is parsed
+strictly (:mod:`shardpoint.format.strict`).
 """
 
 from __future__ import annotations
@@ -23,9 +31,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..errors import FormatError
+import xxhash
+
+from ..errors import CorruptCheckpointError, FormatError
 from ..geometry import Box
 from ..grid import Grid
+from .strict import Limits, strict_loads
 
 __all__ = [
     "FORMAT_NAME",
@@ -40,11 +51,20 @@ __all__ = [
     "check_file_name",
     "rank_runs",
     "MAX_ELEMENTS",
+    "DIGEST_VERSION",
+    "seal",
+    "unseal",
 ]
 
 FORMAT_NAME = "shardpoint"
-FORMAT_VERSION = 2  # what save writes
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # what save writes
+READ_VERSIONS = (1, 2, 3)
+# The first version whose manifest carries its own digest and whose index keys bind the dtype.
+DIGEST_VERSION = 3
+# The manifest's last member: ',"digest":"' + 32 hex digits + '"}' (45 bytes).
+_SEAL_HEAD = b',"digest":"'
+_SEAL_LEN = len(_SEAL_HEAD) + 32 + 2
+_HEX32 = re.compile(rb"[0-9a-f]{32}")
 MANIFEST_NAME = "manifest.json"
 # Upper bound on any single logical tensor: 2**48 elements (256 TiB of bytes at fp8).
 MAX_ELEMENTS = 1 << 48
@@ -68,6 +88,45 @@ DTYPE_SIZES: Mapping[str, int] = {
 }
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9_][A-Za-z0-9._-]{0,127}){0,3}$")
+
+
+def seal(body: bytes) -> bytes:
+    """Append the digest member to a JSON object's text: the version-3 manifest bytes.
+
+    ``body`` is a compact JSON object (``{...}``). The result replaces its
+    closing brace with ``,"digest":"<xxh3_128 of everything before that
+    comma>"}``, so the file stays one valid JSON object and the digest can be
+    checked before parsing. Tools that edit a manifest on purpose re-seal it.
+
+    Example::
+
+        seal(b'{"a":1}')   # b'{"a":1,"digest":"..."}'
+    """
+    if not body.endswith(b"}") or len(body) < 3:
+        raise ValueError("seal needs a non-empty JSON object")
+    head = body[:-1]
+    return head + _SEAL_HEAD + xxhash.xxh3_128_hexdigest(head).encode("ascii") + b'"}'
+
+
+def unseal(data: bytes, where: str) -> bool:
+    """Check the digest member of manifest bytes; return whether there was one.
+
+    Raises :class:`CorruptCheckpointError` when the bytes end with a digest
+    member that does not match what precedes it (damage, or an edit that did
+    not re-seal). Returns False when there is none (versions 1 and 2).
+    """
+    if len(data) < _SEAL_LEN or not data.endswith(b'"}'):
+        return False
+    tail = data[-_SEAL_LEN:]
+    if not tail.startswith(_SEAL_HEAD) or not _HEX32.fullmatch(tail[len(_SEAL_HEAD) : -2]):
+        return False
+    want = tail[len(_SEAL_HEAD) : -2].decode("ascii")
+    if xxhash.xxh3_128_hexdigest(data[:-_SEAL_LEN]) != want:
+        raise CorruptCheckpointError(
+            f"{where}: manifest.json does not match its own digest: it was damaged or edited without "
+            "re-sealing; restore it from a copy or load an earlier checkpoint"
+        )
+    return True
 
 
 def check_file_name(name: str, where: str = "") -> str:
@@ -209,21 +268,37 @@ class Manifest:
             doc["meshes"], doc["tensors"] = _tensors_v2(self.tensors)
         doc["values"] = dict(self.values)
         doc["layout"] = dict(self.layout)
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        return seal(body) if self.format_version >= DIGEST_VERSION else body
 
     @staticmethod
-    def from_json(data: bytes, where: str = "<checkpoint>") -> "Manifest":
-        """Parse and validate untrusted manifest bytes; raise ``FormatError`` on anything off."""
+    def from_json(data: bytes, where: str = "<checkpoint>", limits: Limits | None = None) -> "Manifest":
+        """Parse and validate untrusted manifest bytes; raise ``FormatError`` on anything off.
+
+        The digest (version 3) is checked before parsing, and a mismatch
+        raises :class:`CorruptCheckpointError`; the JSON is parsed strictly
+        (:func:`shardpoint.format.strict.strict_loads`).
+        """
+        limits = limits or Limits.from_env()
+        if len(data) > limits.manifest_bytes:
+            raise FormatError(
+                f"{where}: manifest.json is {len(data)} bytes, over the limit of {limits.manifest_bytes} "
+                "(raise SHARDPOINT_MAX_MANIFEST_BYTES if the checkpoint is trusted)"
+            )
+        sealed = unseal(bytes(data), where)
+        doc = strict_loads(data, where, limits, "manifest")
         try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise FormatError(f"{where}: manifest is not valid JSON ({e})") from None
-        try:
-            return _parse(doc, where)
+            m = _parse(doc, where)
         except FormatError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError) as e:
             raise FormatError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
+        if m.format_version >= DIGEST_VERSION and not sealed:
+            raise CorruptCheckpointError(
+                f"{where}: manifest.json of format version {m.format_version} lacks its digest member; "
+                "it was damaged or edited"
+            )
+        return m
 
 
 def rank_runs(ranks) -> tuple[tuple[int, int], ...]:
@@ -301,7 +376,7 @@ def _parse(doc: Any, where: str) -> Manifest:
     ranks: tuple[RankFiles | None, ...] = ()
     if version == 1:
         tensors = {fqn: _parse_tensor(fqn, t, files, block, world, where) for fqn, t in tdoc.items()}
-    else:
+    else:  # versions 2 and 3
         ranks = _parse_ranks(doc["ranks"], files, world, where)
         grids = _GridParser(doc["meshes"], world, where)
         tensors = {fqn: _parse_tensor_v2(fqn, t, grids, world, where) for fqn, t in tdoc.items()}
@@ -313,8 +388,15 @@ def _parse(doc: Any, where: str) -> Manifest:
     if not isinstance(save_id, str) or not re.fullmatch(r"[0-9a-f]{8,64}", save_id):
         raise FormatError(f"{where}: malformed save_id {save_id!r}")
     created = doc.get("created", 0.0)
-    if not isinstance(created, (int, float)):
-        raise FormatError(f"{where}: malformed 'created'")
+    if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < 1e13:
+        raise FormatError(f"{where}: malformed 'created' (seconds since the epoch): {created!r}")
+    stored = sum(files.values())
+    for fqn, t in tensors.items():
+        if t.nbytes > stored:
+            raise FormatError(
+                f"{where}: tensor {fqn!r} of shape {t.shape} and dtype {t.dtype} needs {t.nbytes} bytes, "
+                f"more than the {stored} bytes of all the checkpoint's files"
+            )
     return Manifest(
         save_id=save_id,
         world_size=world,

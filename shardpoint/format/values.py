@@ -28,15 +28,19 @@ import collections
 import binascii
 import math
 import pickle
+import re
 from typing import Any, Callable
 
 import torch
 
 from ..errors import FormatError, UnsupportedStateError
 
-__all__ = ["encode_value", "decode_value", "MAX_DEPTH"]
+__all__ = ["encode_value", "decode_value", "check_optimizer_doc", "MAX_DEPTH", "MAX_INT_DIGITS"]
 
 MAX_DEPTH = 64
+# Integers outside int64 are stored as decimal text (tag "int"), at most this many digits.
+MAX_INT_DIGITS = 1000
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 _TAG = "__sp__"
 
 
@@ -59,7 +63,13 @@ def encode_value(
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
-        return int(value)
+        v = int(value)
+        if _INT64[0] <= v <= _INT64[1]:
+            return v
+        text = str(v) if abs(v).bit_length() < 3300 else ""
+        if not text or len(text) > MAX_INT_DIGITS:
+            raise UnsupportedStateError(f"integer at {path!r} has more than {MAX_INT_DIGITS} digits")
+        return {_TAG: "int", "v": text}
     if isinstance(value, float):
         if math.isfinite(value):
             return value
@@ -132,6 +142,11 @@ def decode_value(
         if v not in ("nan", "inf", "-inf"):
             raise FormatError(f"{where}: bad float tag {v!r}")
         return float(v)
+    if tag == "int":
+        text = _field(doc, "v", str, tag, where)
+        if len(text) > MAX_INT_DIGITS + 1 or not re.fullmatch(r"-?[0-9]+", text):
+            raise FormatError(f"{where}: malformed 'int' value {text[:40]!r}")
+        return int(text)
     if tag == "tuple":
         return tuple(decode_value(v, get_tensor, allow_pickle, where, d) for v in _field(doc, "v", list, tag, where))
     if tag in ("dict", "counter"):
@@ -162,6 +177,50 @@ def decode_value(
             )
         return pickle.loads(_b64(_field(doc, "b64", str, tag, where), where))
     raise FormatError(f"{where}: unknown value tag {tag!r}")
+
+
+def check_optimizer_doc(doc: Any, where: str) -> tuple[dict, list, dict]:
+    """Validate an optimizer's value document; return its ``(state, groups, group_of)``.
+
+    The document is ``{"groups": [hyper-parameter object, ...], "group_of":
+    {parameter name: group index}, "state": {parameter name: state object}}``.
+    Other fields (a framework's own, like ``deepspeed``) are left to their
+    adapter. Every field is checked before the load uses any of it: a missing
+    document or field, a group that is not an object or names ``params``, a
+    ``group_of`` entry that is not an integer index of ``groups``, and a
+    state entry that is not an object each raise ``FormatError`` naming the
+    field (``where`` names the checkpoint and entry).
+
+    Example::
+
+        state, groups, group_of = check_optimizer_doc(manifest.values["optim"], "ckpt: entry 'optim'")
+    """
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: the optimizer's value document is missing or not an object (got {type(doc).__name__})")
+    for name in ("groups", "group_of", "state"):
+        if name not in doc:
+            raise FormatError(f"{where}: the optimizer's value document lacks its field {name!r}")
+    groups, group_of, state = doc.get("groups"), doc.get("group_of"), doc.get("state")
+    if not isinstance(groups, list):
+        raise FormatError(f"{where}: field 'groups' must be a list of objects, got {type(groups).__name__}")
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or _TAG in g:
+            raise FormatError(f"{where}: field 'groups.{i}' must be an object of hyper-parameters, got {type(g).__name__}")
+        if "params" in g:
+            raise FormatError(f"{where}: field 'groups.{i}' must not hold 'params'")
+    if not isinstance(group_of, dict):
+        raise FormatError(f"{where}: field 'group_of' must be an object, got {type(group_of).__name__}")
+    for name, gi in group_of.items():
+        if not isinstance(gi, int) or isinstance(gi, bool) or not 0 <= gi < len(groups):
+            raise FormatError(
+                f"{where}: field 'group_of.{name}' must be a group index in [0, {len(groups)}), got {gi!r}"
+            )
+    if not isinstance(state, dict):
+        raise FormatError(f"{where}: field 'state' must be an object, got {type(state).__name__}")
+    for name, s in state.items():
+        if not isinstance(s, dict):
+            raise FormatError(f"{where}: field 'state.{name}' must be an object, got {type(s).__name__}")
+    return state, groups, group_of
 
 
 def _field(doc: dict, name: str, typ: type, tag: str, where: str) -> Any:

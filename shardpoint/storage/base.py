@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import errors
-from ..errors import StorageError
+from ..errors import StorageError, UnsafeCheckpointError
 
 __all__ = ["Storage", "Writer", "IOStats", "ShortReadError", "MissingDependencyError"]
 
@@ -152,6 +152,34 @@ class Storage(abc.ABC):
         buf = bytearray(length)
         self.readinto(name, offset, memoryview(buf))
         return bytes(buf)
+
+    def get_limited(self, name: str, limit: int) -> bytes:
+        """The whole content of a metadata object, refused unread when larger than ``limit`` bytes.
+
+        The size is checked before reading (a manifest linked to
+        ``/dev/zero``, or a huge object, is never read into memory), and the
+        read itself takes at most ``limit`` bytes. Raises
+        :class:`~shardpoint.errors.UnsafeCheckpointError` naming the object,
+        or ``FileNotFoundError``. Backends override it to check and read
+        through one handle (local files) or a bounded ranged GET (S3).
+
+        Example::
+
+            data = storage.get_limited("manifest.json", Limits.from_env().manifest_bytes)
+        """
+        n = self.size(name)
+        if n > limit:
+            raise self._too_large(name, n, limit)
+        data = self.get(name)
+        if len(data) > limit:
+            raise self._too_large(name, len(data), limit)
+        return data
+
+    def _too_large(self, name: str, size: int, limit: int) -> UnsafeCheckpointError:
+        return UnsafeCheckpointError(
+            f"{self.url}: {name} is {size} bytes, over the format's limit of {limit} for metadata; "
+            "refusing to read it (raise the SHARDPOINT_MAX_* limit only for a trusted checkpoint)"
+        )
 
     def exists(self, name: str) -> bool:
         try:

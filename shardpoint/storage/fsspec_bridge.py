@@ -41,8 +41,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from ..errors import StorageError
+from ..errors import CheckpointError, StorageError
 from .base import MissingDependencyError, Storage, Writer
+from .safe_open import open_inside
 
 __all__ = ["FsspecStorage"]
 
@@ -131,6 +132,16 @@ class _FsspecWriter(Writer):
             fs.rm_file(self._path)
         except Exception:  # noqa: BLE001
             pass
+
+
+def _pread_all(fd: int):
+    pos = 0
+    while True:
+        chunk = os.pread(fd, 16 << 20, pos)
+        if not chunk:
+            return
+        pos += len(chunk)
+        yield chunk
 
 
 class FsspecStorage(Storage):
@@ -234,18 +245,20 @@ class FsspecStorage(Storage):
     def _read_range(self, path: str, name: str, start: int, mv: memoryview) -> int:
         want = len(mv)
         try:
-            if self._local:
+            if self._local:  # opened as untrusted, like LocalStorage: no links, regular files only
                 got = 0
-                with self.fs.open(path, "rb") as f:
-                    f.seek(start)
+                fd = open_inside(self.root, name, self.url)
+                try:
                     while got < want:
-                        n = f.readinto(mv[got:])
+                        n = os.preadv(fd, [mv[got:]], start + got)
                         if not n:
                             break
                         got += n
+                finally:
+                    os.close(fd)
                 return got
             data = self.fs.cat_file(path, start=start, end=start + want)
-        except FileNotFoundError:
+        except (FileNotFoundError, CheckpointError):
             raise
         except Exception as e:  # noqa: BLE001
             raise self._wrap("read", name, e) from e
@@ -312,7 +325,24 @@ class FsspecStorage(Storage):
             raise self._wrap("put", name, e) from e
         self.stats.add_write(len(data))
 
+    def _local_whole(self, name: str, limit: int | None) -> bytes:
+        fd = open_inside(self.root, name, self.url)
+        try:
+            size = os.fstat(fd).st_size
+            if limit is not None and size > limit:
+                raise self._too_large(name, size, limit)
+            cap = size if limit is None else min(size, limit)
+            data = os.pread(fd, cap + 1, 0) if cap < (1 << 30) else b"".join(_pread_all(fd))
+        finally:
+            os.close(fd)
+        if limit is not None and len(data) > limit:
+            raise self._too_large(name, len(data), limit)
+        self.stats.add_read(len(data))
+        return data
+
     def get(self, name: str) -> bytes:
+        if self._local:
+            return self._local_whole(name, None)
         try:
             data = self.fs.cat_file(self._path(name))
         except (FileNotFoundError, IsADirectoryError):
@@ -322,7 +352,32 @@ class FsspecStorage(Storage):
         self.stats.add_read(len(data))
         return data
 
+    def get_limited(self, name: str, limit: int) -> bytes:
+        """``get`` of a metadata file: its size and type checked first, then at most ``limit + 1`` bytes read."""
+        if self._local:
+            return self._local_whole(name, limit)
+        n = self.size(name)  # a directory, FIFO or device is "not a file" here
+        if n > limit:
+            raise self._too_large(name, n, limit)
+        try:
+            data = self.fs.cat_file(self._path(name), start=0, end=limit + 1)
+        except (FileNotFoundError, IsADirectoryError):
+            raise FileNotFoundError(f"{self.url}: {name} does not exist") from None
+        except Exception as e:  # noqa: BLE001
+            raise self._wrap("get", name, e) from e
+        if len(data) > limit:
+            raise self._too_large(name, len(data), limit)
+        self.stats.add_read(len(data))
+        return data
+
     def size(self, name: str) -> int:
+        if self._local:
+            self._path(name)
+            fd = open_inside(self.root, name, self.url)
+            try:
+                return os.fstat(fd).st_size
+            finally:
+                os.close(fd)
         try:
             info = self.fs.info(self._path(name))
         except FileNotFoundError:

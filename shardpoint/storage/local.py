@@ -16,6 +16,15 @@ first write) gets buffered writes instead, with the reason logged once and
 kept in :attr:`LocalStorage.direct_fallback_reason`. Reads and manifests are
 always buffered. See docs/design.md ("Local writes: positional, O_DIRECT")
 for when O_DIRECT pays.
+
+Every file is opened for reading as untrusted
+(:func:`shardpoint.storage.safe_open.open_inside`): path
+components are opened one by one relative to the checkpoint folder with
+``O_NOFOLLOW``, so no symbolic link inside the checkpoint is followed (the
+checkpoint folder itself may be one); the file is opened with ``O_NONBLOCK``
+(a FIFO cannot block the open) and refused unless ``fstat`` says it is a
+regular file. Refusals raise :class:`~shardpoint.errors.UnsafeCheckpointError`
+naming the file.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import numpy as np
 
 from ..errors import StorageError
 from .base import ShortReadError, Storage, Writer, merged_options
+from .safe_open import open_inside
 
 __all__ = ["LocalOptions", "LocalStorage"]
 
@@ -262,8 +272,8 @@ class _ReadFiles:
     def __setstate__(self, state: dict) -> None:
         self.__init__()
 
-    def get(self, path: str) -> tuple[int, bool]:
-        """An open descriptor for ``path`` and whether the caller must close it."""
+    def get(self, path: str, opener) -> tuple[int, bool]:
+        """An open descriptor for ``path`` (``opener()`` opens it) and whether the caller must close it."""
         fd = self.fds.get(path)
         if fd is not None:
             return fd, False
@@ -271,7 +281,7 @@ class _ReadFiles:
             fd = self.fds.get(path)
             if fd is not None:
                 return fd, False
-            fd = os.open(path, os.O_RDONLY)
+            fd = opener()
             if len(self.fds) >= self.limit:
                 return fd, True
             if hasattr(os, "posix_fadvise"):
@@ -282,7 +292,7 @@ class _ReadFiles:
             self.fds[path] = fd
             return fd, False
 
-    def mapping(self, path: str) -> mmap.mmap | None:
+    def mapping(self, path: str, opener) -> mmap.mmap | None:
         """A copy-on-write mapping of the whole file as it is now, or None where it cannot be mapped.
 
         Copy-on-write (never written) so that tensors can view it without a
@@ -292,8 +302,8 @@ class _ReadFiles:
         if path in self.maps:
             return self.maps[path]
         try:
-            fd, own = self.get(path)
-        except OSError:  # missing or unreadable: the read that follows reports it, naming the tensor
+            fd, own = self.get(path, opener)
+        except (OSError, StorageError):  # missing, unsafe or unreadable: the read that follows reports it
             return None
         try:
             size = os.fstat(fd).st_size
@@ -612,9 +622,9 @@ class LocalStorage(Storage):
         """
         path = self._path(name)
         if name.startswith("data/"):  # written once under a unique name: safe to keep open
-            fd, own = self._reads.get(path)
+            fd, own = self._reads.get(path, lambda: open_inside(self.root, name, self.url))
         else:  # manifests and the like are replaced by rename: open the current file
-            fd, own = os.open(path, os.O_RDONLY), True
+            fd, own = open_inside(self.root, name, self.url), True
         total = 0
         try:
             for offset, buf in parts:
@@ -646,7 +656,7 @@ class LocalStorage(Storage):
         """
         if not self.options.mmap_reads or not name.startswith("data/") or length <= 0 or offset < 0:
             return None
-        mm = self._reads.mapping(self._path(name))
+        mm = self._reads.mapping(self._path(name), lambda: open_inside(self.root, name, self.url))
         if mm is None or offset + length > len(mm):
             return None
         if self.options.mmap_reads == "auto" and not populate_supported(mm) and resident_fraction(mm, offset, length) < 0.5:
@@ -707,13 +717,42 @@ class LocalStorage(Storage):
         self.stats.add_write(len(data))
 
     def get(self, name: str) -> bytes:
-        with open(self._path(name), "rb") as f:
-            data = f.read()
+        return self._read_whole(name, None)
+
+    def get_limited(self, name: str, limit: int) -> bytes:
+        """``get`` through one descriptor: opened safely, its ``fstat`` size checked, then at most ``limit`` bytes read."""
+        return self._read_whole(name, limit)
+
+    def _read_whole(self, name: str, limit: int | None) -> bytes:
+        self._path(name)
+        fd = open_inside(self.root, name, self.url)
+        try:
+            size = os.fstat(fd).st_size
+            if limit is not None and size > limit:
+                raise self._too_large(name, size, limit)
+            cap = size if limit is None else limit
+            parts, got = [], 0
+            while True:  # to the end, in case the file grew; never past the limit
+                chunk = os.pread(fd, max(1, min(cap + 1 - got, 16 << 20)) if limit is not None else 16 << 20, got)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                got += len(chunk)
+                if limit is not None and got > limit:
+                    raise self._too_large(name, got, limit)
+        finally:
+            os.close(fd)
+        data = b"".join(parts)
         self.stats.add_read(len(data))
         return data
 
     def size(self, name: str) -> int:
-        return os.stat(self._path(name)).st_size
+        self._path(name)
+        fd = open_inside(self.root, name, self.url)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def list(self, prefix: str = "") -> list[str]:
         out = []

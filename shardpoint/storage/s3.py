@@ -985,6 +985,28 @@ class S3Storage(Storage):
         self.stats.add_read(len(data))
         return data
 
+    def get_limited(self, name: str, limit: int) -> bytes:
+        """``get`` of a metadata object: its size (HEAD) checked first, then one GET of at most ``limit + 1`` bytes."""
+        n = self.size(name)
+        if n > limit:
+            raise self._too_large(name, n, limit)
+        if n == 0:
+            return self.get(name)
+        key, c = self._key(name), self._shared.client
+
+        def once() -> bytes:
+            body = c.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{limit}")["Body"]
+            try:
+                return body.read(limit + 1)
+            finally:
+                body.close()
+
+        data = self._call("GetObject", name, once, reading=True)
+        if len(data) > limit:
+            raise self._too_large(name, len(data), limit)
+        self.stats.add_read(len(data))
+        return data
+
     def size(self, name: str) -> int:
         key, c = self._key(name), self._shared.client
         head = self._call("HeadObject", name, lambda: c.head_object(Bucket=self.bucket, Key=key), reading=True)

@@ -24,13 +24,14 @@ Example::
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Mapping, Sequence
 
 from ..errors import StorageError
+from ..format.manifest import Manifest
+from ..format.strict import Limits
 from .base import ShortReadError, Storage, Writer
 
 __all__ = ["TieredStorage"]
@@ -150,13 +151,15 @@ class TieredStorage(Storage):
         try:
             for i in range(1, len(self.tiers)):
                 src, dst = _at(self.tiers[i - 1], sub), _at(self.tiers[i], sub)
-                manifest = src.get(MANIFEST)
+                limit = Limits.from_env().manifest_bytes
+                manifest = src.get_limited(MANIFEST, limit)
                 try:
-                    if dst.get(MANIFEST) == manifest:
+                    if dst.get_limited(MANIFEST, limit) == manifest:
                         continue  # already there (a resumed copy)
                 except FileNotFoundError:
                     pass
-                files = sorted(json.loads(manifest.decode("utf-8")).get("files", {}))
+                # Validated like any load would (digest, file names), so a damaged manifest is not spread.
+                files = sorted(Manifest.from_json(manifest, src.url, Limits.from_env()).files)
                 for name in files:
                     _copy_file(src, dst, name)
                 dst.put_atomic(MANIFEST, manifest)
@@ -248,6 +251,15 @@ class TieredStorage(Storage):
         for t in self.tiers:
             try:
                 return t.get(name)
+            except FileNotFoundError:
+                continue
+        raise FileNotFoundError(name)
+
+    def get_limited(self, name: str, limit: int) -> bytes:
+        """``get_limited`` from the first tier that has ``name``."""
+        for t in self.tiers:
+            try:
+                return t.get_limited(name, limit)
             except FileNotFoundError:
                 continue
         raise FileNotFoundError(name)

@@ -1,6 +1,6 @@
 """Write a committed golden checkpoint of one format version and its expected values.
 
-    python -m tests.golden.make_golden --version 2     # from the repository root
+    python -m tests.golden.make_golden --version 3     # from the repository root
 
 Version 1 (``tests/golden/v1/``) was saved by ``shardpoint.save`` from one
 process, by a shardpoint that wrote format version 1. Version 2
@@ -9,14 +9,16 @@ and empty shards, AdamW state, replicated tensors and plain values, and a
 DTensor copied over a sub-mesh (written with ``holders``, not a grid). Next to
 each folder, ``vN_expected.safetensors`` holds every tensor, full and
 bit-exact, and ``vN_expected.json`` the plain values and optimizer
-hyper-parameters. The output is byte-for-byte reproducible: seeds are fixed
+hyper-parameters. Version 3 (``tests/golden/v3/``) is the version-2 state
+saved the same way by a shardpoint that writes version 3: its manifest ends
+with its own digest and its index keys bind each tensor's dtype. The output is byte-for-byte reproducible: seeds are fixed
 and the save ids and timestamp are pinned while saving.
 
 Only regenerate on purpose. ``test_golden.py`` checks that today's shardpoint
 still loads what an earlier one wrote; regenerating hides exactly the kind of
 break it exists to catch. A format change needs a new ``vN`` folder instead,
 and a folder can only be written by a shardpoint whose writer produces that
-version (today's writes version 2, so ``v1`` can no longer be regenerated).
+version (today's writes version 3, so ``v1`` and ``v2`` can no longer be regenerated).
 """
 
 from __future__ import annotations
@@ -142,7 +144,9 @@ def write(out_dir: Path, name: str = "v1") -> Path:
 V2_WORLD = 2
 # One save id per rank (each names its own files); rank 0's becomes the manifest's.
 V2_IDS = (uuid.UUID("5eed0000-0000-4000-8000-000000000002"), uuid.UUID("5eed0000-0000-4000-8000-000000000003"))
+V3_IDS = (uuid.UUID("5eed0000-0000-4000-8000-000000000004"), uuid.UUID("5eed0000-0000-4000-8000-000000000005"))
 PLAIN_V2 = {**PLAIN, "name": "golden-v2 ✓"}
+PLAIN_V3 = {**PLAIN, "name": "golden-v3 ✓"}
 V2_EXTRA_TENSORS = ("bf16", "scalar", "int_scalar", "mask", "submesh")
 # Written with holders: a copy per "dp" rank of a (dp, tp) mesh, which no grid describes.
 V2_HOLDERS = ("extra.submesh",)
@@ -153,7 +157,7 @@ def build_model_v2() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 3), nn.Linear(3, 1))
 
 
-def build_state_v2(world: int) -> dict:
+def build_state_v2(world: int, plain: dict | None = None) -> dict:
     """The state each rank saved: deterministic on CPU for a given torch build."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -167,7 +171,7 @@ def build_state_v2(world: int) -> dict:
     model(x).pow(2).mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    extra = _extra(PLAIN_V2)
+    extra = _extra(PLAIN_V2 if plain is None else plain)
     tp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))["tp"]
     extra["submesh"] = distribute_tensor(torch.randn(2, 3).half(), tp, [Shard(0)])
     return {"model": model, "optim": opt, "extra": extra}
@@ -191,8 +195,8 @@ def expected_tensors_v2(state: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def v2_rank(rank: int, world: int, out_dir: str, name: str) -> list[str]:
-    """One rank of the version-2 save (run by ``shardpoint.testing.launch``)."""
+def v2_rank(rank: int, world: int, out_dir: str, name: str, version: int = 2) -> list[str]:
+    """One rank of the version-2 (or 3: same state) save (run by ``shardpoint.testing.launch``)."""
     import torch.distributed as dist
 
     import shardpoint as sp
@@ -201,17 +205,19 @@ def v2_rank(rank: int, world: int, out_dir: str, name: str) -> list[str]:
     if rank == 0 and ckpt.exists():
         shutil.rmtree(ckpt)
     dist.barrier()
-    state = build_state_v2(world)
-    with mock.patch("uuid.uuid4", return_value=V2_IDS[rank]), mock.patch("time.time", return_value=CREATED):
+    plain = PLAIN_V2 if version == 2 else PLAIN_V3
+    state = build_state_v2(world, plain)
+    ids = V2_IDS if version == 2 else V3_IDS
+    with mock.patch("uuid.uuid4", return_value=ids[rank]), mock.patch("time.time", return_value=CREATED):
         sp.save(str(ckpt), state)
     tensors = expected_tensors_v2(state)
     if rank == 0:
         m = sp.read_manifest(str(ckpt), chunks=False)
-        assert m.format_version == 2, m.format_version
+        assert m.format_version == sp.FORMAT_VERSION, m.format_version
         holders = sorted(k for k, t in m.tensors.items() if t.holders is not None)
         assert holders == sorted(V2_HOLDERS), holders
         doc = expected_json(state)
-        doc.update(format_version=2, plain=PLAIN_V2, tensor_names=sorted(tensors), holders=holders)
+        doc.update(format_version=m.format_version, plain=plain, tensor_names=sorted(tensors), holders=holders)
         save_file(tensors, str(Path(out_dir) / f"{name}_expected.safetensors"))
         with open(Path(out_dir) / f"{name}_expected.json", "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1, sort_keys=True, ensure_ascii=False)
@@ -219,14 +225,14 @@ def v2_rank(rank: int, world: int, out_dir: str, name: str) -> list[str]:
     return sorted(tensors)
 
 
-def write_v2(out_dir: Path, name: str = "v2") -> Path:
-    """Save the version-2 golden checkpoint from 2 gloo ranks into ``out_dir/name`` plus the expected files."""
+def write_v2(out_dir: Path, name: str = "v2", version: int = 2) -> Path:
+    """Save the version-2 (or 3) golden checkpoint from 2 gloo ranks into ``out_dir/name`` plus the expected files."""
     from shardpoint.testing import launch
 
     root = str(HERE.parent.parent)  # the ranks import this module as tests.golden.make_golden
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH", "")]))
     with mock.patch.dict(os.environ, {"PYTHONPATH": path}):
-        launch(V2_WORLD, "tests.golden.make_golden:v2_rank", {"out_dir": str(out_dir), "name": name}, timeout=240)
+        launch(V2_WORLD, "tests.golden.make_golden:v2_rank", {"out_dir": str(out_dir), "name": name, "version": version}, timeout=240)
     return out_dir / name
 
 
@@ -234,14 +240,14 @@ def main() -> None:
     import shardpoint as sp
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--version", type=int, choices=(1, 2), default=1)
+    ap.add_argument("--version", type=int, choices=(1, 2, 3), default=3)
     args = ap.parse_args()
     if args.version != sp.FORMAT_VERSION:
         sys.exit(
             f"refusing: shardpoint now writes format version {sp.FORMAT_VERSION}, so tests/golden/v{args.version} "
             "can only be written by the shardpoint release that wrote that version"
         )
-    ckpt = write(HERE) if args.version == 1 else write_v2(HERE)
+    ckpt = write(HERE) if args.version == 1 else write_v2(HERE, f"v{args.version}", args.version)
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ckpt) for f in fs)
     print(f"wrote {ckpt} ({total} bytes)", file=sys.stderr)
 

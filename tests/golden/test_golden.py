@@ -26,8 +26,8 @@ from .make_golden import V2_HOLDERS, build_model, build_model_v2, special_value,
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-VERSIONS = [1, 2]
-MODELS = {1: build_model, 2: build_model_v2}
+VERSIONS = [1, 2, 3]
+MODELS = {1: build_model, 2: build_model_v2, 3: build_model_v2}
 
 
 def folder(version: int) -> Path:
@@ -75,8 +75,17 @@ def test_committed_checkpoint_is_small_and_of_its_version(version, expected):
         assert (ckpt / name).stat().st_size == size, name
     if version == 1:
         return
-    # Version 2: chunk records live in the ranks' index files, not in the manifest.
-    raw = json.loads((ckpt / "manifest.json").read_bytes())
+    raw_bytes = (ckpt / "manifest.json").read_bytes()
+    if version >= 3:  # the manifest ends with the digest of everything before its digest member
+        import xxhash
+
+        head, _, tail = raw_bytes.rpartition(b',"digest":"')
+        assert tail.endswith(b'"}') and xxhash.xxh3_128_hexdigest(head) == tail[:-2].decode()
+        for r in m.ranks:  # and each index ends with its own digest, with keys bound to the dtype
+            idx = (ckpt / r.index).read_bytes()
+            assert idx[:8] == b"SPIDX\x00\x03\x00" and xxhash.xxh3_128_digest(idx[:-16]) == idx[-16:]
+    # Versions 2 and 3: chunk records live in the ranks' index files, not in the manifest.
+    raw = json.loads(raw_bytes)
     assert raw["world_size"] == 2 and all("chunks" not in t for t in raw["tensors"].values())
     bare = sp.read_manifest(str(ckpt), chunks=False)
     assert all(t.chunks is None for t in bare.tensors.values())
@@ -100,7 +109,7 @@ def test_manifest_lists_expected_tensors(version, expected):
         assert meta.dtype == str(t.dtype).removeprefix("torch.") and meta.shape == tuple(t.shape), name
         covered = sum(c.box.numel if c.flat is None else c.flat[1] - c.flat[0] for c in meta.chunks)
         assert covered == t.numel(), name
-    if version == 2:  # the uneven split and the empty shard of the 1-row layer
+    if version >= 2:  # the uneven split and the empty shard of the 1-row layer
         assert sorted(c.box.sizes for c in m.tensors["model.0.weight"].chunks) == [(2, 4), (3, 4)]
         assert [c.box.sizes for c in m.tensors["model.3.weight"].chunks if c.box.numel] == [(1, 3)]
 
@@ -151,7 +160,7 @@ def test_loads_bit_exactly(version, expected):
 def test_read_tensor_whole_and_box(version, expected):
     tensors, _ = expected
     path = str(folder(version))
-    for name in ["model.0.weight", "model.1.num_batches_tracked", "extra.bf16", *(V2_HOLDERS if version == 2 else ())]:
+    for name in ["model.0.weight", "model.1.num_batches_tracked", "extra.bf16", *(V2_HOLDERS if version >= 2 else ())]:
         assert bits_equal(sp.read_tensor(path, name), tensors[name]), name
     # Rows 1-3 cross the v2 shard boundary (rows 0-2 on rank 0, 3-4 on rank 1).
     box = (slice(1, 4), slice(1, 3))
@@ -184,9 +193,11 @@ READER = textwrap.dedent(
         with open(safe(folder, index), "rb") as f:
             raw = f.read()
         assert len(raw) == m["files"][index] and xxhash.xxh3_128_hexdigest(raw) == digest
-        assert raw[:8] == b"SPIDX\\x00\\x02\\x00"
+        v3 = m["format_version"] >= 3  # version 3 ends with a 16-byte digest of what precedes it
+        assert raw[:8] == (b"SPIDX\\x00\\x03\\x00" if v3 else b"SPIDX\\x00\\x02\\x00")
         n, nd, ns = (int(v) for v in np.frombuffer(raw, "<u8", 3, 8))
-        assert len(raw) == 32 + 56 * n + 8 * nd + 8 * ns
+        assert len(raw) == 32 + 56 * n + 8 * nd + 8 * ns + (16 if v3 else 0)
+        assert not v3 or xxhash.xxh3_128_digest(raw[:-16]) == raw[-16:]
         dims = np.frombuffer(raw, "<u8", nd, 32 + 56 * n)
         sums = np.frombuffer(raw, "<u8", ns, 32 + 56 * n + 8 * nd)
         d = s = 0
@@ -228,7 +239,8 @@ READER = textwrap.dedent(
         t = m["tensors"][name]
         if m["format_version"] == 1:
             return t["chunks"]
-        key = xxhash.xxh3_64_intdigest(name.encode("utf-8"))
+        raw_key = name.encode("utf-8") + (b"\\0" + t["dtype"].encode() if m["format_version"] >= 3 else b"")
+        key = xxhash.xxh3_64_intdigest(raw_key)
         if "holders" in t:
             return [c for a, b in t["holders"] for r in range(a, b) for k, c in index_rows(folder, m, r) if k == key]
         out = []
@@ -241,7 +253,7 @@ READER = textwrap.dedent(
     def read(folder, name):
         with open(os.path.join(folder, "manifest.json"), "rb") as f:
             m = json.load(f)
-        assert m["format"] == "shardpoint" and m["format_version"] in (1, 2)
+        assert m["format"] == "shardpoint" and m["format_version"] in (1, 2, 3)
         t = m["tensors"][name]
         out = np.zeros(t["shape"], dtype=NP[t["dtype"]])
         seen = 0
@@ -279,7 +291,7 @@ NUMPY_NAMES_V2 = [*V2_HOLDERS, "model.3.weight", "optim.state.model.0.weight.ste
 
 
 def _numpy_names(version: int) -> list[str]:
-    return NUMPY_NAMES + (NUMPY_NAMES_V2 if version == 2 else [])
+    return NUMPY_NAMES + (NUMPY_NAMES_V2 if version >= 2 else [])
 
 
 def _check_npz(dest: Path, tensors: dict, names: list[str]) -> None:
@@ -350,14 +362,14 @@ def _layout_of(t) -> tuple:
 def test_todays_writer_produces_the_same_tensor_table(version, tmp_path):
     """A save by the current code names, types, shapes and places everything as the committed one.
 
-    For v2 this launches 2 gloo ranks (the only test here that does).
+    For v2 and v3 this launches 2 gloo ranks (the only tests here that do).
     """
-    ckpt = write(tmp_path) if version == 1 else write_v2(tmp_path)
+    ckpt = write(tmp_path) if version == 1 else write_v2(tmp_path, f"v{version}", version)
     now, then = sp.read_manifest(str(ckpt), chunks=False), sp.read_manifest(str(folder(version)), chunks=False)
     assert {k: (t.dtype, t.shape) for k, t in now.tensors.items()} == {
         k: (t.dtype, t.shape) for k, t in then.tensors.items()
     }
     assert now.values["extra"] == then.values["extra"]
-    if version == 2:
-        assert now.format_version == 2
+    assert now.format_version == sp.FORMAT_VERSION == 3
+    if version >= 2:
         assert {k: _layout_of(t) for k, t in now.tensors.items()} == {k: _layout_of(t) for k, t in then.tensors.items()}

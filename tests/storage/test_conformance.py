@@ -21,7 +21,7 @@ import threading
 import numpy as np
 import pytest
 
-from shardpoint.errors import StorageError
+from shardpoint.errors import StorageError, UnsafeCheckpointError
 from shardpoint.storage import LocalStorage, MemoryStorage, Storage, storage_for
 
 
@@ -138,6 +138,15 @@ class StorageConformance:
         assert errors == []
 
     # --- small objects -------------------------------------------------------------
+    def test_get_limited_checks_the_size_before_reading(self, storage):
+        storage.put_atomic("manifest.json", b"0123456789")
+        assert storage.get_limited("manifest.json", 10) == b"0123456789"
+        assert storage.get_limited("manifest.json", 1 << 20) == b"0123456789"
+        with pytest.raises(UnsafeCheckpointError, match=r"manifest.json is 10 bytes, over the format's limit of 9"):
+            storage.get_limited("manifest.json", 9)
+        with pytest.raises(FileNotFoundError):
+            storage.get_limited("absent.json", 100)
+
     def test_put_atomic_get(self, storage):
         storage.put_atomic("manifest.json", b'{"a":1}')
         assert storage.get("manifest.json") == b'{"a":1}'

@@ -152,10 +152,10 @@ def test_aligned_buffer(alignment):
 def test_open_refused_falls_back_with_reason(tmp_path, monkeypatch, caplog, pwrites):
     real_open = os.open
 
-    def refusing_open(path, flags, *a):
+    def refusing_open(path, flags, *a, **kw):
         if flags & O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument", path)
-        return real_open(path, flags, *a)
+        return real_open(path, flags, *a, **kw)
 
     monkeypatch.setattr(os, "open", refusing_open)
     st = LocalStorage(str(tmp_path / "c"), direct=True, direct_buffer_size=BUF)

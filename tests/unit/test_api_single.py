@@ -354,8 +354,17 @@ def test_tampered_manifest_is_format_error(tmp_path):
     mpath = os.path.join(path, "manifest.json")
     with open(mpath, "rb") as f:
         text = f.read()
+    edited = text.replace(b'"format_version":3', b'"format_version":99')
     with open(mpath, "wb") as f:
-        f.write(text.replace(b'"format_version":2', b'"format_version":99'))
+        f.write(edited)
+    # An edit that does not re-seal the manifest breaks its digest, checked before parsing.
+    with pytest.raises(sp.CorruptCheckpointError, match=r"manifest.json does not match its own digest"):
+        sp.load(path, {"t": None})
+    # A re-sealed one (a genuinely newer format) is refused by version.
+    from shardpoint.format.manifest import seal
+
+    with open(mpath, "wb") as f:
+        f.write(seal(edited[: edited.rindex(b',"digest":')] + b"}"))
     with pytest.raises(sp.FormatError, match=r"format_version 99 is not supported"):
         sp.load(path, {"t": None})
 

@@ -30,7 +30,7 @@ def test_one_descriptor_per_digest_makes_a_grid_manifest():
     m = _commit_of(statuses, docs)
     t = m.tensors["w"]
     assert t.grid.ranks == (0, 1, 2, 3) and t.grid.splits == ((0,), ()) and t.copy == 0 and t.chunks is None
-    assert m.values == {"extra": {"step": 1}} and m.format_version == 2
+    assert m.values == {"extra": {"step": 1}} and m.format_version == 3
     assert [r.index for r in m.ranks] == [f"data/x-r{r:05d}.idx" for r in range(4)]
     assert len(m.files) == 8
 
@@ -93,7 +93,7 @@ def test_values_merge_over_distinct_documents_lower_rank_wins():
 def test_colliding_keys_are_refused(monkeypatch):
     import shardpoint.api as api
 
-    monkeypatch.setattr(api, "fqn_key", lambda name: 7)
+    monkeypatch.setattr(api, "fqn_key", lambda name, dtype=None: 7)
     doc = {"meshes": [], "tensors": {"a": ["float32", [0], "x", None, None, False], "b": ["float32", [0], "x", None, None, False]}}
     with pytest.raises(UnsupportedStateError, match=r"tensor names 'a' and 'b' share a 64-bit key"):
         _commit_of([_status(0)], [(doc, {"values": {}, "layout": {}})])

@@ -15,7 +15,6 @@ from shardpoint.errors import FormatError
 from shardpoint.format import index as index_mod
 from shardpoint.format.index import (
     HEADER_SIZE,
-    INDEX_MAGIC,
     ROW_DTYPE,
     ChunkIndex,
     encode_index,
@@ -25,6 +24,9 @@ from shardpoint.format.index import (
 from shardpoint.format.manifest import MAX_ELEMENTS, ChunkMeta
 from shardpoint.geometry import Box
 
+# These tests exercise the version-2 layout (encode_index without dtypes); version 3 adds a key
+# bound to the dtype and a digest trailer, tested in tests/unit/test_hardening.py.
+INDEX_MAGIC = b"SPIDX\x00\x02\x00"
 SETTINGS = settings(max_examples=150, deadline=None)
 H = "0123456789abcdef"
 FILE = "data/aa-r00003.bin"
@@ -220,7 +222,7 @@ def test_truncated_or_extended_bytes():
 def test_bad_magic_and_version():
     data = encode_index(sample())
     rejects(b"PK\x03\x04" + data[4:], "bad magic")
-    rejects(data[:6] + (3).to_bytes(2, "little") + data[8:], "index format version 3 is not supported")
+    rejects(data[:6] + (4).to_bytes(2, "little") + data[8:], "index format version 4 is not supported")
 
 
 def test_lying_counts_do_not_allocate():

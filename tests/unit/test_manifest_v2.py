@@ -167,7 +167,7 @@ def test_saved_checkpoint_is_v2_and_index_tampering_is_caught(tmp_path):
     w = torch.arange(12.0).reshape(3, 4)
     sp.save(path, {"w": w, "extra": {"step": 1}})
     m = sp.read_manifest(path, chunks=False)
-    assert m.format_version == 2 and m.tensors["w"].grid is not None and m.tensors["w"].chunks is None
+    assert m.format_version == 3 and m.tensors["w"].grid is not None and m.tensors["w"].chunks is None
     assert sp.read_manifest(path).tensors["w"].chunks[0].box == Box((0, 0), (3, 4))
     assert torch.equal(sp.read_tensor(path, "w"), w)
     (idx,) = [f for f in m.files if f.endswith(".idx")]

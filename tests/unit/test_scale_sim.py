@@ -69,7 +69,7 @@ def _save(lay: S.Layout) -> tuple[S.Saved, Manifest]:
 def test_every_tensor_written_once_and_commit_round_trips(lay):
     saved, man = _save(lay)
     assert saved.written == {s.fqn: math.prod(s.shape) for s in SPECS}
-    assert man.format_version == 2 and len(man.ranks) == lay.world and man.world_size == lay.world
+    assert man.format_version == 3 and len(man.ranks) == lay.world and man.world_size == lay.world
     assert set(man.tensors) == {s.fqn for s in SPECS}
     assert all(t.grid is not None and t.chunks is None for t in man.tensors.values())
     for s in SPECS:  # the writer index recorded for replicated tensors is the one the ranks chose
