@@ -3,8 +3,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 # Every install uses the exact versions tested together; pyproject.toml itself declares ranges.
 PIP := $(BIN)/pip install -q -c constraints.txt
-# torchtitan 0.3.0's own requirements, installed after it (it goes in with --no-deps, see install below).
-TORCHTITAN_DEPS := spmd_types tyro docstring_parser tensorboard torchdata einops
+# torchtitan 0.3.0's own requirements, installed after it (it goes in with --no-deps, see install below);
+# its model package imports triton even on a machine without a GPU.
+TORCHTITAN_DEPS := spmd_types tyro docstring_parser tensorboard torchdata einops triton
 
 .PHONY: install test demo docs package-check test-min bench bench-quick unit clean
 

@@ -117,8 +117,13 @@ class MissingDependencyError(CheckpointError, ImportError):
     of them; the CLI's tables and progress bars, Hugging Face import, S3 and
     plots each come with an extra such as ``pip install 'shardpoint[cli]'``.
     It is also an ``ImportError``, so code that already guards an optional
-    import keeps working.
+    import keeps working. ``package`` names the missing distribution and
+    ``hint`` the command that installs it, where the raiser gives them.
     """
+
+    def __init__(self, message: str, package: str = "", hint: str = ""):
+        super().__init__(message)
+        self.package, self.hint = package, hint
 
 
 class StateNotRestoredError(CheckpointError):

@@ -1,0 +1,1 @@
+"""Tests with real training frameworks (Lightning, torchtitan, Accelerate) on CPU."""
