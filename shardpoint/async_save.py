@@ -122,11 +122,10 @@ class AsyncSaveHandle:
             self._reported = True
             raise self._error
         if tier is not None:
-            waiter = getattr(self._storage, "wait", None)
-            if waiter is None:
+            if self._storage is None or not self._storage.tiered:
                 raise ValueError(f"{self.path} is not tiered storage; wait(tier=...) needs a TieredStorage")
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            waiter(tier, left)
+            self._storage.wait(tier, left)
         return self.result
 
     def _remove_hooks(self) -> None:

@@ -314,7 +314,7 @@ def _fetch(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str,
         return _fetch_one(storage, r, block, verify, where, into, rec)
     except CorruptCheckpointError:
         # Tiered storage: a corrupt or missing copy on a fast tier comes from the next tier.
-        for alt in getattr(storage, "alternatives", lambda: [])():
+        for alt in storage.alternatives():
             try:
                 return _fetch_one(alt, r, block, verify, where, into, rec)
             except CorruptCheckpointError:
@@ -337,7 +337,7 @@ def _read_segments(storage: Storage, r: ChunkRead, mv: memoryview, where: str, r
 def _fetch_one(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str, into: torch.Tensor | None, rec) -> torch.Tensor:
     buf = into if into is not None else torch.empty(r.hi - r.lo, dtype=torch.uint8)
     mv = memoryview(buf.numpy())
-    if not verify and r.segments is not None and len(r.segments) > 1 and hasattr(storage, "readinto_many"):
+    if not verify and r.segments is not None and len(r.segments) > 1 and storage.vectored_reads:
         _read_segments(storage, r, mv, where, rec)
         return buf
     rs = r.ranges()
@@ -461,8 +461,7 @@ def _mapped(storage, r: ChunkRead) -> memoryview | None:
     cache skips it. The view is not yet backed by memory: :func:`_fault_in`
     brings it in.
     """
-    map_range = getattr(storage, "map_range", None)
-    return None if map_range is None else map_range(r.chunk.file, r.chunk.offset + r.lo, r.hi - r.lo, r.nread)
+    return storage.map_range(r.chunk.file, r.chunk.offset + r.lo, r.hi - r.lo, r.nread)
 
 
 def _fault_pieces(r: ChunkRead, verify: bool, block: int) -> list[tuple[int, int]]:
@@ -483,12 +482,11 @@ def _fault_in(storage, r: ChunkRead, mv: memoryview, block: int, verify: bool, w
     without holding the interpreter lock; the piece is hashed right after,
     while it is still in the CPU cache. The loading thread then only copies.
     """
-    populate = getattr(storage, "populate", None)  # without it, the hash's page faults bring pages in
+    populate = storage.populate  # the default does nothing: the hash's page faults bring pages in
     for a, b in _fault_pieces(r, verify, block):
         t0 = time.monotonic()
         try:
-            if populate is not None:
-                populate(r.chunk.file, r.chunk.offset + a, b - a)
+            populate(r.chunk.file, r.chunk.offset + a, b - a)
         except ShortReadError as e:
             raise short_file_error(r.chunk, r.fqn, where, e) from None
         t1 = time.monotonic()
@@ -830,7 +828,7 @@ def execute_reads(
     if share not in (True, False, "auto"):
         raise ValueError(f"share_reads must be True, False or 'auto', got {share!r}")
     auto = share == "auto"
-    if auto and not getattr(storage, "page_cached", False):
+    if auto and not storage.page_cached:
         share, auto = True, False
     with _gc_paused():
         return _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder)
@@ -861,8 +859,8 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
     t_plan = time.monotonic()
     # Backends with high per-request latency (object stores) ask for more reads in flight
     # and for wider coalescing of nearby runs.
-    threads = max(threads, int(getattr(storage, "read_threads", threads)))
-    coalesce = int(getattr(storage, "coalesce_bytes", DEFAULT_COALESCE))
+    threads = max(threads, int(storage.read_threads))
+    coalesce = DEFAULT_COALESCE if storage.coalesce_bytes is None else int(storage.coalesce_bytes)
     group = comm is not None and comm.active and comm.world > 1
     # With auto, every rank on one host means page-cached storage: re-reads come from memory.
     share = share and group and not (auto and _one_host(comm))

@@ -570,6 +570,7 @@ class LocalStorage(Storage):
     """
 
     page_cached = True
+    vectored_reads = True
 
     def __init__(self, root: str, options: LocalOptions | None = None, **overrides: Any):
         super().__init__()
