@@ -44,6 +44,7 @@ from typing import Any
 
 from ..errors import CheckpointError, StorageError
 from .base import MissingDependencyError, Storage, Writer
+from .durable import fsync_path
 from .safe_open import open_inside
 
 __all__ = ["FsspecStorage"]
@@ -118,7 +119,7 @@ class _FsspecWriter(Writer):
                 self._f.flush()
                 os.fsync(self._f.fileno())
                 self._f.close()
-                self._st._fsync_dir(self._st.fs._parent(self._path))
+                fsync_path(self._st.fs._parent(self._path))
             else:
                 self._f.close()  # flushes the last part; no fsync on object stores
                 if self._committable:
@@ -229,13 +230,6 @@ class FsspecStorage(Storage):
             return e
         return StorageError(f"{self.url}: {op} of {name} failed: {type(e).__name__}: {e}")
 
-    def _fsync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def __getstate__(self) -> dict:  # picklable when the filesystem is (fsspec filesystems are)
         d = dict(self.__dict__)
         d["_pool_box"] = None
@@ -326,7 +320,7 @@ class FsspecStorage(Storage):
                     except Exception:  # noqa: BLE001
                         pass
                     raise
-                self._fsync_dir(parent)
+                fsync_path(parent)
             else:
                 try:
                     fs.pipe_file(path, bytes(data))
@@ -384,7 +378,7 @@ class FsspecStorage(Storage):
                         return False
                 finally:
                     os.unlink(tmp)
-                self._fsync_dir(parent)
+                fsync_path(parent)
             else:
                 try:
                     fs.pipe_file(path, bytes(data), mode="create")

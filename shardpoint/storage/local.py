@@ -46,9 +46,10 @@ import numpy as np
 
 from ..errors import StorageError
 from .base import ShortReadError, Storage, Writer, merged_options
+from .durable import fsync_path
 from .safe_open import open_inside
 
-__all__ = ["LocalOptions", "LocalStorage"]
+__all__ = ["LocalOptions", "LocalStorage", "fsync_path"]
 
 log = logging.getLogger("shardpoint.storage.local")
 
@@ -185,15 +186,6 @@ def resident_fraction(mm: mmap.mmap, offset: int, length: int) -> float:
         return float((np.frombuffer(vec, dtype=np.uint8) & 1).mean())
     finally:
         del ref
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or a folder by path (a folder's fsync makes its entries durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _makedirs_durable(path: str) -> None:
