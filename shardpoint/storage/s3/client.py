@@ -32,6 +32,7 @@ class Shared:
         self.gets = 0
 
     def count_gets(self, n: int) -> None:
+        """Count ``n`` ranged GETs started (for :attr:`S3Storage.get_requests`)."""
         with self._lock:
             self.gets += n
 
@@ -47,6 +48,7 @@ class Shared:
 
     @property
     def client(self):
+        """The boto3 client, made on first use and again after ``fork``."""
         with self._lock:
             self._fresh()
             if self._client is None:
@@ -55,6 +57,7 @@ class Shared:
 
     @property
     def pool(self) -> ThreadPoolExecutor:
+        """The thread pool for part uploads and ranged GETs (``max_concurrency`` threads)."""
         with self._lock:
             self._fresh()
             if self._pool is None:
@@ -63,6 +66,7 @@ class Shared:
 
     @property
     def reads(self) -> ReadQueue:
+        """The queue that merges and serves waiting reads of this storage tree."""
         with self._lock:
             self._fresh()
             if self._reads is None:
@@ -107,6 +111,7 @@ class Shared:
             raise S3StorageError(f"cannot create an S3 client ({type(e).__name__}: {e}); check {o!r}") from e
 
     def shutdown(self) -> None:
+        """Stop the thread pool after its work; it is made again on demand."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None and self._pid == os.getpid():

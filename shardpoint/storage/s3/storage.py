@@ -60,6 +60,7 @@ class S3Storage(Storage):
 
     @property
     def options(self) -> S3Options:
+        """The options this storage tree was made with (shared with children)."""
         return self.shared.options
 
     @property
