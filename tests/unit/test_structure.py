@@ -134,3 +134,16 @@ def test_every_probed_ability_is_declared_on_storage():
 
 def test_no_private_name_is_imported_across_modules():
     assert private_imports() == []
+
+
+# Modules still over the limit, each waiting for its own split; none may be added.
+OVER_LIMIT = {"manager.py", "api.py", "engine/load.py", "testing.py", "format/manifest.py", "convert/common.py"}
+
+
+def test_no_new_module_over_500_lines():
+    long = {
+        str(p.relative_to(PKG)): n
+        for p, _ in _modules()
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500
+    }
+    assert set(long) <= OVER_LIMIT, {k: v for k, v in long.items() if k not in OVER_LIMIT}
