@@ -1,9 +1,9 @@
-"""Probe: the async save's blocking work (``api._prepare``) per rank, uncontended.
+"""Probe: the async save's blocking work (``api.prepare_save``) per rank, uncontended.
 
 Not a peer comparison: it explains bench_async's stall. Four FSDP2 ranks
 (TinyGPT dim 768, 3 layers, AdamW after two steps, as in bench_async) take
 turns, so only one rank works at a time, and each times 20 calls of
-``_prepare`` with an AsyncSaver-style cache (the second and later calls reuse
+``prepare_save`` with an AsyncSaver-style cache (the second and later calls reuse
 the previous parts). Prints the median per rank in ms.
 
     python bench/probe_prepare.py
@@ -22,7 +22,7 @@ import _common as C  # noqa: E402
 def job(rank: int, world: int) -> float:
     import torch.distributed as dist
 
-    from shardpoint.api import SaveResult, _prepare
+    from shardpoint.api import SaveResult, prepare_save
     from shardpoint.dist import Comm
     from shardpoint.monitor import Recorder
     from shardpoint.testing import GPTConfig, batch, build, loss_of
@@ -41,7 +41,7 @@ def job(rank: int, world: int) -> float:
             ts = []
             for _ in range(20):
                 t = time.perf_counter()
-                _prepare({"model": model, "optimizer": opt}, comm, False, "x", SaveResult("x", "y", recorder=Recorder("save", "x", rank)), (), cache)
+                prepare_save({"model": model, "optimizer": opt}, comm, False, "x", SaveResult("x", "y", recorder=Recorder("save", "x", rank)), (), cache)
                 ts.append(time.perf_counter() - t)
             out = sorted(ts)[len(ts) // 2]
     dist.barrier()
@@ -53,7 +53,7 @@ def main() -> int:
     from shardpoint.testing import launch
 
     res = launch(4, "probe_prepare:job", {})
-    print("median _prepare per rank, ms:", [round(t * 1e3, 2) for t in res])
+    print("median prepare_save per rank, ms:", [round(t * 1e3, 2) for t in res])
     return 0
 
 

@@ -2,14 +2,14 @@
 
 No processes and no data I/O: only the library's metadata path runs, on an
 in-memory storage. For every rank of a layout this builds the ``SaveTensor``
-list the adapters would hand to ``_prepare`` (boxes, replica index/count,
+list the adapters would hand to ``prepare_save`` (boxes, replica index/count,
 cost, replica group, and the ``grid`` a DTensor gets from
-``grid_of_placements``), runs ``_prepare``'s writer choice (fqn-keyed
+``grid_of_placements``), runs ``prepare_save``'s writer choice (fqn-keyed
 ``assign_writers``), lays out chunk records as ``write_chunks`` does (fake
 offsets and checksums), and runs the real ``_Prepared.summary``: it encodes
 and stores the rank's binary index (``encode_index``), describes the rank's
 tensors (``_describe``) and returns the fixed-size status. Rank 0's side
-follows ``_finish_save``: gather every status, ask one rank per distinct
+follows ``finish_save``: gather every status, ask one rank per distinct
 descriptor digest for its descriptor, and run the real ``_commit``. Then
 ``Manifest.from_json`` parses the version-2 manifest, and sampled target
 ranks plan their loads with the real ``resolve`` (``IndexReader``: only the
@@ -382,7 +382,7 @@ def same_tensors(a: list[SaveTensor], b: list[SaveTensor]) -> bool:
 
 
 def pick_mine(tensors: list[SaveTensor], assign: Callable = assign_writers) -> tuple[list[SaveTensor], dict]:
-    """``_prepare``'s writer choice: the library's own ``choose_writers``."""
+    """``prepare_save``'s writer choice: the library's own ``choose_writers``."""
     picked, writers = choose_writers(tensors, assign)
     return [tensors[i] for i in picked], writers
 
@@ -486,7 +486,7 @@ class SimComm:
 
 def plan_rank(specs, m: ModelSpec, lay: Layout, rank: int, mode: str = "pp-aware", assign: Callable = assign_writers,
               exact: bool = False) -> _Prepared:
-    """One rank's ``_prepare``: its tensors, what it writes, and its documents."""
+    """One rank's ``prepare_save``: its tensors, what it writes, and its documents."""
     tensors = rank_tensors(specs, m, lay, rank, mode, exact)
     mine, writers = pick_mine(tensors, assign)
     values, layout = stage_values(specs, m, lay, lay.coords(rank)[0])
@@ -591,7 +591,7 @@ class Saved:
 
 def save_all(specs, m: ModelSpec, lay: Layout, block: int, mode: str = "pp-aware", check: set[str] | frozenset = frozenset(),
              storage: MemoryStorage | None = None) -> Saved:
-    """Every rank: plan, records, real ``summary``; then rank 0's two gathers as ``_finish_save`` runs them."""
+    """Every rank: plan, records, real ``summary``; then rank 0's two gathers as ``finish_save`` runs them."""
     storage = MemoryStorage() if storage is None else storage
     assign = _memo_assign({})
     out = Saved(storage, [], [], [], [])
@@ -649,7 +649,7 @@ class SaveResult:
     tensors_per_rank: float = 0.0
     chunks_per_rank: float = 0.0
     geometry: list[Cost] = field(default_factory=list)  # per sampled rank: torch boxes and grids, as the adapter computes them
-    assign: list[Cost] = field(default_factory=list)  # _prepare's writer choice
+    assign: list[Cost] = field(default_factory=list)  # prepare_save's writer choice
     summary: list[Cost] = field(default_factory=list)  # real summary: encode_index + store + _describe + digests
     describe: list[Cost] = field(default_factory=list)  # of which _describe
     describe_fixed: list[Cost] = field(default_factory=list)  # _describe with replica grids built once (_GridMemo)
@@ -889,12 +889,12 @@ def pp_check(specs, m: ModelSpec, lay: Layout) -> dict:
 
 
 def plain_pp_check() -> dict:
-    """Two pipeline stages holding different plain tensors, no ``replicated_over``: the real ``_prepare`` to ``_commit``.
+    """Two pipeline stages holding different plain tensors, no ``replicated_over``: the real ``prepare_save`` to ``_commit``.
 
     Each rank claims two copies of its tensors; the writer choice gives one
     of them to the other stage's rank, which does not hold it.
     """
-    from shardpoint.api import SaveResult as ApiSaveResult, _prepare
+    from shardpoint.api import SaveResult as ApiSaveResult, prepare_save
     from shardpoint.engine.indexes import resolve_all
     from shardpoint.engine.io import write_chunks
 
@@ -903,7 +903,7 @@ def plain_pp_check() -> dict:
     locals_, written = [], {}
     for r in range(world):
         comm = SimComm(r, world)
-        prep = _prepare(states[r], comm, False, "sim://plain-pp", ApiSaveResult("sim://plain-pp", SAVE_ID))
+        prep = prepare_save(states[r], comm, False, "sim://plain-pp", ApiSaveResult("sim://plain-pp", SAVE_ID))
         records, files = [], {}
         if prep.mine:
             records, size = write_chunks(storage, data_file(r), prep.mine, r, block)
@@ -1108,10 +1108,10 @@ def render_tables(res: dict) -> str:
     rows = res["rows"]
     L = []
     L.append("**Save, format version 2.** *Per rank* is measured on the sampled ranks (every rank runs the same code in "
-             "parallel): *plan* is the adapter's geometry (torch boxes, `grid_of_placements`) plus `_prepare`'s writer "
+             "parallel): *plan* is the adapter's geometry (torch boxes, `grid_of_placements`) plus `prepare_save`'s writer "
              "choice; *summary* is the real `_Prepared.summary` (`encode_index`, storing the index, `_describe`, "
              "digests). Everything else is measured on every rank's real status and index: *gather* is what "
-             "`_finish_save` sends to rank 0, pickled (statuses + the asked descriptors); the commit, manifest and parse "
+             "`finish_save` sends to rank 0, pickled (statuses + the asked descriptors); the commit, manifest and parse "
              "are full size; peaks are tracemalloc's. *Checked*: chunks of a stride of tensors resolved from the indexes "
              "and compared field by field with the records the ranks wrote.\n")
     L.append("| layout | ranks | chunks | plan/rank mean / max (ms) | summary/rank mean / max (ms) | of which `_describe`: as landed / replica grids cached (ms) "
@@ -1270,7 +1270,7 @@ def render_checks(res: dict) -> str:
         f"Pipeline check ({pp['layout']}, adapters without `replicated_over`): {pp['short']:,} of {pp['tensors']:,} "
         f"tensors left short ({pp['short_listed']:,} described by holders, {pp['short_gridded']:,} with a grid); "
         f"`_commit` says: \"{err}\". "
-        f"Plain tensors on two stages, real `_prepare` to `_commit` (rank 0 holds `a`, rank 1 `b`): writers "
+        f"Plain tensors on two stages, real `prepare_save` to `_commit` (rank 0 holds `a`, rank 1 `b`): writers "
         f"{pl['written']}; commit {pl['commit'].split(':')[0]}; resolving the chunks: "
         f"\"{pl.get('load', '-')}\".\n"
     )

@@ -55,7 +55,11 @@ from .monitor import Recorder, format_summary
 from .rank_local import rank_local_tensors
 from .storage import Storage, storage_for
 
-__all__ = ["save", "load", "read_tensor", "read_manifest", "SaveResult", "LoadResult", "CommitPolicy"]
+__all__ = [
+    "save", "load", "read_tensor", "read_manifest", "SaveResult", "LoadResult", "CommitPolicy",
+    # The save steps the asynchronous saver shares with save().
+    "check_state", "check_block_size", "data_file_name", "mark_phase", "prepare_save", "finish_save",
+]
 
 log = logging.getLogger("shardpoint")
 
@@ -100,8 +104,15 @@ class LoadResult:
     recorder: Recorder | None = field(default=None, repr=False)
 
 
-def _mark(result, phase: str, start: float, nbytes: int = 0) -> None:
-    """Record a phase that began at ``start`` (monotonic seconds) and ends now."""
+def mark_phase(result, phase: str, start: float, nbytes: int = 0) -> None:
+    """Record a phase that began at ``start`` (monotonic seconds) and ends now.
+
+    Shared by :func:`save` and the asynchronous saver so both report the same phases.
+
+    Example::
+
+        t0 = time.monotonic(); ...; mark_phase(result, "prepare", t0)
+    """
     end = time.monotonic()
     result.timings[phase] = result.timings.get(phase, 0.0) + (end - start)
     if result.recorder is not None:
@@ -112,7 +123,13 @@ def _context(state: MutableMapping[str, Any], comm: Comm, allow_pickle: bool, re
     return build_context(state, comm.rank, comm.world, allow_pickle, replicated_over)
 
 
-def _check_state(state: Any) -> None:
+def check_state(state: Any) -> None:
+    """Refuse a state that is not a dict of plain top-level names, before any collective.
+
+    Example::
+
+        check_state({"model": model, "optimizer": opt})
+    """
     if not isinstance(state, MutableMapping):
         raise UnsupportedStateError(f"state must be a dict of name -> object, got {type(state).__name__}")
     for k in state:
@@ -185,8 +202,8 @@ def save(
         sp.save("ckpt/pp", {"model": stage, "optimizer": opt}, replicated_over=dp_group)
         sp.save("ckpt/rank0", {"model": ddp.module}, process_group=sp.LOCAL)  # rank 0 only
     """
-    _check_state(state)
-    _check_block(block_size)
+    check_state(state)
+    check_block_size(block_size)
     comm = Comm.resolve(process_group)
     if comm.local and replicated_over is not None:
         raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
@@ -201,17 +218,17 @@ def save(
     claims: list[SaveClaim] = []
 
     def local() -> dict:
-        prep = _prepare(state, comm, allow_pickle, where, result, layouts, replicated_over=replicated_over, rank_local=comm.local)
+        prep = prepare_save(state, comm, allow_pickle, where, result, layouts, replicated_over=replicated_over, rank_local=comm.local)
         if comm.rank == 0:  # before any data is written; its failure reaches every rank at the commit
             claims.append(SaveClaim.acquire(storage.primary, policy, where))
         tb = time.monotonic()
         records, files = [], {}
         if prep.mine:
-            name = _data_file(save_id, comm.rank)
+            name = data_file_name(save_id, comm.rank)
             records, size = write_chunks(storage, name, prep.mine, comm.rank, block_size, result.recorder)
             files[name] = size
             result.bytes_written = size
-        _mark(result, "data_file", tb)  # whole file incl. fsync; per-chunk spans are "write"
+        mark_phase(result, "data_file", tb)  # whole file incl. fsync; per-chunk spans are "write"
         local = prep.summary(storage, records, files, comm)
         result.bytes_written = sum(local.status["files"].values())
         return local
@@ -221,8 +238,8 @@ def save(
         for c in claims:
             c.release()
         raise out.exc
-    _finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
-    _mark(result, "total", t0)
+    finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
+    mark_phase(result, "total", t0)
     result.timings = result.recorder.summary()
     result.recorder.emit(trace_dir, on_metrics)
     log.info("rank %s saved %s bytes to %s: %s", comm.rank, result.bytes_written, where, format_summary(result.timings))
@@ -233,12 +250,24 @@ def save(
 SMALL_REPLICA_BYTES = 4096
 
 
-def _check_block(block_size: int) -> None:
+def check_block_size(block_size: int) -> None:
+    """Refuse a checksum block size that is not a positive multiple of 16 bytes.
+
+    Example::
+
+        check_block_size(1 << 20)
+    """
     if block_size < 16 or block_size % 16:
         raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
 
 
-def _data_file(save_id: str, rank: int) -> str:
+def data_file_name(save_id: str, rank: int) -> str:
+    """The name of the data file ``rank`` writes in save ``save_id``; one place so all savers agree.
+
+    Example::
+
+        data_file_name("ab12", 3)  # 'data/ab12-r00003.bin'
+    """
     return f"data/{save_id}-r{rank:05d}.bin"
 
 
@@ -395,7 +424,16 @@ def _checked_grid(t: SaveTensor, prep: _Prepared, comm: Comm, picked: bool, memo
     return grid
 
 
-def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=(), cache: dict | None = None, replicated_over: Any = None, rank_local: bool = False) -> _Prepared:
+def prepare_save(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=(), cache: dict | None = None, replicated_over: Any = None, rank_local: bool = False) -> _Prepared:
+    """Describe this rank's part of ``state`` and choose writers: the blocking first step of every save.
+
+    Shared by :func:`save` and the asynchronous saver (which passes a
+    ``cache`` reused across saves).
+
+    Example::
+
+        prep = prepare_save(state, comm, False, "ckpt", SaveResult("ckpt", save_id))
+    """
     ta = time.monotonic()
     # Repeated saves (AsyncSaver) reuse the context and the unchanged module and
     # optimizer parts; layout rules reduce across ranks, so they take the full path.
@@ -432,7 +470,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
         result.plan_cached = True
         prep = _Prepared(tensors, [tensors[i] for i in prev[1]], values, layout, prev[2], prev[3], ctx, prev[4].described)
         cache["checked"] = prev[:4] + (prep,)
-        _mark(result, "plan", ta)
+        mark_phase(result, "plan", ta)
         return prep
     for part in opt_parts:
         # Optimizer state changes only inside step(): safe to copy lazily.
@@ -475,7 +513,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     prep = _Prepared(tensors, mine, values, layout, lazy_ok, writers, ctx)
     if cache is not None and not rules:
         cache["checked"] = (tuple(tensors), picked, lazy_ok, writers, prep)
-    _mark(result, "plan", ta)
+    mark_phase(result, "plan", ta)
     return prep
 
 
@@ -511,7 +549,7 @@ def choose_writers(tensors: Sequence[SaveTensor], assign=assign_writers) -> tupl
     return picked, writers
 
 
-def _finish_save(
+def finish_save(
     comm: Comm, storage: Storage, save_id: str, block_size: int, out: Outcome, result: SaveResult, where: str,
     claim: SaveClaim | None = None, policy: CommitPolicy | None = None,
 ) -> None:
@@ -551,7 +589,7 @@ def _finish_claimed(
             decision = ("failed", [o.sendable(with_value=False) for o in gathered])
     decision = comm.broadcast(decision)
     if decision[0] == "failed":
-        _mark(result, "commit", tc)
+        mark_phase(result, "commit", tc)
         if out.ok:  # nothing will list this rank's files (unique to this save): remove them now
             try:
                 storage.delete_many(sorted(out.value.status["files"]))
@@ -573,7 +611,7 @@ def _finish_claimed(
             raise commit.exc
         final = [commit.sendable()]
     final = comm.broadcast(final)
-    _mark(result, "commit", tc)
+    mark_phase(result, "commit", tc)
     raise_if_failed(final, f"save to {where}")
     result.save_id = final[0].value  # the manifest's id (rank 0's)
 
@@ -903,7 +941,7 @@ def load(
         sp.load("ckpt/step_100", state); step = state["extra"]["step"]
         everything = sp.load("ckpt/step_100", {}, strict=False)
     """
-    _check_state(state)
+    check_state(state)
     comm = Comm.resolve(process_group)
     storage = storage_for(path)
     where = storage.url
@@ -919,7 +957,7 @@ def load(
     if not state and not strict:  # nothing to restore into: return every entry as saved
         fill, state = state, {k: WholeEntry() for k in _entry_keys(manifest)}
     result = LoadResult(where, recorder=Recorder("load", where, comm.rank))
-    _mark(result, "manifest", t0)
+    mark_phase(result, "manifest", t0)
 
     def prepare() -> dict:
         ctx = _context(state, comm, allow_pickle)
@@ -983,7 +1021,7 @@ def load(
     # below starts on every rank or on none.
     tp = time.monotonic()
     parts = comm.check(run_guarded(prepare), f"load of {where}")
-    _mark(result, "prepare", tp)
+    mark_phase(result, "prepare", tp)
     # Unexpected means no rank loads it (each pipeline stage loads only its own layers).
     result.unexpected = sorted(set.intersection(*(set(u) for u in comm.all_gather(result.unexpected))))
     if result.missing or result.unexpected:
@@ -999,11 +1037,11 @@ def load(
         reader = IndexReader(storage, manifest, where)
         resolved = resolve(storage, manifest, wants, where, reader)
         result.index_bytes = reader.bytes_read
-        _mark(result, "index", ti, reader.bytes_read)
+        mark_phase(result, "index", ti, reader.bytes_read)
         stats = execute_reads(storage, resolved, targets, where, verify, comm=comm, share=share_reads, recorder=result.recorder)
         result.bytes_read, result.bytes_needed = stats.bytes_read, stats.bytes_needed
         result.bytes_received = stats.bytes_received
-        _mark(result, "read", tr)
+        mark_phase(result, "read", tr)
         values = {key: p.finish() for key, p in parts.items()}
         tl = time.monotonic()
         bad: list[str] = []
@@ -1012,7 +1050,7 @@ def load(
                 bad.extend(p.landed(p.targets))
             else:
                 bad.extend(unlanded(p.targets, live_storages(entry_tensors(values[key]))))
-        _mark(result, "landing", tl)
+        mark_phase(result, "landing", tl)
         result.not_restored = sorted(set(bad))
         if bad:
             _not_restored(where, comm.rank, result.not_restored, strict)
@@ -1024,7 +1062,7 @@ def load(
     if fill is not None:  # entries that keys= left out stay out
         fill.update({k: v for k, v in state.items() if not isinstance(v, WholeEntry)})
         state = fill
-    _mark(result, "total", t0)
+    mark_phase(result, "total", t0)
     result.timings = result.recorder.summary()
     result.recorder.emit(trace_dir, on_metrics)
     if report is not None:

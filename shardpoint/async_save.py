@@ -39,7 +39,7 @@ from typing import Any, MutableMapping, Sequence
 
 import torch
 
-from .api import SaveResult, _check_block, _check_state, _data_file, _finish_save, _mark, _prepare
+from .api import SaveResult, check_block_size, check_state, data_file_name, finish_save, mark_phase, prepare_save
 from .engine.claim import CommitPolicy, SaveClaim
 from .monitor import Recorder, format_summary
 from .dist import Comm, close_at_exit, destroy_private_group, private_group, run_guarded
@@ -122,11 +122,10 @@ class AsyncSaveHandle:
             self._reported = True
             raise self._error
         if tier is not None:
-            waiter = getattr(self._storage, "wait", None)
-            if waiter is None:
+            if self._storage is None or not self._storage.tiered:
                 raise ValueError(f"{self.path} is not tiered storage; wait(tier=...) needs a TieredStorage")
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            waiter(tier, left)
+            self._storage.wait(tier, left)
         return self.result
 
     def _remove_hooks(self) -> None:
@@ -260,8 +259,8 @@ class AsyncSaver:
         """
         if mode not in ("eager", "lazy"):
             raise ValueError(f"mode must be 'eager' or 'lazy', got {mode!r}")
-        _check_state(state)
-        _check_block(block_size)
+        check_state(state)
+        check_block_size(block_size)
         self.wait()
         base = Comm.resolve(self._pg_arg if process_group is None else process_group)
         if base.local and replicated_over is not None:
@@ -277,7 +276,7 @@ class AsyncSaver:
         result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
         handle = AsyncSaveHandle(where, result)
         handle._storage = storage
-        prep_out = run_guarded(lambda: _prepare(state, comm, allow_pickle, where, result, layouts, cache, replicated_over=replicated_over, rank_local=base.local))
+        prep_out = run_guarded(lambda: prepare_save(state, comm, allow_pickle, where, result, layouts, cache, replicated_over=replicated_over, rank_local=base.local))
         if comm.world == 1 and not prep_out.ok:
             raise prep_out.exc
         if self._ring is None:
@@ -292,7 +291,7 @@ class AsyncSaver:
             items = [t for t in prep.mine if t.fqn not in lazy] + [t for t in prep.mine if t.fqn in lazy]
             split = sum(1 for t in items if t.fqn not in lazy)
             if items:
-                staged = StagedWrite(storage, _data_file(save_id, comm.rank), items, ring, comm.rank, block_size, self.piece_bytes, recorder=result.recorder)
+                staged = StagedWrite(storage, data_file_name(save_id, comm.rank), items, ring, comm.rank, block_size, self.piece_bytes, recorder=result.recorder)
 
         policy = commit or CommitPolicy()
         claims: list[SaveClaim] = []
@@ -314,7 +313,7 @@ class AsyncSaver:
                         staged.write()
                         files[staged.file] = staged.size
                         result.bytes_written = staged.size
-                    _mark(result, "data_file", tb)
+                    mark_phase(result, "data_file", tb)
                     local = prep_out.value.summary(storage, staged.records if staged else [], files, comm)
                     result.bytes_written = sum(local.status["files"].values())
                     return local
@@ -322,8 +321,8 @@ class AsyncSaver:
                 out = run_guarded(write)
             handle._written.set()
             try:
-                _finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
-                _mark(result, "total", t0)
+                finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
+                mark_phase(result, "total", t0)
                 result.timings = result.recorder.summary()
                 result.recorder.emit(trace_dir, on_metrics)
                 log.info("rank %s saved %s bytes to %s in the background: %s", comm.rank, result.bytes_written, where, format_summary(result.timings))
@@ -344,7 +343,7 @@ class AsyncSaver:
             except BaseException as e:  # noqa: BLE001 - the writer reports it via wait()
                 log.debug("snapshot copy failed: %s", e)
                 handle._copied.set()
-        _mark(result, "snapshot", ts)
+        mark_phase(result, "snapshot", ts)
         lazy_copy = None
         if staged is not None and split < len(staged.items):
             def lazy_copy():
@@ -353,7 +352,7 @@ class AsyncSaver:
                 except BaseException as e:  # noqa: BLE001
                     log.debug("lazy snapshot copy failed: %s", e)
                 finally:
-                    _mark(result, "lazy_copy", ts)
+                    mark_phase(result, "lazy_copy", ts)
                     handle._copied.set()
 
             for obj in state.values():
@@ -362,7 +361,7 @@ class AsyncSaver:
         else:
             handle._copied.set()
         self._inflight = handle
-        _mark(result, "blocked", t0)
+        mark_phase(result, "blocked", t0)
         # Workers are woken last: once running they compete for the GIL, and
         # nothing of the training thread's own work should be left by then.
         if lazy_copy is not None and split == 0:

@@ -20,7 +20,10 @@ from ..format.manifest import ChunkMeta, Manifest
 from ..planning.load_plan import ReadOp
 from ..storage.base import ShortReadError, Storage
 
-__all__ = ["ALIGN", "DEFAULT_BLOCK_SIZE", "tensor_bytes", "block_checksums", "write_chunks", "verify_chunk"]
+__all__ = [
+    "ALIGN", "DEFAULT_BLOCK_SIZE", "tensor_bytes", "block_checksums", "write_chunks", "verify_chunk",
+    "verify_blocks", "dest_view", "read_chunk_into",
+]
 
 ALIGN = 64
 DEFAULT_BLOCK_SIZE = 4 << 20
@@ -79,7 +82,16 @@ def _write_chunks(storage, file, items, rank, block, recorder):
     return records, pos
 
 
-def _verify(buf: memoryview, chunk: ChunkMeta, first_block: int, block: int, fqn: str, where: str) -> None:
+def verify_blocks(buf: memoryview, chunk: ChunkMeta, first_block: int, block: int, fqn: str, where: str) -> None:
+    """Check ``buf`` (whole blocks of ``chunk`` from block ``first_block``) against the stored checksums.
+
+    Raises :class:`~shardpoint.errors.CorruptCheckpointError` naming the file,
+    byte range and tensor of the first block that differs.
+
+    Example::
+
+        verify_blocks(memoryview(data), chunk, 0, manifest.block_size, "w", "ckpt")
+    """
     for k in range(0, len(buf), block):
         bi = first_block + k // block
         got = xxhash.xxh3_64_hexdigest(buf[k : k + block])
@@ -92,7 +104,13 @@ def _verify(buf: memoryview, chunk: ChunkMeta, first_block: int, block: int, fqn
             )
 
 
-def _dst_view(target: LoadTarget, op: ReadOp) -> torch.Tensor:
+def dest_view(target: LoadTarget, op: ReadOp) -> torch.Tensor:
+    """The part of ``target``'s destination tensor that ``op`` fills (a view, never a copy).
+
+    Example::
+
+        dest_view(target, op).copy_(source)
+    """
     if target.flat is None:
         base = target.dest.view(target.box.sizes) if target.dest.dim() != len(target.box.sizes) else target.dest
         return base[op.region.relative_to(target.box)]
@@ -100,7 +118,13 @@ def _dst_view(target: LoadTarget, op: ReadOp) -> torch.Tensor:
     return seg[op.region.relative_to(op.dst.box)]
 
 
-def _readinto(storage: Storage, chunk: ChunkMeta, lo: int, buf: memoryview, fqn: str, where: str) -> None:
+def read_chunk_into(storage: Storage, chunk: ChunkMeta, lo: int, buf: memoryview, fqn: str, where: str) -> None:
+    """Fill ``buf`` from byte ``lo`` of ``chunk``; a missing or short file raises a typed error naming the tensor.
+
+    Example::
+
+        read_chunk_into(storage, chunk, 0, memoryview(buf), "w", "ckpt")
+    """
     try:
         storage.readinto(chunk.file, chunk.offset + lo, buf)
     except FileNotFoundError:
@@ -125,5 +149,5 @@ def verify_chunk(storage: Storage, manifest: Manifest, fqn: str, chunk: ChunkMet
     for first in range(0, max(chunk.nbytes, 1), block):
         n = min(block, chunk.nbytes - first)
         mv = memoryview(buf)[:n]
-        _readinto(storage, chunk, first, mv, fqn, storage.url)
-        _verify(mv, chunk, first // block, block, fqn, storage.url)
+        read_chunk_into(storage, chunk, first, mv, fqn, storage.url)
+        verify_blocks(mv, chunk, first // block, block, fqn, storage.url)

@@ -38,7 +38,7 @@ from ..format.manifest import ChunkMeta, Manifest
 from ..geometry import row_major_strides, runs_within
 from ..planning.load_plan import ReadOp, SourceIndex, coverage_gaps, plan_reads
 from ..storage.base import ShortReadError, Storage
-from .io import ALIGN, _dst_view, _readinto, _verify, short_file_error
+from .io import ALIGN, dest_view, read_chunk_into, verify_blocks, short_file_error
 
 __all__ = [
     "LoadStats", "ChunkRead", "SharedSpan", "plan_chunk_reads", "plan_segments", "plan_sharing", "route_sharing",
@@ -293,7 +293,7 @@ def _copy_jobs(r: ChunkRead, buf: torch.Tensor) -> None:
             strides = row_major_strides(op.src.box.sizes)
             run = runs_within(op.src.box, op.region)
             src = typed.as_strided(op.region.sizes, strides, typed.storage_offset() + op.src.start + run.base - base_e)
-            _dst_view(tgt, op).copy_(src)
+            dest_view(tgt, op).copy_(src)
 
 
 def _direct_view(r: ChunkRead) -> torch.Tensor | None:
@@ -303,7 +303,7 @@ def _direct_view(r: ChunkRead) -> torch.Tensor | None:
     tgt, ops = r.jobs[0]
     if len(ops) != 1 or ops[0].region != ops[0].src.box:
         return None
-    dv = _dst_view(tgt, ops[0])
+    dv = dest_view(tgt, ops[0])
     if not dv.is_contiguous() or dv.device.type != "cpu" or dv.numel() * r.itemsize != r.chunk.nbytes:
         return None
     return dv.reshape(-1).view(torch.uint8)
@@ -314,7 +314,7 @@ def _fetch(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str,
         return _fetch_one(storage, r, block, verify, where, into, rec)
     except CorruptCheckpointError:
         # Tiered storage: a corrupt or missing copy on a fast tier comes from the next tier.
-        for alt in getattr(storage, "alternatives", lambda: [])():
+        for alt in storage.alternatives():
             try:
                 return _fetch_one(alt, r, block, verify, where, into, rec)
             except CorruptCheckpointError:
@@ -329,7 +329,7 @@ def _read_segments(storage: Storage, r: ChunkRead, mv: memoryview, where: str, r
         storage.readinto_many(r.chunk.file, [(r.chunk.offset + a, mv[a - r.lo : b - r.lo]) for a, b in r.segments])
     except (FileNotFoundError, ShortReadError):
         for a, b in r.segments:  # piece by piece: the usual error, naming the tensor
-            _readinto(storage, r.chunk, a, mv[a - r.lo : b - r.lo], r.fqn, where)
+            read_chunk_into(storage, r.chunk, a, mv[a - r.lo : b - r.lo], r.fqn, where)
     if rec is not None:
         rec.add("read", t0, time.monotonic(), r.nread)
 
@@ -337,7 +337,7 @@ def _read_segments(storage: Storage, r: ChunkRead, mv: memoryview, where: str, r
 def _fetch_one(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str, into: torch.Tensor | None, rec) -> torch.Tensor:
     buf = into if into is not None else torch.empty(r.hi - r.lo, dtype=torch.uint8)
     mv = memoryview(buf.numpy())
-    if not verify and r.segments is not None and len(r.segments) > 1 and hasattr(storage, "readinto_many"):
+    if not verify and r.segments is not None and len(r.segments) > 1 and storage.vectored_reads:
         _read_segments(storage, r, mv, where, rec)
         return buf
     rs = r.ranges()
@@ -346,10 +346,10 @@ def _fetch_one(storage: Storage, r: ChunkRead, block: int, verify: bool, where: 
     for a, b in rs:
         part = mv[a - r.lo : b - r.lo]
         t0 = time.monotonic()
-        _readinto(storage, r.chunk, a, part, r.fqn, where)
+        read_chunk_into(storage, r.chunk, a, part, r.fqn, where)
         t1 = time.monotonic()
         if verify:
-            _verify(part, r.chunk, a // block, block, r.fqn, where)
+            verify_blocks(part, r.chunk, a // block, block, r.fqn, where)
         if rec is not None:
             rec.add("read", t0, t1, len(part))
             if verify:
@@ -420,7 +420,7 @@ def _fetch_group(storage: Storage, group: Sequence[ChunkRead], where: str, rec) 
     first = group[0]
     try:
         t0 = time.monotonic()
-        _readinto(storage, first.chunk, a - first.chunk.offset, memoryview(buf.numpy()), first.fqn, where)
+        read_chunk_into(storage, first.chunk, a - first.chunk.offset, memoryview(buf.numpy()), first.fqn, where)
         if rec is not None:
             rec.add("read", t0, time.monotonic(), b - a)
     except CorruptCheckpointError:
@@ -440,7 +440,7 @@ def _verified(storage: Storage, r: ChunkRead, buf: torch.Tensor, block: int, whe
     mv = memoryview(buf.numpy())
     try:
         for a, b in r.ranges():
-            _verify(mv[a - r.lo : b - r.lo], r.chunk, a // block, block, r.fqn, where)
+            verify_blocks(mv[a - r.lo : b - r.lo], r.chunk, a // block, block, r.fqn, where)
     except CorruptCheckpointError:
         return _fetch(storage, r, block, True, where, into, rec)
     if rec is not None:
@@ -461,8 +461,7 @@ def _mapped(storage, r: ChunkRead) -> memoryview | None:
     cache skips it. The view is not yet backed by memory: :func:`_fault_in`
     brings it in.
     """
-    map_range = getattr(storage, "map_range", None)
-    return None if map_range is None else map_range(r.chunk.file, r.chunk.offset + r.lo, r.hi - r.lo, r.nread)
+    return storage.map_range(r.chunk.file, r.chunk.offset + r.lo, r.hi - r.lo, r.nread)
 
 
 def _fault_pieces(r: ChunkRead, verify: bool, block: int) -> list[tuple[int, int]]:
@@ -483,19 +482,18 @@ def _fault_in(storage, r: ChunkRead, mv: memoryview, block: int, verify: bool, w
     without holding the interpreter lock; the piece is hashed right after,
     while it is still in the CPU cache. The loading thread then only copies.
     """
-    populate = getattr(storage, "populate", None)  # without it, the hash's page faults bring pages in
+    populate = storage.populate  # the default does nothing: the hash's page faults bring pages in
     for a, b in _fault_pieces(r, verify, block):
         t0 = time.monotonic()
         try:
-            if populate is not None:
-                populate(r.chunk.file, r.chunk.offset + a, b - a)
+            populate(r.chunk.file, r.chunk.offset + a, b - a)
         except ShortReadError as e:
             raise short_file_error(r.chunk, r.fqn, where, e) from None
         t1 = time.monotonic()
         if rec is not None:
             rec.add("read", t0, t1, b - a)
         if verify:
-            _verify(mv[a - r.lo : b - r.lo], r.chunk, a // block, block, r.fqn, where)
+            verify_blocks(mv[a - r.lo : b - r.lo], r.chunk, a // block, block, r.fqn, where)
             if rec is not None:
                 rec.add("verify", t1, time.monotonic(), b - a)
     return torch.frombuffer(mv, dtype=torch.uint8)
@@ -777,7 +775,7 @@ def _execute_shared(storage, reads: Sequence[ChunkRead], comm, block, verify, wh
                     continue
                 if verify:  # what came over the wire is checked like what comes from storage
                     try:
-                        _verify(memoryview(buf[: sp.size].numpy()), r.chunk, r.lo // block, block, r.fqn, where)
+                        verify_blocks(memoryview(buf[: sp.size].numpy()), r.chunk, r.lo // block, block, r.fqn, where)
                     except Exception as e:  # noqa: BLE001
                         errors.append(e)
                         continue
@@ -830,7 +828,7 @@ def execute_reads(
     if share not in (True, False, "auto"):
         raise ValueError(f"share_reads must be True, False or 'auto', got {share!r}")
     auto = share == "auto"
-    if auto and not getattr(storage, "page_cached", False):
+    if auto and not storage.page_cached:
         share, auto = True, False
     with _gc_paused():
         return _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder)
@@ -861,8 +859,8 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
     t_plan = time.monotonic()
     # Backends with high per-request latency (object stores) ask for more reads in flight
     # and for wider coalescing of nearby runs.
-    threads = max(threads, int(getattr(storage, "read_threads", threads)))
-    coalesce = int(getattr(storage, "coalesce_bytes", DEFAULT_COALESCE))
+    threads = max(threads, int(storage.read_threads))
+    coalesce = DEFAULT_COALESCE if storage.coalesce_bytes is None else int(storage.coalesce_bytes)
     group = comm is not None and comm.active and comm.world > 1
     # With auto, every rank on one host means page-cached storage: re-reads come from memory.
     share = share and group and not (auto and _one_host(comm))

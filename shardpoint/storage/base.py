@@ -212,6 +212,95 @@ class Storage(abc.ABC):
         """
         return {n: None for n in self.list(prefix)}
 
+    # --- optional abilities ----------------------------------------------
+    # Every ability beyond the primitives is declared here with a default that is
+    # always safe to call, so callers read a flag or call the method, and never
+    # probe with hasattr/getattr. Backends that have the ability override both.
+
+    # Whether :meth:`readinto_many` is one cheaper call than a loop of
+    # :meth:`readinto` (local files: one name check and descriptor lookup).
+    # The load engine gathers strided runs with it only when this is set.
+    vectored_reads: bool = False
+
+    # How many chunk reads the load engine keeps in flight at least; 0 leaves
+    # its default. Object stores, where each request waits on the network, ask for more.
+    read_threads: int = 0
+
+    # Gap in bytes below which the load engine reads nearby runs of one chunk as
+    # one range; ``None`` leaves the engine's default.
+    coalesce_bytes: int | None = None
+
+    # Whether this storage copies checkpoints down slower tiers in the
+    # background, so that :meth:`wait` for a tier means something.
+    tiered: bool = False
+
+    def readinto_many(self, name: str, parts: Iterable[tuple[int, memoryview]]) -> None:
+        """Fill each ``(offset, buffer)`` of ``parts`` from ``name``; short reads raise.
+
+        This default reads the pieces one by one; backends that do it in one
+        cheaper call override it and set :attr:`vectored_reads`.
+
+        Example::
+
+            storage.readinto_many("data/0.bin", [(0, mv[:4096]), (8192, mv[4096:])])
+        """
+        for offset, buf in parts:
+            self.readinto(name, offset, buf)
+
+    def map_range(self, name: str, offset: int, length: int, count: int | None = None) -> memoryview | None:
+        """Bytes ``[offset, offset + length)`` of ``name`` as a view of a memory mapping, or ``None``.
+
+        ``None`` means "read it instead"; this default always answers so.
+        Backends over a page cache (local files) override it, so that a load
+        that narrows or hashes the bytes skips one copy of each. ``count``
+        is how many of the bytes the caller needs.
+
+        Example::
+
+            view = storage.map_range("data/0.bin", 0, 1 << 20)
+            if view is None:
+                ...  # read into a buffer instead
+        """
+        return None
+
+    def populate(self, name: str, offset: int, length: int) -> bool:
+        """Bring a range mapped by :meth:`map_range` into memory now; ``True`` if it did.
+
+        This default does nothing and answers ``False``: the page faults of
+        whoever touches the mapping bring the pages in instead.
+
+        Example::
+
+            storage.populate("data/0.bin", 0, 1 << 20)
+        """
+        return False
+
+    def alternatives(self) -> list["Storage"]:
+        """Other storages holding the same checkpoint, to retry a missing or corrupt read from, in order.
+
+        None by default; a tiered storage answers with its slower tiers.
+
+        Example::
+
+            for alt in storage.alternatives():
+                ...
+        """
+        return []
+
+    def wait(self, tier: str | int | None = None, timeout: float | None = None) -> None:
+        """Block until background copies have reached ``tier``; only where :attr:`tiered` is set.
+
+        Plain storages have no background copies; this default raises
+        ``NotImplementedError`` so that a wait for a tier is never silently
+        empty. Check :attr:`tiered` first.
+
+        Example::
+
+            if storage.tiered:
+                storage.wait("remote")
+        """
+        raise NotImplementedError(f"{self.url} is not tiered storage; wait(tier=...) needs a TieredStorage")
+
     # --- derived ----------------------------------------------------------
     def read(self, name: str, offset: int, length: int) -> bytes:
         """``length`` bytes of ``name`` from ``offset``."""

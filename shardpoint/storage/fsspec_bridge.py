@@ -44,6 +44,8 @@ from typing import Any
 
 from ..errors import CheckpointError, StorageError
 from .base import MissingDependencyError, Storage, Writer
+from .durable import fsync_path
+from .fsspec_writer import FsspecWriter
 from .safe_open import open_inside
 
 __all__ = ["FsspecStorage"]
@@ -67,83 +69,6 @@ def _mtime(info: dict) -> float | None:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return float(v)
     return None
-
-
-class _FsspecWriter(Writer):
-    def __init__(self, storage: "FsspecStorage", name: str):
-        self._st = storage
-        self._name = name
-        self._path = storage._path(name)
-        self._state = "open"
-        self._committable = False
-        fs = storage.fs
-        try:
-            if storage._local:
-                fs.makedirs(fs._parent(self._path), exist_ok=True)
-                self._f = fs.open(self._path, "wb")
-            else:
-                self._f = self._open_remote(fs)
-        except FileNotFoundError:
-            # Filesystems with real folders (hdfs, sftp) need the parent first.
-            fs.makedirs(fs._parent(self._path), exist_ok=True)
-            self._f = self._open_remote(fs)
-        except Exception as e:  # noqa: BLE001
-            raise storage._wrap("open", name, e) from e
-
-    def _open_remote(self, fs):
-        try:
-            f = fs.open(self._path, "wb", autocommit=False)
-            self._committable = callable(getattr(f, "commit", None))
-            return f
-        except (TypeError, NotImplementedError, ValueError):
-            return fs.open(self._path, "wb")
-
-    def write(self, data) -> None:
-        if self._state != "open":
-            raise StorageError(f"{self._st.url}: write to {self._name} after close or abort")
-        mv = memoryview(data).cast("B")
-        try:
-            self._f.write(mv)
-        except Exception as e:  # noqa: BLE001
-            raise self._st._wrap("write", self._name, e) from e
-        self._st.stats.add_write(len(mv))
-
-    def close(self) -> None:
-        if self._state == "closed":
-            return
-        if self._state == "aborted":
-            raise StorageError(f"{self._st.url}: close of {self._name} after abort")
-        try:
-            if self._st._local:
-                self._f.flush()
-                os.fsync(self._f.fileno())
-                self._f.close()
-                self._st._fsync_dir(self._st.fs._parent(self._path))
-            else:
-                self._f.close()  # flushes the last part; no fsync on object stores
-                if self._committable:
-                    self._f.commit()
-        except Exception as e:  # noqa: BLE001
-            self.abort()
-            raise self._st._wrap("close", self._name, e) from e
-        self._state = "closed"
-
-    def abort(self) -> None:
-        if self._state != "open":
-            return
-        self._state = "aborted"
-        f, fs = self._f, self._st.fs
-        try:
-            if self._committable:
-                f.discard()
-            elif not getattr(f, "closed", True) and self._st._local:
-                f.close()
-        except Exception:  # noqa: BLE001 - abort never raises
-            pass
-        try:
-            fs.rm_file(self._path)
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def _pread_all(fd: int):
@@ -229,13 +154,6 @@ class FsspecStorage(Storage):
             return e
         return StorageError(f"{self.url}: {op} of {name} failed: {type(e).__name__}: {e}")
 
-    def _fsync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def __getstate__(self) -> dict:  # picklable when the filesystem is (fsspec filesystems are)
         d = dict(self.__dict__)
         d["_pool_box"] = None
@@ -280,7 +198,7 @@ class FsspecStorage(Storage):
 
     # --- primitives -------------------------------------------------------------
     def open_writer(self, name: str) -> Writer:
-        return _FsspecWriter(self, name)
+        return FsspecWriter(self, name, self._path(name), self._local, self._wrap)
 
     def readinto(self, name: str, offset: int, buf: memoryview) -> None:
         mv = memoryview(buf).cast("B")
@@ -326,7 +244,7 @@ class FsspecStorage(Storage):
                     except Exception:  # noqa: BLE001
                         pass
                     raise
-                self._fsync_dir(parent)
+                fsync_path(parent)
             else:
                 try:
                     fs.pipe_file(path, bytes(data))
@@ -384,7 +302,7 @@ class FsspecStorage(Storage):
                         return False
                 finally:
                     os.unlink(tmp)
-                self._fsync_dir(parent)
+                fsync_path(parent)
             else:
                 try:
                     fs.pipe_file(path, bytes(data), mode="create")

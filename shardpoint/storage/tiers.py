@@ -97,6 +97,12 @@ def _checkpoint_names(storage: Storage) -> list[str]:
 class TieredStorage(Storage):
     """Storages from fastest to slowest, seen as one; see the module documentation."""
 
+    tiered = True
+    # Reads go through :meth:`readinto`, which falls back tier by tier on each
+    # call, so the single-tier fast paths (vectored reads, mapped ranges, read
+    # tuning) keep the base class's defaults here: a mapped view of the fast
+    # tier could not fall back to a slower one.
+
     def __init__(
         self,
         tiers: Sequence[Storage | str],

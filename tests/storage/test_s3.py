@@ -64,7 +64,7 @@ class TestS3Storage(StorageConformance):
         with storage.open_writer("data/big.bin") as w:
             for i in range(0, len(payload), 3 << 20):  # writes that straddle part boundaries
                 w.write(mv[i : i + (3 << 20)])
-        head = storage.client.head_object(Bucket=storage.bucket, Key=storage._key("data/big.bin"))
+        head = storage.client.head_object(Bucket=storage.bucket, Key=storage.key("data/big.bin"))
         assert head["ContentLength"] == len(payload)
         assert head["ETag"].strip('"').endswith("-3")  # a 3-part multipart object
         out = np.empty(len(payload) - 12345, dtype=np.uint8)
@@ -111,7 +111,7 @@ class TestS3Storage(StorageConformance):
 
     def test_children_share_client_and_pool(self, storage):
         c = storage.child("a").child("b")
-        assert c.url == f"{storage.url}/a/b" and c._shared is storage._shared
+        assert c.url == f"{storage.url}/a/b" and c.shared is storage.shared
         with pytest.raises(StorageError, match="refusing unsafe sub-location"):
             storage.child("../x")
         with pytest.raises(StorageError, match="refusing unsafe name"):
@@ -278,7 +278,7 @@ def _read_in_thread(st: S3Storage, name: str, lo: int, hi: int, out: dict) -> th
 
 def _wait_pending(st: S3Storage, n: int) -> None:
     deadline = time.monotonic() + 10
-    while len(st._shared.reads._pending) < n:
+    while len(st.shared.reads._pending) < n:
         assert time.monotonic() < deadline, "reads did not queue up"
         time.sleep(0.005)
 

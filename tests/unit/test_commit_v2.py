@@ -110,13 +110,13 @@ def _fake_comm(rank, world):
 def test_small_replicated_tensors_are_written_by_copy_zero_and_described_by_one_grid():
     import torch
 
-    from shardpoint.api import SaveResult, _describe, _prepare
+    from shardpoint.api import SaveResult, _describe, prepare_save
 
     state = {"extra": {"step": torch.tensor(3.0), "norm": torch.ones(64), "big": torch.ones(4096), "big2": torch.ones(4096)}}
     mine, digests = {}, set()
     for r in range(4):
         comm = _fake_comm(r, 4)
-        prep = _prepare(state, comm, False, "ck", SaveResult("ck", "x"))
+        prep = prepare_save(state, comm, False, "ck", SaveResult("ck", "x"))
         mine[r] = sorted(t.fqn for t in prep.mine)
         doc, digest, listed = _describe(prep, comm)
         digests.add(digest)
