@@ -123,7 +123,7 @@ class StagedWrite:
                         pos += k
                     chunk_start, sums, in_block, hasher = pos, [], 0, xxhash.xxh3_64()
                 if slot is not None:
-                    ev.wait() if hasattr(ev, "wait") else ev.synchronize()
+                    ev.synchronize()  # blocks this thread until the copy into the slot is done
                     mv = memoryview(slot.view.numpy())
                     t0 = time.monotonic()
                     # Hash incrementally in block_size blocks, whatever the piece size.

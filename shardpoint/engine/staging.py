@@ -33,16 +33,18 @@ def host_buffer(nbytes: int, device: torch.device | None = None) -> torch.Tensor
 class _Done:
     """A completed copy (the CPU path is synchronous)."""
 
-    def wait(self) -> None:
+    def synchronize(self) -> None:
         return None
 
 
 def copy_to_host(dst: torch.Tensor, src: torch.Tensor, streams: dict | None = None) -> Any:
-    """Copy raw bytes ``src`` (uint8, any device) into host ``dst``; return a waitable.
+    """Copy raw bytes ``src`` (uint8, any device) into host ``dst``; return an object to ``synchronize()``.
 
     On CUDA the copy is issued on a side stream with ``non_blocking=True`` and
-    the returned event must be waited on before the bytes are used (untested
-    here: no GPU on this project's machines). On CPU it is a plain copy.
+    the caller must call the returned event's ``synchronize()`` (which blocks
+    the calling thread; an event's ``wait()`` only orders streams) before the
+    bytes are used. The CUDA branch is not exercised by the CPU test suite.
+    On CPU it is a plain copy.
     """
     if src.device.type == "cuda":  # pragma: no cover - no GPU in CI
         key = src.device.index
