@@ -277,10 +277,11 @@ class FsspecStorage(Storage):
         return self._local or bool({"s3", "s3a"} & set(protos))
 
     def create_exclusive(self, name: str, data: bytes) -> bool:
-        """A hard link of a private file on a local filesystem, else ``pipe_file(mode="create")``.
+        """A hard link of a private file on a local filesystem, else a check plus ``pipe_file(mode="create")``.
 
-        s3fs turns the latter into a conditional PUT; other filesystems check
-        and then write, which is best effort (see :attr:`atomic_create`).
+        s3fs turns the latter into a conditional PUT; other filesystems (and
+        fsspec releases that ignore ``mode``) check and then write, which is
+        best effort (see :attr:`atomic_create`).
         """
         path = self._path(name)
         fs = self.fs
@@ -304,6 +305,10 @@ class FsspecStorage(Storage):
                     os.unlink(tmp)
                 fsync_path(parent)
             else:
+                # Checked first as well: older fsspec releases accept mode= and ignore it, which
+                # would turn the create into a silent overwrite of another save's claim.
+                if fs.exists(path):
+                    return False
                 try:
                     fs.pipe_file(path, bytes(data), mode="create")
                 except FileExistsError:
