@@ -9,8 +9,9 @@ local backend and the fsspec bridge on local filesystems do this through
 from __future__ import annotations
 
 import os
+import uuid
 
-__all__ = ["fsync_path"]
+__all__ = ["fsync_path", "create_by_link"]
 
 
 def fsync_path(path: str, ignore_errors: bool = False) -> None:
@@ -37,3 +38,37 @@ def fsync_path(path: str, ignore_errors: bool = False) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def create_by_link(path: str, data: bytes) -> bool:
+    """Create the file ``path`` holding ``data`` only if no file of that name exists; ``False`` if one does.
+
+    The bytes go into a private file in the same folder first, fsynced, which
+    is then hard-linked to ``path``: a link fails if the name exists, so of
+    several racing creators exactly one wins, and nobody ever sees the file
+    half written. The folder must exist; it is fsynced after the link.
+
+    Example::
+
+        if not create_by_link(os.path.join(folder, ".claim"), body):
+            ...  # another writer holds it
+    """
+    folder = os.path.dirname(path)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+    finally:
+        os.unlink(tmp)
+    fsync_path(folder)
+    return True

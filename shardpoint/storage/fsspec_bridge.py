@@ -44,7 +44,7 @@ from typing import Any
 
 from ..errors import CheckpointError, StorageError
 from .base import MissingDependencyError, Storage, Writer
-from .durable import fsync_path
+from .durable import create_by_link, fsync_path
 from .fsspec_writer import FsspecWriter
 from .safe_open import open_inside
 
@@ -289,21 +289,8 @@ class FsspecStorage(Storage):
             if self._local:
                 parent = fs._parent(path)
                 fs.makedirs(parent, exist_ok=True)
-                tmp = f"{parent}/.{path.rsplit('/', 1)[-1]}.{uuid.uuid4().hex}.tmp"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                try:
-                    try:
-                        os.write(fd, data)
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                    try:
-                        os.link(tmp, path)
-                    except FileExistsError:
-                        return False
-                finally:
-                    os.unlink(tmp)
-                fsync_path(parent)
+                if not create_by_link(path, data):
+                    return False
             else:
                 # Checked first as well: older fsspec releases accept mode= and ignore it, which
                 # would turn the create into a silent overwrite of another save's claim.

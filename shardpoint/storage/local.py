@@ -38,7 +38,7 @@ from typing import Any
 
 from ..errors import StorageError
 from .base import ShortReadError, Storage, Writer, merged_options
-from .durable import fsync_path
+from .durable import create_by_link, fsync_path
 from .local_read import MADV_POPULATE_READ, MADV_WILLNEED, ReadFiles, madvise, populate_supported, resident_fraction
 from .local_write import DIRECT_REFUSED, DirectState, DirectWriter, LocalWriter, aligned_buffer, makedirs_durable, pwrite_all
 from .safe_open import open_inside
@@ -282,21 +282,8 @@ class LocalStorage(Storage):
         path = self._path(name)
         d = os.path.dirname(path)
         makedirs_durable(d)
-        tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            try:
-                pwrite_all(fd, memoryview(data).cast("B"), 0)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-        finally:
-            os.unlink(tmp)
-        fsync_path(d)
+        if not create_by_link(path, data):
+            return False
         self.stats.add_write(len(data))
         return True
 
