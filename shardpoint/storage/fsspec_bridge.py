@@ -46,7 +46,7 @@ from ..errors import CheckpointError, StorageError
 from .base import MissingDependencyError, Storage, Writer
 from .durable import create_by_link, fsync_path
 from .fsspec_writer import FsspecWriter
-from .safe_open import open_inside
+from .safe_open import open_inside, read_inside, size_inside
 
 __all__ = ["FsspecStorage"]
 
@@ -69,16 +69,6 @@ def _mtime(info: dict) -> float | None:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return float(v)
     return None
-
-
-def _pread_all(fd: int):
-    pos = 0
-    while True:
-        chunk = os.pread(fd, 16 << 20, pos)
-        if not chunk:
-            return
-        pos += len(chunk)
-        yield chunk
 
 
 class FsspecStorage(Storage):
@@ -256,17 +246,7 @@ class FsspecStorage(Storage):
         self.stats.add_write(len(data))
 
     def _local_whole(self, name: str, limit: int | None) -> bytes:
-        fd = open_inside(self.root, name, self.url)
-        try:
-            size = os.fstat(fd).st_size
-            if limit is not None and size > limit:
-                raise self._too_large(name, size, limit)
-            cap = size if limit is None else min(size, limit)
-            data = os.pread(fd, cap + 1, 0) if cap < (1 << 30) else b"".join(_pread_all(fd))
-        finally:
-            os.close(fd)
-        if limit is not None and len(data) > limit:
-            raise self._too_large(name, len(data), limit)
+        data = read_inside(self.root, name, self.url, limit, lambda n: self._too_large(name, n, limit))
         self.stats.add_read(len(data))
         return data
 
@@ -362,11 +342,7 @@ class FsspecStorage(Storage):
     def size(self, name: str) -> int:
         if self._local:
             self._path(name)
-            fd = open_inside(self.root, name, self.url)
-            try:
-                return os.fstat(fd).st_size
-            finally:
-                os.close(fd)
+            return size_inside(self.root, name, self.url)
         try:
             info = self.fs.info(self._path(name))
         except FileNotFoundError:

@@ -41,7 +41,7 @@ from .base import ShortReadError, Storage, Writer, merged_options
 from .durable import create_by_link, fsync_path
 from .local_read import MADV_POPULATE_READ, MADV_WILLNEED, ReadFiles, madvise, populate_supported, resident_fraction
 from .local_write import DIRECT_REFUSED, DirectState, DirectWriter, LocalWriter, aligned_buffer, makedirs_durable, pwrite_all
-from .safe_open import open_inside
+from .safe_open import open_inside, read_inside, size_inside
 
 # aligned_buffer, fsync_path, populate_supported and resident_fraction are re-exported:
 # callers import them from here.
@@ -306,34 +306,13 @@ class LocalStorage(Storage):
 
     def _read_whole(self, name: str, limit: int | None) -> bytes:
         self._path(name)
-        fd = open_inside(self.root, name, self.url)
-        try:
-            size = os.fstat(fd).st_size
-            if limit is not None and size > limit:
-                raise self._too_large(name, size, limit)
-            cap = size if limit is None else limit
-            parts, got = [], 0
-            while True:  # to the end, in case the file grew; never past the limit
-                chunk = os.pread(fd, max(1, min(cap + 1 - got, 16 << 20)) if limit is not None else 16 << 20, got)
-                if not chunk:
-                    break
-                parts.append(chunk)
-                got += len(chunk)
-                if limit is not None and got > limit:
-                    raise self._too_large(name, got, limit)
-        finally:
-            os.close(fd)
-        data = b"".join(parts)
+        data = read_inside(self.root, name, self.url, limit, lambda n: self._too_large(name, n, limit))
         self.stats.add_read(len(data))
         return data
 
     def size(self, name: str) -> int:
         self._path(name)
-        fd = open_inside(self.root, name, self.url)
-        try:
-            return os.fstat(fd).st_size
-        finally:
-            os.close(fd)
+        return size_inside(self.root, name, self.url)
 
     def list(self, prefix: str = "") -> list[str]:
         out = []

@@ -12,10 +12,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from typing import Callable
 
 from ..errors import StorageError, UnsafeCheckpointError
 
-__all__ = ["open_inside"]
+__all__ = ["open_inside", "size_inside", "read_inside"]
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -96,3 +97,49 @@ def open_inside(root: str, name: str, url: str = "") -> int:
         os.close(fd)
         raise
     return fd
+
+
+def size_inside(root: str, name: str, url: str = "") -> int:
+    """The size of ``root/name``, opened as :func:`open_inside` opens it (so a link or FIFO is refused).
+
+    Example::
+
+        n = size_inside("ckpt/step_100", "manifest.json")
+    """
+    fd = open_inside(root, name, url)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def read_inside(root: str, name: str, url: str, limit: int | None, refuse: Callable[[int], Exception]) -> bytes:
+    """The whole of ``root/name`` through one safely opened descriptor, never more than ``limit`` bytes.
+
+    The ``fstat`` size is checked against ``limit`` before reading, and the
+    read stops one byte past the limit in case the file grew meanwhile; either
+    way ``refuse(size)`` gives the error to raise. ``limit=None`` reads to the
+    end.
+
+    Example::
+
+        data = read_inside(root, "manifest.json", url, 1 << 20, lambda n: ValueError(n))
+    """
+    fd = open_inside(root, name, url)
+    try:
+        size = os.fstat(fd).st_size
+        if limit is not None and size > limit:
+            raise refuse(size)
+        parts, got = [], 0
+        while True:  # to the end, in case the file grew; never past the limit
+            want = 16 << 20 if limit is None else max(1, min(limit + 1 - got, 16 << 20))
+            chunk = os.pread(fd, want, got)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+            if limit is not None and got > limit:
+                raise refuse(got)
+    finally:
+        os.close(fd)
+    return b"".join(parts)
