@@ -52,9 +52,8 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import ConcurrentSaveError, StorageError
-from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage import Storage
-from ..storage.base import remove_unreferenced
+from ..storage.base import committed_files, remove_unreferenced
 
 __all__ = ["CommitPolicy", "SaveClaim", "CLAIM_NAME", "claim_stale_reason", "claim_is_live", "cleanup_after_commit", "host_id", "process_start"]
 
@@ -279,17 +278,7 @@ def cleanup_after_commit(storage: Storage, files, written: bytes, grace_s: float
     st = storage.primary
 
     def committed() -> set[str] | None:
-        try:
-            now = st.get(MANIFEST_NAME)
-        except FileNotFoundError:
-            return None
-        if now == written:
-            return set(files)
-        try:
-            return set(Manifest.from_json(now, where).files)
-        except Exception as e:  # noqa: BLE001 - unreadable: delete nothing
-            log.warning("%s: the committed manifest does not parse (%s)", where, e)
-            return None
+        return committed_files(st, where, known=(written, files))
 
     try:
         return remove_unreferenced(st, files, committed, grace_s)

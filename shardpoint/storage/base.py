@@ -21,9 +21,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 from .. import errors
-from ..errors import StorageError, UnsafeCheckpointError
+from ..errors import CheckpointError, StorageError, UnsafeCheckpointError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.strict import Limits
 
-__all__ = ["Storage", "Writer", "IOStats", "ShortReadError", "MissingDependencyError", "remove_unreferenced"]
+__all__ = ["Storage", "Writer", "IOStats", "ShortReadError", "MissingDependencyError", "committed_files", "remove_unreferenced"]
 
 log = logging.getLogger("shardpoint")
 
@@ -354,6 +356,35 @@ class Storage(abc.ABC):
         return f"{type(self).__name__}({self.url!r})"
 
 
+def committed_files(storage: "Storage", where: str = "", known: tuple[bytes, Iterable[str]] | None = None) -> set[str] | None:
+    """The files the manifest committed in ``storage`` lists now, or ``None`` when none can be read or parsed.
+
+    The manifest is read bounded and parsed strictly, like any load reads
+    it. ``known`` is (manifest bytes, their files) of a manifest the caller
+    just wrote: if the committed one is still those bytes it is not parsed
+    again. This is what :func:`remove_unreferenced` asks right before it
+    deletes anything.
+
+    Example::
+
+        remove_unreferenced(st, manifest.files, lambda: committed_files(st), grace_s=300.0)
+    """
+    try:
+        now = storage.get_limited(MANIFEST_NAME, Limits.from_env().manifest_bytes)
+    except FileNotFoundError:
+        return None
+    except CheckpointError as e:
+        log.warning("%s: the committed manifest cannot be read (%s)", where or storage.url, e)
+        return None
+    if known is not None and now == known[0]:
+        return set(known[1])
+    try:
+        return set(Manifest.from_json(now, where or storage.url).files)
+    except Exception as e:  # noqa: BLE001 - unreadable: the caller deletes nothing
+        log.warning("%s: the committed manifest does not parse (%s)", where or storage.url, e)
+        return None
+
+
 def remove_unreferenced(
     storage: Storage,
     keep: Iterable[str],
@@ -375,7 +406,7 @@ def remove_unreferenced(
 
     Example::
 
-        remove_unreferenced(st, manifest.files, lambda: set(read_files(st)), grace_s=300.0)
+        remove_unreferenced(st, manifest.files, lambda: committed_files(st), grace_s=300.0)
     """
     keep = set(keep)
     now = time.time() if now is None else now

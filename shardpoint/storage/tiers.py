@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 from ..errors import StorageError
 from ..format.manifest import Manifest
 from ..format.strict import Limits
-from .base import ShortReadError, Storage, Writer, remove_unreferenced
+from .base import ShortReadError, Storage, Writer, committed_files, remove_unreferenced
 
 __all__ = ["TieredStorage"]
 
@@ -73,15 +73,6 @@ def _copy_file(src: Storage, dst: Storage, name: str) -> None:
 
 def _at(storage: Storage, sub: str) -> Storage:
     return storage.child(sub) if sub else storage
-
-
-def _listed_files(storage: Storage) -> set[str] | None:
-    """The files the manifest committed in ``storage`` lists now; ``None`` if it cannot be read."""
-    try:
-        files = json.loads(storage.get(MANIFEST).decode("utf-8")).get("files")
-    except (FileNotFoundError, ValueError, UnicodeDecodeError, AttributeError):
-        return None
-    return set(files) if isinstance(files, dict) else None
 
 
 def _checkpoint_names(storage: Storage) -> list[str]:
@@ -200,7 +191,7 @@ class TieredStorage(Storage):
                 for name in files:
                     _copy_file(src, dst, name)
                 dst.put_atomic(MANIFEST, manifest)
-                remove_unreferenced(dst, files, lambda d=dst: _listed_files(d), self.cleanup_grace_s)
+                remove_unreferenced(dst, files, lambda d=dst: committed_files(d), self.cleanup_grace_s)
                 log.info("checkpoint %s durable on tier %s", sub or "<root>", self.names[i])
             self._retain()
         except BaseException as e:

@@ -107,3 +107,23 @@ def test_a_corrupt_large_span_on_the_fast_tier_comes_from_below(tiers, tmp_path)
     assert torch.equal(state["w"], w)
     with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch"):
         sp.load(host, {"w": torch.zeros(300_000)})
+
+
+def test_an_overwrite_cleans_every_tier_of_the_replaced_files(tmp_path):
+    remote = MemoryStorage()
+    t = TieredStorage([str(tmp_path / "host"), remote], names=("host", "remote"), cleanup_grace_s=0)
+    try:
+        first, second = _model(0), _model(1)
+        sp.async_save(t.child("ck"), {"model": first}, commit=sp.CommitPolicy(cleanup_grace_s=0)).wait(tier="remote")
+        old = set(sp.read_manifest(remote.child("ck")).files)
+        sp.async_save(t.child("ck"), {"model": second}, commit=sp.CommitPolicy(cleanup_grace_s=0)).wait(tier="remote")
+        new = set(sp.read_manifest(remote.child("ck")).files)
+        assert old and new and not old & new
+        for tier in (LocalStorage(str(tmp_path / "host" / "ck")), remote.child("ck")):
+            data = {n for n in tier.list("data/")}
+            assert data == new, (tier.url, sorted(data))
+        loaded = _model(2)
+        sp.load(remote.child("ck"), {"model": loaded})
+        assert _same(second, loaded)
+    finally:
+        t.close()
