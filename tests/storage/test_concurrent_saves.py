@@ -29,20 +29,9 @@ from shardpoint.format.manifest import MANIFEST_NAME
 from shardpoint.storage import FsspecStorage, LocalStorage, MemoryStorage, S3Storage
 from shardpoint.storage.base import remove_unreferenced
 from tests.storage.concurrent_worker import make_state
-from tests.storage.s3_helpers import make_bucket, moto_server, s3_options
+from tests.storage.s3_helpers import s3_options
 
 KINDS = ["memory", "local", "fsspec-memory", "fsspec-local", "s3"]
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    with moto_server() as endpoint:
-        yield endpoint
-
-
-@pytest.fixture(scope="module")
-def bucket(s3_endpoint):
-    return make_bucket(s3_endpoint)
 
 
 @pytest.fixture(params=KINDS)

@@ -15,22 +15,11 @@ from shardpoint.errors import StorageError
 from shardpoint.storage import MissingDependencyError, S3Options, S3Storage, S3StorageError, storage_for
 from shardpoint.storage.base import ShortReadError
 
-from .s3_helpers import FaultProxy, make_bucket, moto_server, s3_options
+from .s3_helpers import FaultProxy, s3_options
 from .test_conformance import StorageConformance, write_file
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    with moto_server() as endpoint:
-        yield endpoint
-
-
-@pytest.fixture(scope="session")
-def bucket(s3_endpoint):
-    return make_bucket(s3_endpoint)
 
 
 @pytest.fixture

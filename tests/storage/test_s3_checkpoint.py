@@ -16,22 +16,11 @@ from shardpoint.errors import CheckpointError, StorageError
 from shardpoint.storage import S3Storage, S3StorageError
 from shardpoint.testing import GPTConfig, build, full_state, train_step
 
-from .s3_helpers import FaultProxy, make_bucket, moto_server, s3_options
+from .s3_helpers import FaultProxy, s3_options
 
 pytest.importorskip("moto")
 
 CFG = GPTConfig(vocab=64, dim=32, heads=4, layers=2, seq=16)
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    with moto_server() as endpoint:
-        yield endpoint
-
-
-@pytest.fixture(scope="module")
-def bucket(s3_endpoint):
-    return make_bucket(s3_endpoint)
 
 
 @pytest.fixture
