@@ -37,8 +37,14 @@ EXTRAS = {"cli": ("rich", "tqdm"), "hf": ("safetensors",), "s3": ("boto3",), "pl
 """Each extra and the packages it installs."""
 
 
-def require(module: str, extra: str, feature: str) -> ModuleType:
+def require(module: str, extra: str, feature: str, install: str = "", package: str = "") -> ModuleType:
     """Import ``module`` for ``feature``, or raise a typed error that says how to install it.
+
+    The command named is ``pip install 'shardpoint[<extra>]'``, or ``install``
+    when a package needs more than an extra (torchtitan goes in with
+    ``--no-deps``). The error's ``package`` (``package``, else the module's
+    top-level name) and ``hint`` attributes carry the missing distribution
+    and that command.
 
     Example::
 
@@ -47,7 +53,10 @@ def require(module: str, extra: str, feature: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
+        package = package or module.split(".")[0]
+        hint = install or f"pip install 'shardpoint[{extra}]'"
         raise MissingDependencyError(
-            f"{feature} needs the package {module.split('.')[0]!r}, which is not installed ({e}); "
-            f"install it with: pip install 'shardpoint[{extra}]'"
+            f"{feature} needs the package {package!r}, which is not installed ({e}); install it with: {hint}",
+            package=package,
+            hint=hint,
         ) from None

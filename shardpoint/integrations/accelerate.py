@@ -33,9 +33,9 @@ from typing import Any, Mapping
 from ..api import LoadResult, SaveResult, load, save
 from ..errors import UnsupportedStateError
 from ..rng import RNGState
-from .common import require
+from ..extras import require
 
-require("accelerate", "accelerate", "shardpoint.integrations.accelerate", "pip install 'shardpoint[accelerate]'")
+require("accelerate", "accelerate", "shardpoint.integrations.accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 

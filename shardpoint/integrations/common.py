@@ -1,4 +1,4 @@
-"""What the framework integrations share: optional imports, checkpoint keys and removal.
+"""What the framework integrations share: checkpoint keys and removal.
 
 Kept small on purpose: each integration is a thin translation between a
 framework's checkpoint hooks and :func:`shardpoint.save` / :func:`shardpoint.load`.
@@ -6,36 +6,13 @@ framework's checkpoint hooks and :func:`shardpoint.save` / :func:`shardpoint.loa
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
-from types import ModuleType
 from typing import Any
 
-from ..errors import MissingDependencyError
 from ..storage import storage_for
 
-__all__ = ["require", "top_level_keys", "remove_path"]
-
-
-def require(module: str, package: str, feature: str, hint: str = "") -> ModuleType:
-    """Import ``module``, or raise :class:`MissingDependencyError` saying how to install ``package``.
-
-    ``hint`` is the install command (``pip install <package>`` when empty).
-
-    Example::
-
-        L = require("lightning", "lightning", "shardpoint.integrations.lightning", "pip install 'shardpoint[lightning]'")
-    """
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        hint = hint or f"pip install {package}"
-        raise MissingDependencyError(
-            f"{feature} needs the {package!r} package, which could not be imported ({e}); install it with: {hint}",
-            package=package,
-            hint=hint,
-        ) from e
+__all__ = ["top_level_keys", "remove_path"]
 
 
 def top_level_keys(manifest: Any) -> list[str]:

@@ -36,9 +36,10 @@ from ..api import load, read_manifest, save
 from ..async_save import AsyncSaveHandle, async_save
 from ..errors import UnsupportedStateError
 from ..dist import LOCAL
-from .common import remove_path, require, top_level_keys
+from ..extras import require
+from .common import remove_path, top_level_keys
 
-require("lightning", "lightning", "shardpoint.integrations.lightning", "pip install 'shardpoint[lightning]'")
+require("lightning", "lightning", "shardpoint.integrations.lightning")
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 

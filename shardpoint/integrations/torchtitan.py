@@ -42,9 +42,10 @@ from ..convert.dcp import import_dcp as _convert_dcp
 from ..errors import CheckpointNotFoundError, UnsupportedStateError
 from ..format.manifest import MANIFEST_NAME
 from ..storage import storage_for
-from .common import remove_path, require
+from ..extras import require
+from .common import remove_path
 
-require("torchtitan", "torchtitan", "shardpoint.integrations.torchtitan",
+require("torchtitan", "", "shardpoint.integrations.torchtitan",
         "pip install --no-deps torchtitan, then its requirements (see the torchtitan integration guide)")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.integrations.common import remove_path, require, top_level_keys
+from shardpoint.extras import require
+from shardpoint.integrations.common import remove_path, top_level_keys
 
 
 def test_require_names_the_package_and_the_command():
     with pytest.raises(sp.MissingDependencyError, match=r"pip install no-such-framework") as e:
-        require("no_such_framework_mod", "no-such-framework", "shardpoint.integrations.x")
+        require("no_such_framework_mod", "", "shardpoint.integrations.x", "pip install no-such-framework", package="no-such-framework")
     assert isinstance(e.value, ImportError) and isinstance(e.value, sp.CheckpointError)
     assert e.value.package == "no-such-framework" and e.value.hint == "pip install no-such-framework"
 
