@@ -214,6 +214,36 @@ class Storage(abc.ABC):
         """
         return {n: None for n in self.list(prefix)}
 
+    def sync_deletes(self) -> None:
+        """Make the deletions done so far at this location durable before later ones.
+
+        Retention deletes a checkpoint's manifest first and calls this before
+        deleting its data, so a crash never leaves data without a manifest
+        counted as complete. This default does nothing: where a delete is
+        durable when it returns (object stores, memory) there is nothing to
+        wait for. The local backend fsyncs its folder, best effort.
+
+        Example::
+
+            storage.delete("manifest.json")
+            storage.sync_deletes()
+        """
+
+    def remove_empty_folders(self) -> None:
+        """Remove the folders left empty at this location (itself included), best effort.
+
+        This default does nothing, for stores whose folders are only name
+        prefixes that vanish with their last object. The local backend
+        removes empty directories, deepest first, and leaves any that is not
+        empty.
+
+        Example::
+
+            for name in storage.list(""):
+                storage.delete(name)
+            storage.remove_empty_folders()
+        """
+
     # --- optional abilities ----------------------------------------------
     # Every ability beyond the primitives is declared here with a default that is
     # always safe to call, so callers read a flag or call the method, and never

@@ -334,6 +334,18 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             pass
 
+    def sync_deletes(self) -> None:
+        """fsync this folder, so the deletions in it are durable (errors are passed over)."""
+        fsync_path(self.root, ignore_errors=True)
+
+    def remove_empty_folders(self) -> None:
+        """Remove the empty directories under this folder and the folder itself, deepest first."""
+        for dirpath, _dirs, _files in sorted(os.walk(self.root), key=lambda x: -len(x[0])):
+            try:
+                os.rmdir(dirpath)
+            except OSError:
+                pass  # not empty: something else lives there
+
     def location_exists(self) -> bool:
         return os.path.exists(self.root)
 

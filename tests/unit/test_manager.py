@@ -25,6 +25,7 @@ from shardpoint.manager import (
     OnDemand,
     step_folder,
 )
+from shardpoint.manager.steplock import StepLock
 from shardpoint.storage import LocalStorage, MemoryStorage
 
 from .conftest import build_model, train
@@ -292,11 +293,11 @@ def test_retention_never_deletes_a_checkpoint_being_restored(tmp_path):
     run(mgr, model, opt, 3)
     mgr.close()
     mgr2 = CheckpointManager(root, interval=1, keep_last=1, async_mode=None)
-    mgr2._protected.add(1)  # as restore() does while it loads
+    mgr2._in_use.protect(lambda: [1])  # as restore() does while it loads
     run(mgr2, model, opt, 1, start=3)
     mgr2.wait()
     assert mgr2.steps() == [1, 4]
-    mgr2._protected.clear()
+    mgr2._in_use.release([1])
     run(mgr2, model, opt, 1, start=4)
     mgr2.close()
     assert mgr2.steps() == [5]
@@ -373,12 +374,13 @@ def test_racing_saves_to_one_step_are_rejected(tmp_path):
     root = str(tmp_path / "run")
     a = CheckpointManager(root, interval=1, async_mode=None)
     b = CheckpointManager(root, interval=1, async_mode=None)
-    # a holds the lock of step 5 (its save is running); b's save of step 5 is refused.
-    token = a._acquire(a.path(5), 5)
+    # Another save holds the lock of step 5 (it is running); b's save of step 5 is refused.
+    other = StepLock(owner="other", stale_lock_s=3600)
+    token = other.acquire(a.path(5), 5)
     with pytest.raises(CheckpointConflictError, match="raced"):
         b.save(5, {"x": torch.ones(2)})
     assert a.path(5).list("") == [LOCK_NAME], "the loser wrote nothing"
-    a._release(a.path(5), token)
+    other.release(a.path(5), token)
     # Two threads racing for real: exactly one commits, the other is rejected.
     results: dict[str, str] = {}
     barrier = threading.Barrier(2)
@@ -406,7 +408,7 @@ def test_racing_saves_to_one_step_are_rejected(tmp_path):
 def test_racing_saves_in_memory_storage():
     mem = MemoryStorage()
     a, b = CheckpointManager(mem, async_mode=None), CheckpointManager(mem, async_mode=None)
-    a._acquire(a.path(3), 3)
+    StepLock(owner="other", stale_lock_s=3600).acquire(a.path(3), 3)
     with pytest.raises(CheckpointConflictError):
         b.save(3, {"x": torch.ones(1)})
 
@@ -481,12 +483,12 @@ def test_stalled_background_save_raises_timeout_with_phase(tmp_path):
 
 
 def test_fault_env_hook(monkeypatch):
-    from shardpoint.manager import FAULT_ENV, _fault_from_env
+    from shardpoint.manager import FAULT_ENV, fault_from_env
 
     monkeypatch.delenv(FAULT_ENV, raising=False)
-    assert _fault_from_env() is None
+    assert fault_from_env() is None
     monkeypatch.setenv(FAULT_ENV, json.dumps([{"phase": "lock", "rank": 0, "step": 2, "action": "stall", "seconds": 0.2, "nth": 2}]))
-    hook = _fault_from_env()
+    hook = fault_from_env()
     t = time.monotonic()
     hook("lock", 2, 1)
     hook("lock", 3, 0)
@@ -537,6 +539,6 @@ def test_manager_on_s3():
         assert CheckpointManager(root).restore({"model": m2, "optimizer": o2}) == 8
         assert same(snapshot(m2, o2), refs[8])
         a, b = CheckpointManager(root, async_mode=None), CheckpointManager(root, async_mode=None)
-        a._acquire(a.path(10), 10)
+        StepLock(owner="other", stale_lock_s=3600).acquire(a.path(10), 10)
         with pytest.raises(CheckpointConflictError):
             b.save(10, {"model": model, "optimizer": opt})

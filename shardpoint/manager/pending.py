@@ -1,0 +1,74 @@
+"""The manager's save in flight: its handle, lock token and deadline, and what to say when it stalls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointTimeoutError
+from .layout import step_folder
+
+__all__ = ["PendingSave", "DoneHandle", "stalled_error"]
+
+# What a rank is doing in each phase of a background save, for the stall message.
+_PHASE_WORDS = {
+    "snapshot": "copying the state into staging memory",
+    "write": "this rank is still writing its data to storage",
+    "commit": "this rank's data is written; waiting for other ranks' writes or the manifest",
+}
+
+
+@dataclass
+class PendingSave:
+    """A save the manager started and has not yet seen commit.
+
+    ``lock`` is the step lock's token (rank 0 only); ``deadline`` is set at
+    the first wait and pushed back after each stall so that a later wait
+    waits once more.
+    """
+
+    step: int
+    handle: Any
+    start: float
+    lock: bytes | None
+    deadline: float | None = None
+
+
+class DoneHandle:
+    """A synchronous save's result, shaped like an :class:`~shardpoint.AsyncSaveHandle`.
+
+    Example::
+
+        handle = DoneHandle(sp.save(path, state))
+        handle.wait().bytes_written
+    """
+
+    phase = "done"
+
+    def __init__(self, result):
+        self.result = result
+        self.path = getattr(result, "path", "")
+
+    def done(self) -> bool:
+        """Always true: the save returned."""
+        return True
+
+    def fence(self, timeout: float | None = None) -> None:
+        """Nothing to wait for: the snapshot is long over."""
+        return None
+
+    def wait(self, timeout: float | None = None):
+        """The save's result."""
+        return self.result
+
+
+def stalled_error(rank: int, pending: PendingSave, seconds: float, timeout: float | None) -> CheckpointTimeoutError:
+    """The error for a background save not committed ``seconds`` after it started, naming the phase it is in."""
+    phase = pending.handle.phase
+    what = _PHASE_WORDS.get(phase, phase)
+    return CheckpointTimeoutError(
+        f"rank {rank}: save of {step_folder(pending.step)} stalled in phase {phase!r} ({what}): not "
+        f"committed {seconds:.1f}s after it started (timeout {timeout}s). wait() again to keep "
+        "waiting, or restart the job",
+        rank, phase, pending.step, seconds,
+    )
