@@ -19,6 +19,9 @@ def test_defaults_are_safe_to_call_and_read_piece_by_piece():
     assert st.map_range("data/a.bin", 0, 8) is None
     assert st.populate("data/a.bin", 0, 8) is False
     assert st.alternatives() == []
+    st.sync_deletes()
+    st.remove_empty_folders()
+    assert st.list("") == ["data/a.bin"]
     assert (st.vectored_reads, st.tiered, st.read_threads, st.coalesce_bytes) == (False, False, 0, None)
     with pytest.raises(NotImplementedError, match="is not tiered storage"):
         st.wait("remote")

@@ -270,6 +270,19 @@ class StorageConformance:
         assert times["data/a.bin"] is not None and abs(times["data/a.bin"] - before) < 60
         assert storage.modified_times("nothing/") == {}
 
+    def test_deletes_made_durable_and_empty_folders_removed_keep_every_file(self, storage):
+        write_file(storage, "data/a.bin", b"abc")
+        write_file(storage, "data/deep/b.bin", b"de")
+        storage.put_atomic("manifest.json", b"{}")
+        storage.delete("manifest.json")
+        storage.sync_deletes()
+        storage.delete("data/deep/b.bin")
+        storage.remove_empty_folders()
+        assert storage.list("") == ["data/a.bin"] and storage.get("data/a.bin") == b"abc"
+        storage.delete("data/a.bin")
+        storage.remove_empty_folders()
+        assert storage.list("") == []
+
     def test_child_shares_stats(self, storage):
         c = storage.child("sub")
         c.put_atomic("x", b"1234")
@@ -303,6 +316,15 @@ class TestLocalStorage(StorageConformance):
         with open(os.path.join(storage.root, "data", "a.bin"), "rb") as f:
             assert f.read() == b"hello"
         assert sorted(os.listdir(storage.root)) == ["data", "manifest.json"]
+
+    def test_remove_empty_folders_removes_the_folder_itself(self, storage):
+        write_file(storage, "data/deep/a.bin", b"x")
+        os.makedirs(os.path.join(storage.root, "empty", "deeper"))
+        storage.remove_empty_folders()
+        assert sorted(os.listdir(storage.root)) == ["data"]
+        storage.delete("data/deep/a.bin")
+        storage.remove_empty_folders()
+        assert not os.path.exists(storage.root) and not storage.location_exists()
 
     def test_file_url_and_path_resolution(self, tmp_path):
         st = storage_for(f"file://{tmp_path}/u")
