@@ -56,17 +56,18 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from shardpoint.adapters.base import AdapterContext, LoadTarget, Replicas, SaveTensor, global_cost
+from shardpoint.adapters.base import AdapterContext, Replicas, global_cost
 from shardpoint.api import _commit, _describe, _Local, _Prepared, choose_writers
 from shardpoint.dist import Outcome
 from shardpoint.engine.indexes import IndexReader, resolve, wanted_box
-from shardpoint.engine.io import ALIGN, DEFAULT_BLOCK_SIZE
 from shardpoint.engine.load import LoadStats, plan_chunk_reads
 from shardpoint.errors import CorruptCheckpointError
+from shardpoint.format.datafile import ALIGN, DEFAULT_BLOCK_SIZE
 from shardpoint.format.manifest import MANIFEST_NAME, ChunkMeta, Manifest
 from shardpoint.format.values import _TAG
 from shardpoint.geometry import Box, even_chunks
 from shardpoint.grid import Grid, grid_of_placements
+from shardpoint.items import LoadTarget, SaveTensor
 from shardpoint.planning import assign_writers
 from shardpoint.storage.memory import MemoryStorage
 
