@@ -165,7 +165,7 @@ def prime_page_memory(scratch: str, threads: int = 4, block: int = 8 << 20) -> b
     reports free pages to the host (virtio free page reporting, as on the
     benchmark machine), a cold read into memory the guest has not used
     recently runs at a third of the rate of one into memory freed just
-    before (``probe_page_memory.py``: 1.1 against 3.5 GB/s), so a cold
+    before (1.1 against 3.5 GB/s, docs/benchmarks.md), so a cold
     load's time depends on how much memory the load before it freed.
     Reading and dropping scratch data right before a load hands it that
     much recently used memory. It is not a neutral fix: at three times the

@@ -59,7 +59,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-import _report as R  # noqa: E402
+import report as R  # noqa: E402
 
 TARGETS = {"fsdp2-4": ("fsdp2", 4), "tp-2": ("tp", 2), "ddp-4": ("ddp", 4)}
 SYSTEMS = {

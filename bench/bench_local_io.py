@@ -17,7 +17,7 @@ the local filesystem, again and again, in these ways:
   ``--drop-caches`` (root), cold loads too.
 
 Each repetition runs every case once, on fresh files, in orders balanced
-for the case that ran before (a Williams design, ``_report.carryover_order``).
+for the case that ran before (a Williams design, ``report.carryover_order``).
 Every load is checked bit-exact. Prints MB/s as median [min, max], the CPU
 seconds of this process per operation, and ratios to the buffered baseline.
 
@@ -49,15 +49,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-import _report as R  # noqa: E402
+import report as R  # noqa: E402
 from shardpoint.storage.local import fsync_path  # noqa: E402
 import shardpoint as sp  # noqa: E402
+from shardpoint.format.datafile import padding  # noqa: E402
 from shardpoint.storage import LocalStorage  # noqa: E402
 from shardpoint.testing import GPTConfig, TinyGPT, train_step  # noqa: E402
 
 DEFAULT_CFG = dict(vocab=2048, dim=768, heads=12, layers=5, seq=16)
 QUICK_CFG = dict(vocab=1024, dim=384, heads=6, layers=4, seq=16)
-ALIGN = 64
 
 
 def fs_type(path: str) -> str:
@@ -97,9 +97,10 @@ def blobs_of(tensors: list[torch.Tensor]) -> list[memoryview]:
     """The byte views written by the raw cases, with the 64-byte padding shardpoint uses."""
     out, pos = [], 0
     for t in tensors:
-        if pos % ALIGN:
-            out.append(memoryview(bytes(ALIGN - pos % ALIGN)))
-            pos += ALIGN - pos % ALIGN
+        gap = padding(pos)
+        if gap:
+            out.append(memoryview(bytes(gap)))
+            pos += gap
         mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         out.append(mv)
         pos += len(mv)

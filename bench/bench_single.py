@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-import _report as R  # noqa: E402
+import report as R  # noqa: E402
 import limits as L  # noqa: E402
 
 SYSTEMS = ("torch", "safetensors", "shardpoint")

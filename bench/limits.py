@@ -33,7 +33,6 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-from _report import fraction  # noqa: E402,F401  (re-exported for the other scripts)
 
 BLOCK = 8 << 20  # bytes per write/read call
 

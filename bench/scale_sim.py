@@ -56,17 +56,18 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from shardpoint.adapters.base import AdapterContext, LoadTarget, Replicas, SaveTensor, global_cost
+from shardpoint.adapters.base import AdapterContext, Replicas, global_cost
 from shardpoint.api import _commit, _describe, _Local, _Prepared, choose_writers
 from shardpoint.dist import Outcome
 from shardpoint.engine.indexes import IndexReader, resolve, wanted_box
-from shardpoint.engine.io import ALIGN, DEFAULT_BLOCK_SIZE
 from shardpoint.engine.load import LoadStats, plan_chunk_reads
 from shardpoint.errors import CorruptCheckpointError
+from shardpoint.format.datafile import DEFAULT_BLOCK_SIZE, block_count, padding
 from shardpoint.format.manifest import MANIFEST_NAME, ChunkMeta, Manifest
 from shardpoint.format.values import _TAG
 from shardpoint.geometry import Box, even_chunks
 from shardpoint.grid import Grid, grid_of_placements
+from shardpoint.items import LoadTarget, SaveTensor
 from shardpoint.planning import assign_writers
 from shardpoint.storage.memory import MemoryStorage
 
@@ -440,9 +441,8 @@ def fake_records(rank: int, mine: list[SaveTensor], block: int) -> tuple[list[tu
     pos, recs = 0, []
     for k, t in enumerate(mine):
         nbytes = t.box.numel * ITEMSIZE
-        if pos % ALIGN:
-            pos += ALIGN - pos % ALIGN
-        n = max(1, -(-nbytes // block))
+        pos += padding(pos)
+        n = block_count(nbytes, block)
         seed = (rank * 1_000_003 + k * 7919) & 0xFFFFFFFFFFFF
         sums = tuple(f"{seed:012x}{j & 0xFFFF:04x}" for j in range(n))
         recs.append((t.fqn, ChunkMeta(t.box, name, pos, nbytes, sums, None, rank)))

@@ -48,7 +48,7 @@ from typing import Any
 BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
-import _report as R  # noqa: E402
+import report as R  # noqa: E402
 
 PARTS = ("limits", "single", "sync", "async", "load")
 SIZES = ("100mb", "1.5gb")

@@ -23,7 +23,7 @@ from torch import nn
 
 from .adapters import AdapterContext, SaveTensor, WholeEntry, adapter_for, build_context, default_adapters, unwrap_module
 from .dist import Comm, Outcome, raise_if_failed, run_guarded
-from .engine.io import DEFAULT_BLOCK_SIZE, write_chunks
+from .engine.io import write_chunks
 from .engine.indexes import IndexReader, resolve, resolve_all, wanted_box
 from .engine.claim import CommitPolicy, SaveClaim, cleanup_after_commit
 from .engine.load import execute_reads
@@ -36,13 +36,14 @@ from .errors import (
     StateNotRestoredError,
     UnsupportedStateError,
 )
-from .adapters.base import LoadTarget, dtype_name, torch_dtype
+from .items import LoadTarget, dtype_name, torch_dtype
 from .adapters.reuse import PartCache
 from .adapters.landing import entry_tensors, live_storages, unlanded
 from .adapters.optimizer import own_protocol
 from .adapters.megatron import is_megatron, megatron_global_shapes
 from .geometry import Box
 from .errors import StorageError
+from .format.datafile import DEFAULT_BLOCK_SIZE
 from .format.index import encode_index, fqn_key, index_digest
 from .format.strict import Limits
 from .format.values import check_optimizer_doc

@@ -43,7 +43,7 @@ from .api import SaveResult, check_block_size, check_state, data_file_name, fini
 from .engine.claim import CommitPolicy, SaveClaim
 from .monitor import Recorder, format_summary
 from .dist import Comm, close_at_exit, destroy_private_group, private_group, run_guarded
-from .engine.io import DEFAULT_BLOCK_SIZE
+from .format.datafile import DEFAULT_BLOCK_SIZE
 from .engine.pipeline import StagedWrite
 from .engine.staging import StagingRing
 from .errors import CheckpointError, DistributedError

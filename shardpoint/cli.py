@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .api import read_manifest
 from .engine.indexes import IndexReader
 from .engine.io import verify_chunk
-from .errors import CheckpointError
+from .errors import CheckpointError, ConversionError
 from .extras import require
 from .storage import storage_for
 
@@ -158,7 +158,7 @@ def verify_checkpoint(path: str, jobs: int = 4, quiet: bool = True) -> tuple[int
                 problems.append(str(e))
             continue
         work.extend((fqn, c) for c in chunks)
-    from .convert.common import progress
+    from .convert.options import progress
 
     def check(item):
         fqn, c = item
@@ -211,8 +211,6 @@ def _staged(out: str, force: bool, folder: bool = True):
         yield out
         return
     out = out[len("file://"):] if out.startswith("file://") else out
-    from .convert.common import ConversionError
-
     if os.path.exists(out) and not force:
         if not folder:
             raise ConversionError(f"{out} exists; pass --force to replace it")
@@ -247,14 +245,15 @@ _DEFAULT_PREFIX = {"hf": "model.", "torch": "model.", "dcp": "", "deepspeed": ""
 
 
 def _export(args) -> int:
-    from .convert import common, export_dcp, export_hf, export_torch
+    from .convert import export_dcp, export_hf, export_torch
+    from .convert.options import parse_dtype
     from .convert.hf import HF_CONFIG_KEY
 
-    dtype = common.parse_dtype(args.dtype)
+    dtype = parse_dtype(args.dtype)
     prefix = _DEFAULT_PREFIX[args.to] if args.prefix is None else args.prefix
     kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype, force=args.force, quiet=args.quiet, verify=not args.no_verify)
     if args.to != "hf" and (args.config or args.shard_size != "5GB" or args.config_key != HF_CONFIG_KEY):
-        raise common.ConversionError("--config, --config-key and --shard-size apply to --to hf only")
+        raise ConversionError("--config, --config-key and --shard-size apply to --to hf only")
     with _staged(args.out, args.force, folder=args.to != "torch") as out:
         if out != args.out:
             kw["force"] = True  # the staging folder is new; the real output was checked above
@@ -275,9 +274,10 @@ def _export(args) -> int:
 
 
 def _import(args) -> int:
-    from .convert import common, import_dcp, import_hf, import_torch
+    from .convert import import_dcp, import_hf, import_torch
+    from .convert.options import parse_dtype
 
-    dtype = common.parse_dtype(args.dtype)
+    dtype = parse_dtype(args.dtype)
     prefix = _DEFAULT_PREFIX[args.fmt] if args.prefix is None else args.prefix
     kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype, block_size=args.block_size, force=args.force, quiet=args.quiet)
     with _staged(args.path, args.force) as path:

@@ -27,6 +27,7 @@ __all__ = [
     "StateNotRestoredError",
     "IncompleteStateError",
     "ConcurrentSaveError",
+    "ConversionError",
 ]
 
 
@@ -164,3 +165,7 @@ class ConcurrentSaveError(CheckpointError):
     def __init__(self, message: str, path: str = "", holder: str = ""):
         super().__init__(message)
         self.path, self.holder = path, holder
+
+
+class ConversionError(CheckpointError):
+    """A conversion cannot proceed: bad arguments, an unsupported input, an unsafe output."""

@@ -47,7 +47,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from .adapters.base import LoadTarget, SaveTensor
+from .items import LoadTarget, SaveTensor
 from .errors import UnsupportedStateError
 from .format.manifest import TensorMeta
 from .geometry import Box

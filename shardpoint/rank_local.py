@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from .adapters.base import SaveTensor
+from .items import SaveTensor
 from .errors import UnsupportedStateError
 from .geometry import Box
 

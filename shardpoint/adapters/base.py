@@ -4,7 +4,9 @@ An adapter turns one entry of the user's ``state`` into
 :class:`SaveTensor` items (local data plus where it sits in the global tensor)
 and JSON-safe values, and on load into :class:`LoadTarget` items (local
 tensors to fill in place) plus a ``finish`` callback that installs the result.
-The rest of shardpoint never imports a framework.
+The rest of shardpoint never imports a framework. :class:`SaveTensor`,
+:class:`LoadTarget` and the dtype names are defined in :mod:`shardpoint.items`
+(the engine uses them too) and re-exported here.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from ..errors import ShapeMismatchError
 from ..geometry import Box
+from ..items import LoadTarget, SaveTensor, dtype_name, torch_dtype
 
 __all__ = [
     "SaveTensor",
@@ -30,68 +33,6 @@ __all__ = [
     "dtype_name",
     "torch_dtype",
 ]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The manifest name of a torch dtype (``torch.float32`` -> ``"float32"``)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dt
-
-
-@dataclass
-class SaveTensor:
-    """One local shard to save.
-
-    ``data`` holds the shard's elements: shaped like ``box`` when ``flat`` is
-    ``None``, otherwise a 1-D tensor of elements ``[flat[0], flat[1])`` of the
-    box's row-major order. ``replica_index``/``replica_count`` say which copy
-    this is among ranks holding identical data; exactly one copy is written.
-    ``cost`` is a rank-independent size estimate used to balance writers.
-    ``replica_group`` names the group whose ranks all list the same replicated
-    tensors (``""``: the whole process group); writers are balanced within
-    each group separately, since ranks of different pipeline stages hold
-    different tensors. ``grid`` describes the whole tensor's split over a mesh
-    of ranks (format version 2 records it instead of every chunk); the save
-    checks it against ``box`` and the copy index before trusting it.
-    """
-
-    fqn: str
-    data: torch.Tensor
-    shape: tuple[int, ...]
-    box: Box
-    flat: tuple[int, int] | None = None
-    replica_index: int = 0
-    replica_count: int = 1
-    cost: float = 0.0
-    layout: str = ""
-    replica_group: str = ""
-    grid: Any = None  # a shardpoint.grid.Grid in global ranks, when the layout has one (DTensors)
-
-    @property
-    def nbytes(self) -> int:
-        n = self.box.numel if self.flat is None else self.flat[1] - self.flat[0]
-        return n * self.data.element_size()
-
-
-@dataclass
-class LoadTarget:
-    """One local tensor to fill from the checkpoint, in place.
-
-    ``dest`` is shaped like ``box`` (or 1-D over ``flat``), with the dtype and
-    global ``shape`` the target expects.
-    """
-
-    fqn: str
-    dest: torch.Tensor
-    shape: tuple[int, ...]
-    box: Box
-    flat: tuple[int, int] | None = None
 
 
 @dataclass

@@ -21,7 +21,9 @@ Example::
     import_hf("hf_out", "ckpt/restart")
 """
 
-from .common import CheckpointReader, CheckpointWriter, ConversionError, NameMap
+from ..errors import ConversionError
+from .common import CheckpointReader, CheckpointWriter
+from .options import NameMap
 from .dcp import export_dcp, import_dcp
 from .diff import DiffResult, TensorDiff, diff
 from .hf import HFExportResult, ImportResult, export_hf, import_hf

@@ -38,25 +38,14 @@ from typing import Any, Sequence
 
 import torch
 
-from ..adapters.base import torch_dtype
-from ..engine.io import DEFAULT_BLOCK_SIZE
 from ..dcp_names import dcp_to_native, is_dcp_optimizer_doc, is_native_optimizer_doc, native_to_dcp, rename_refs
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConversionError
+from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..format.values import decode_value
 from ..geometry import Box
-from .common import (
-    CheckpointReader,
-    CheckpointWriter,
-    ConversionError,
-    NameMap,
-    cast,
-    encodable,
-    encode_entries,
-    parse_rename,
-    prepare_output_dir,
-    progress,
-    top_key,
-)
+from ..items import torch_dtype
+from .common import CheckpointReader, CheckpointWriter, encodable, encode_entries
+from .options import NameMap, cast, parse_rename, prepare_output_dir, progress, top_key
 from .hf import ImportResult
 
 __all__ = ["export_dcp", "import_dcp", "DCPExportResult", "TRUST_PICKLE_HELP"]

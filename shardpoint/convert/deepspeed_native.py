@@ -47,10 +47,12 @@ from typing import Any, Sequence
 import torch
 
 from ..adapters.deepspeed import scaler_doc, zero3_pieces, zero12_pieces
-from ..engine.io import DEFAULT_BLOCK_SIZE
+from ..errors import ConversionError
+from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..format.values import encode_value
 from ..geometry import Box, flat_range_pieces
-from .common import CheckpointWriter, ConversionError, prepare_output_dir
+from .common import CheckpointWriter
+from .options import prepare_output_dir
 from .hf import ImportResult
 
 __all__ = ["import_deepspeed", "deepspeed_files", "DEEPSPEED_TRUST_HELP"]

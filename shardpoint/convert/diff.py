@@ -26,7 +26,8 @@ from typing import Sequence
 
 import torch
 
-from .common import CheckpointReader, progress
+from .common import CheckpointReader
+from .options import progress
 
 __all__ = ["diff", "DiffResult", "TensorDiff"]
 

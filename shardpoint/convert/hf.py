@@ -42,21 +42,14 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..adapters.base import torch_dtype
-from ..engine.io import DEFAULT_BLOCK_SIZE, tensor_bytes
+from ..engine.io import tensor_bytes
+from ..errors import ConversionError
 from ..extras import require
+from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..format.values import decode_value
-from .common import (
-    CheckpointReader,
-    CheckpointWriter,
-    ConversionError,
-    NameMap,
-    cast,
-    parse_rename,
-    parse_size,
-    prepare_output_dir,
-    progress,
-)
+from ..items import torch_dtype
+from .common import CheckpointReader, CheckpointWriter
+from .options import NameMap, cast, parse_rename, parse_size, prepare_output_dir, progress
 
 __all__ = [
     "export_hf",

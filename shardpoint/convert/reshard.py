@@ -37,8 +37,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..errors import ConversionError
 from ..geometry import Box
-from .common import CheckpointReader, CheckpointWriter, ConversionError, prepare_output_dir, progress
+from .common import CheckpointReader, CheckpointWriter
+from .options import prepare_output_dir, progress
 
 __all__ = ["TargetLayout", "parse_layout", "reshard", "ReshardResult"]
 

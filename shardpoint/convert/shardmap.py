@@ -18,9 +18,9 @@ from __future__ import annotations
 import fnmatch
 from typing import Sequence
 
+from ..errors import ConversionError
 from ..extras import require
 from ..format.manifest import ChunkMeta, Manifest, TensorMeta
-from .common import ConversionError
 
 __all__ = ["chunk_table", "plot_shard_map"]
 

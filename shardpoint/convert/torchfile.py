@@ -30,23 +30,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..adapters.base import torch_dtype
-from ..engine.io import DEFAULT_BLOCK_SIZE
-from .common import (
-    CheckpointReader,
-    CheckpointWriter,
-    ConversionError,
-    NameMap,
-    cast,
-    encodable,
-    encode_entries,
-    parse_rename,
-    path_name,
-    prepare_output_dir,
-    progress,
-    top_key,
-    walk,
-)
+from ..errors import ConversionError
+from ..format.datafile import DEFAULT_BLOCK_SIZE
+from ..items import torch_dtype
+from .common import CheckpointReader, CheckpointWriter, encodable, encode_entries, path_name, walk
+from .options import NameMap, cast, parse_rename, prepare_output_dir, progress, top_key
 from .hf import ImportResult
 
 __all__ = ["export_torch", "import_torch", "TORCH_TRUST_HELP"]

@@ -1,32 +1,31 @@
 """Running plans against storage: write chunks with checksums; read, verify and copy.
 
 This is the synchronous engine. Bytes move without pickle: a tensor is viewed
-as raw little-endian bytes, written at a 64-byte aligned offset, and hashed in
-``block_size`` blocks with xxh3_64 so that a partial read can still be checked.
+as raw little-endian bytes and laid out by
+:class:`shardpoint.format.datafile.DataFileWriter` (64-byte aligned, hashed in
+``block_size`` blocks with xxh3_64 so that a partial read can still be checked).
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from typing import Sequence
 
 import torch
-import xxhash
 
-from ..adapters.base import LoadTarget, SaveTensor
 from ..errors import CorruptCheckpointError, ShapeMismatchError, StorageError
+from ..format.datafile import ALIGN, DEFAULT_BLOCK_SIZE, DataFileWriter, block_checksums, verify_blocks
 from ..format.manifest import ChunkMeta, Manifest
+from ..items import LoadTarget, SaveTensor
 from ..planning.load_plan import ReadOp
 from ..storage.base import ShortReadError, Storage
 
+# ALIGN, DEFAULT_BLOCK_SIZE, block_checksums and verify_blocks live in format.datafile; kept here too
+# so that engine code written against this module keeps importing.
 __all__ = [
     "ALIGN", "DEFAULT_BLOCK_SIZE", "tensor_bytes", "block_checksums", "write_chunks", "verify_chunk",
     "verify_blocks", "dest_view", "read_chunk_into",
 ]
-
-ALIGN = 64
-DEFAULT_BLOCK_SIZE = 4 << 20
 
 if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("shardpoint's format is little-endian; big-endian hosts are not supported")
@@ -41,12 +40,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
 
-def block_checksums(mv: memoryview, block: int) -> list[str]:
-    if len(mv) == 0:
-        return [xxhash.xxh3_64_hexdigest(b"")]
-    return [xxhash.xxh3_64_hexdigest(mv[i : i + block]) for i in range(0, len(mv), block)]
-
-
 def write_chunks(
     storage: Storage, file: str, items: Sequence[SaveTensor], rank: int, block: int, recorder=None
 ) -> tuple[list[tuple[str, ChunkMeta]], int]:
@@ -59,49 +52,14 @@ def write_chunks(
 
 def _write_chunks(storage, file, items, rank, block, recorder):
     records: list[tuple[str, ChunkMeta]] = []
-    pos = 0
-    pad = bytes(ALIGN)
     with storage.open_writer(file) as w:
+        out = DataFileWriter(w, file, block, rank, recorder)
         for it in items:
             mv = tensor_bytes(it.data)
             if len(mv) != it.nbytes:
                 raise ShapeMismatchError(f"{it.fqn}: local data has {len(mv)} bytes, geometry says {it.nbytes}")
-            if pos % ALIGN:
-                n = ALIGN - pos % ALIGN
-                w.write(pad[:n])
-                pos += n
-            t0 = time.monotonic()
-            sums = block_checksums(mv, block)
-            t1 = time.monotonic()
-            w.write(mv)
-            if recorder is not None:
-                recorder.add("checksum", t0, t1, len(mv))
-                recorder.add("write", t1, time.monotonic(), len(mv))
-            records.append((it.fqn, ChunkMeta(it.box, file, pos, len(mv), tuple(sums), it.flat, rank)))
-            pos += len(mv)
-    return records, pos
-
-
-def verify_blocks(buf: memoryview, chunk: ChunkMeta, first_block: int, block: int, fqn: str, where: str) -> None:
-    """Check ``buf`` (whole blocks of ``chunk`` from block ``first_block``) against the stored checksums.
-
-    Raises :class:`~shardpoint.errors.CorruptCheckpointError` naming the file,
-    byte range and tensor of the first block that differs.
-
-    Example::
-
-        verify_blocks(memoryview(data), chunk, 0, manifest.block_size, "w", "ckpt")
-    """
-    for k in range(0, len(buf), block):
-        bi = first_block + k // block
-        got = xxhash.xxh3_64_hexdigest(buf[k : k + block])
-        if got != chunk.checksums[bi]:
-            lo = bi * block
-            raise CorruptCheckpointError(
-                f"{where}: checksum mismatch in {chunk.file} bytes "
-                f"[{chunk.offset + lo}, {chunk.offset + min(lo + block, chunk.nbytes)}) of tensor {fqn!r} "
-                f"(chunk at offsets {list(chunk.box.offsets)}); the checkpoint is corrupt"
-            )
+            records.append((it.fqn, out.add(mv, it.box, it.flat)))
+    return records, out.pos
 
 
 def dest_view(target: LoadTarget, op: ReadOp) -> torch.Tensor:

@@ -32,13 +32,14 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ..adapters.base import LoadTarget, dtype_name, torch_dtype
 from ..errors import CorruptCheckpointError, ShapeMismatchError
+from ..format.datafile import ALIGN, verify_blocks
 from ..format.manifest import ChunkMeta, Manifest
+from ..items import LoadTarget, dtype_name, torch_dtype
 from ..geometry import row_major_strides, runs_within
 from ..planning.load_plan import ReadOp, SourceIndex, coverage_gaps, plan_reads
 from ..storage.base import ShortReadError, Storage
-from .io import ALIGN, dest_view, read_chunk_into, verify_blocks, short_file_error
+from .io import dest_view, read_chunk_into, short_file_error
 
 __all__ = [
     "LoadStats", "ChunkRead", "SharedSpan", "plan_chunk_reads", "plan_segments", "plan_sharing", "route_sharing",

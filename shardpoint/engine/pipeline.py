@@ -1,8 +1,10 @@
 """The staged save pipeline: copy into a bounded ring, then checksum and write.
 
 A copier stages each tensor's bytes into a :class:`StagingRing` in pieces; a
-writer drains the ring in order, hashing ``block_size`` blocks incrementally
-(pieces need not align with blocks) and appending to the rank's data file.
+writer drains the ring in order into a
+:class:`~shardpoint.format.datafile.DataFileWriter`, which hashes
+``block_size`` blocks incrementally (pieces need not align with blocks) and
+appends to the rank's data file.
 Copier and writer run concurrently, so a state larger than the ring streams
 through it with back-pressure.
 """
@@ -16,13 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-import xxhash
 
-from ..adapters.base import SaveTensor
 from ..errors import ShapeMismatchError, StorageError
+from ..format.datafile import DataFileWriter
 from ..format.manifest import ChunkMeta
+from ..items import SaveTensor
 from ..storage.base import Storage
-from .io import ALIGN
 from .staging import StagingRing, copy_to_host
 
 __all__ = ["StagedWrite"]
@@ -99,15 +100,10 @@ class StagedWrite:
 
     def write(self) -> None:
         """Drain the queue into the data file; raises what the copier raised."""
-        pos = 0
-        pad = bytes(ALIGN)
-        hasher = None
-        sums: list[str] = []
-        in_block = 0
-        chunk_start = 0
         writer = None
         try:
             writer = self.storage.open_writer(self.file)
+            out = DataFileWriter(writer, self.file, self.block, self.rank, self.recorder)
             while True:
                 msg = self._q.get()
                 if msg is _END:
@@ -117,41 +113,16 @@ class StagedWrite:
                 i, off, slot, ev, final = msg
                 it = self.items[i]
                 if off == 0:
-                    if pos % ALIGN:
-                        k = ALIGN - pos % ALIGN
-                        writer.write(pad[:k])
-                        pos += k
-                    chunk_start, sums, in_block, hasher = pos, [], 0, xxhash.xxh3_64()
+                    out.begin()
                 if slot is not None:
                     ev.synchronize()  # blocks this thread until the copy into the slot is done
-                    mv = memoryview(slot.view.numpy())
-                    t0 = time.monotonic()
-                    # Hash incrementally in block_size blocks, whatever the piece size.
-                    k = 0
-                    while k < len(mv):
-                        take = min(self.block - in_block, len(mv) - k)
-                        hasher.update(mv[k : k + take])
-                        in_block += take
-                        k += take
-                        if in_block == self.block:
-                            sums.append(hasher.hexdigest())
-                            hasher, in_block = xxhash.xxh3_64(), 0
-                    t1 = time.monotonic()
-                    writer.write(mv)
-                    if self.recorder is not None:
-                        self.recorder.add("checksum", t0, t1, len(mv))
-                        self.recorder.add("write", t1, time.monotonic(), len(mv))
-                    pos += len(mv)
+                    out.write(memoryview(slot.view.numpy()))
                     self.ring.release(slot)
                 if final:
-                    if in_block or not sums:
-                        sums.append(hasher.hexdigest())
-                    self.records.append(
-                        (it.fqn, ChunkMeta(it.box, self.file, chunk_start, pos - chunk_start, tuple(sums), it.flat, self.rank))
-                    )
+                    self.records.append((it.fqn, out.end(it.box, it.flat)))
             writer.close()
             writer = None
-            self.size = pos
+            self.size = out.pos
         except BaseException as e:
             self.failed.set()
             if writer is not None:

@@ -1,5 +1,9 @@
-"""The on-disk contract: the JSON manifest, per-rank chunk indexes and the safe value codec. See docs/format.md."""
+"""The on-disk contract: the JSON manifest, per-rank chunk indexes, the data-file layout and the safe value codec.
 
+See docs/format.md.
+"""
+
+from .datafile import ALIGN, DEFAULT_BLOCK_SIZE, DataFileWriter, block_checksums, verify_blocks
 from .index import ChunkIndex, encode_index, fqn_key, index_digest
 from .manifest import (
     DTYPE_SIZES,
@@ -18,6 +22,11 @@ from .strict import Limits, strict_loads
 from .values import check_optimizer_doc, decode_value, encode_value
 
 __all__ = [
+    "ALIGN",
+    "DEFAULT_BLOCK_SIZE",
+    "DataFileWriter",
+    "block_checksums",
+    "verify_blocks",
     "DTYPE_SIZES",
     "FORMAT_VERSION",
     "MANIFEST_NAME",

@@ -1,12 +1,10 @@
-"""The benchmark suite's pure helpers (bench/_report.py): statistics, ratios, tables, merging."""
+"""The benchmark suite's pure helpers (bench/report.py): statistics, ratios, tables, merging."""
 
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import _report as R  # noqa: E402
+from bench import report as R
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
@@ -92,7 +90,7 @@ def test_merge_entries_replaces_same_key_in_place_and_appends_new():
 
 
 def test_suite_plan_quick_and_full():
-    import suite
+    from bench import suite
 
     quick = suite.plan(True, ["100mb"], suite.PARTS, suite.LAYOUTS)
     assert [p["part"] for p in quick] == ["limits", "single", "sync", "sync", "sync", "async", "load"]

@@ -28,7 +28,7 @@ from shardpoint.convert import (
     parse_layout,
     reshard,
 )
-from shardpoint.convert.common import parse_dtype, parse_rename, parse_size
+from shardpoint.convert.options import parse_dtype, parse_rename, parse_size
 from shardpoint.errors import UnsupportedStateError
 from shardpoint.geometry import Box
 from shardpoint.testing import GPTConfig, TinyGPT

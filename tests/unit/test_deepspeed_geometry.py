@@ -23,7 +23,7 @@ from shardpoint.adapters.deepspeed import (
     zero12_pieces,
 )
 from shardpoint.adapters.fsdp1 import Piece1D
-from shardpoint.convert.common import ConversionError
+from shardpoint.errors import ConversionError
 from shardpoint.convert.deepspeed_native import (
     DEEPSPEED_TRUST_HELP,
     deepspeed_files,

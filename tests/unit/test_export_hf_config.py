@@ -17,7 +17,7 @@ import torch
 import shardpoint as sp
 from shardpoint.cli import main
 from shardpoint.convert import export_hf
-from shardpoint.convert.common import ConversionError
+from shardpoint.errors import ConversionError
 from shardpoint.convert.hf import HF_CONFIG_KEY, carried_config
 
 transformers = pytest.importorskip("transformers")

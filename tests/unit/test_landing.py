@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardpoint.adapters.base import LoadTarget
+from shardpoint.items import LoadTarget
 from shardpoint.adapters.landing import alias_key, live_storages, module_tensors, same_bits, unlanded
 from shardpoint.adapters.module import protocol_prefixes
 from shardpoint.geometry import Box

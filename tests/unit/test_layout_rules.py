@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.adapters.base import SaveTensor
+from shardpoint.items import SaveTensor
 from shardpoint.geometry import Box
 from shardpoint.layouts import Fused, Padded, apply_save
 from shardpoint.testing import GPTConfig, TinyGPT, train_step

@@ -6,11 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardpoint.adapters.base import LoadTarget
-from shardpoint.engine.io import ALIGN
 from shardpoint.engine.load import BATCH_BYTES, ChunkRead, LoadStats, batch_reads, order_reads, plan_chunk_reads, plan_segments
+from shardpoint.format.datafile import ALIGN
 from shardpoint.format.manifest import ChunkMeta, Manifest, TensorMeta
 from shardpoint.geometry import Box
+from shardpoint.items import LoadTarget
 from shardpoint.testing import flip_byte
 
 SIZE = 1000

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardpoint as sp
-from shardpoint.adapters.base import LoadTarget
+from shardpoint.items import LoadTarget
 from shardpoint.engine.load import LoadStats, plan_chunk_reads, plan_sharing
 from shardpoint.format.manifest import ChunkMeta, Manifest, TensorMeta
 from shardpoint.geometry import Box
