@@ -18,7 +18,8 @@ runs a save or load on the calling rank alone.
 """
 
 from .api import CommitPolicy, LoadResult, SaveResult, load, read_manifest, read_tensor, save
-from .async_save import AsyncSaveHandle, AsyncSaver, async_save
+from .async_handle import AsyncSaveHandle
+from .async_save import AsyncSaver, async_save
 from .dist import LOCAL
 from .errors import (
     CheckpointConflictError,

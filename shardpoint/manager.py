@@ -576,6 +576,12 @@ class CheckpointManager:
             its interval, and ``restore`` from the newest step complete in this
             host's or peers' memory before the stored ones (see
             :mod:`shardpoint.peer`); ``last_restore`` reports the step and source.
+        prewarm: make the private groups, the saver's worker threads and its
+            staging buffer now (see :meth:`~shardpoint.AsyncSaver.prewarm`), so the
+            first save stalls no longer than later ones. The constructor is then
+            collective: every rank constructs the manager together.
+        prewarm_state: the state that will be saved; with it the staging
+            memory is also sized to it and touched, and its save plan cached.
 
     Example::
 
@@ -605,6 +611,8 @@ class CheckpointManager:
         clock: Callable[[], float] = time.monotonic,
         fault_hook: Callable[[str, int | None, int], None] | None = None,
         memory: Any = None,
+        prewarm: bool = True,
+        prewarm_state: MutableMapping[str, Any] | None = None,
     ):
         if keep_last is not None and int(keep_last) < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -658,6 +666,12 @@ class CheckpointManager:
         # Peer memory: a PeerMemory tier and the report of the last restore
         self.memory = memory
         self.last_restore: Any = None
+        if prewarm or prewarm_state is not None:  # collective: every rank constructs the manager together
+            comm = self._comm()
+            if async_mode is not None:
+                self._get_saver().prewarm(prewarm_state)
+            if memory is not None:
+                memory.prewarm(comm, prewarm_state)
 
     # ------------------------------------------------------------ public
     @property
