@@ -18,7 +18,8 @@ runs a save or load on the calling rank alone.
 """
 
 from .api import CommitPolicy, LoadResult, SaveResult, load, read_manifest, read_tensor, save
-from .async_save import AsyncSaveHandle, AsyncSaver, async_save
+from .async_handle import AsyncSaveHandle
+from .async_save import AsyncSaver, Prewarmed, async_save, default_saver
 from .dist import LOCAL
 from .errors import (
     CheckpointConflictError,
@@ -55,6 +56,8 @@ __all__ = [
     "async_save",
     "AsyncSaver",
     "AsyncSaveHandle",
+    "Prewarmed",
+    "default_saver",
     "load",
     "LOCAL",
     "read_manifest",

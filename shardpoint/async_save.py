@@ -19,9 +19,15 @@ Coordination (the save id, the gather of chunk records, the commit) runs on a
 dedicated gloo process group owned by the :class:`AsyncSaver`, so background
 collectives never interleave with the training loop's own collectives.
 
+Pre-warming: by default an :class:`AsyncSaver` makes its private group and
+its worker threads when it is constructed (so every rank of the group
+constructs it together), and ``prewarm_state=`` also touches the staging
+memory that state will fill. The first save then stalls the loop no longer
+than later ones.
+
 Example::
 
-    saver = sp.AsyncSaver(staging_bytes=1 << 30)
+    saver = sp.AsyncSaver(staging_bytes=1 << 30, prewarm_state=state)
     h = saver.save("ckpt/step_200", state, mode="lazy")
     ...  # forward, backward; the step pre-hook waits for the copy if needed
     h.wait()
@@ -31,14 +37,15 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, MutableMapping, Sequence
 
 import torch
 
+from .async_handle import AsyncSaveHandle
 from .api import SaveResult, check_block_size, check_state, data_file_name, finish_save, mark_phase, prepare_save
 from .engine.claim import CommitPolicy, SaveClaim
 from .monitor import Recorder, format_summary
@@ -46,92 +53,33 @@ from .dist import Comm, close_at_exit, destroy_private_group, private_group, run
 from .format.datafile import DEFAULT_BLOCK_SIZE
 from .engine.pipeline import StagedWrite
 from .engine.staging import StagingRing
-from .errors import CheckpointError, DistributedError
+from .engine.workers import start_workers
+from .errors import CheckpointError
 from .storage import storage_for
 
-__all__ = ["AsyncSaver", "AsyncSaveHandle", "async_save", "default_saver"]
+__all__ = ["AsyncSaver", "AsyncSaveHandle", "Prewarmed", "async_save", "default_saver"]
 
 log = logging.getLogger("shardpoint")
 
 DEFAULT_STAGING_BYTES = 2 << 30
 
 
-class AsyncSaveHandle:
-    """One in-flight asynchronous save.
+@dataclass(frozen=True)
+class Prewarmed:
+    """What :meth:`AsyncSaver.prewarm` made ready on this rank.
 
-    ``wait()`` returns the :class:`SaveResult` once the checkpoint is durable
-    and committed, or raises the background error (the same typed error on
-    every rank). ``done()`` never blocks. ``fence()`` waits only for the
-    snapshot copy, after which the state may be mutated.
+    ``group``: the private coordination group exists (``False`` with no
+    process group or a world of one, which need none); ``workers``: worker
+    threads running; ``staged_bytes``: staging bytes already touched (0
+    without a state); ``state_bytes``: this rank's bytes of the given state;
+    ``seconds``: how long pre-warming took.
     """
 
-    def __init__(self, path: str, result: SaveResult):
-        self.path = path
-        self.result = result
-        self._copied = threading.Event()
-        self._written = threading.Event()
-        self._finished = threading.Event()
-        self._error: BaseException | None = None
-        self._copy_error: BaseException | None = None
-        self._futures: list[cf.Future] = []
-        self._futures_later: tuple | None = None
-        self._hooks: list[Any] = []
-        self._reported = False
-        self._storage: Any = None
-
-    def done(self) -> bool:
-        """True once the save has committed or failed (non-blocking)."""
-        return self._finished.is_set()
-
-    @property
-    def phase(self) -> str:
-        """Where this rank's save is: ``snapshot``, ``write``, ``commit`` or ``done``."""
-        if self._finished.is_set():
-            return "done"
-        if not self._copied.is_set():
-            return "snapshot"
-        return "commit" if self._written.is_set() else "write"
-
-    def fence(self, timeout: float | None = None) -> None:
-        """Block until the snapshot copy is complete; the state may then change."""
-        if not self._copied.wait(timeout):
-            raise TimeoutError(f"snapshot of {self.path} not finished within {timeout}s")
-
-    def wait(self, timeout: float | None = None, tier: str | int | None = None) -> SaveResult:
-        """Block until durable and committed; raise the background failure if any.
-
-        With a :class:`~shardpoint.storage.tiers.TieredStorage`, ``tier`` also
-        waits until the checkpoint is committed on that (slower) tier.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._futures_later is not None:  # the writer, submitted by the copier's thread
-            box, ready = self._futures_later
-            if not ready.wait(timeout):
-                raise TimeoutError(f"save to {self.path} still running after {timeout}s")
-            self._futures.extend(box)
-            self._futures_later = None
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        _, pending = cf.wait(self._futures, left)
-        if pending:
-            raise TimeoutError(f"save to {self.path} still running after {timeout}s")
-        self._remove_hooks()
-        if not self._finished.is_set():
-            # Every worker exited but none reported: a worker died without a trace.
-            raise DistributedError(f"background save to {self.path} ended without a result", {})
-        if self._error is not None:
-            self._reported = True
-            raise self._error
-        if tier is not None:
-            if self._storage is None or not self._storage.tiered:
-                raise ValueError(f"{self.path} is not tiered storage; wait(tier=...) needs a TieredStorage")
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._storage.wait(tier, left)
-        return self.result
-
-    def _remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+    group: bool
+    workers: int
+    staged_bytes: int
+    state_bytes: int
+    seconds: float
 
 
 class AsyncSaver:
@@ -146,6 +94,15 @@ class AsyncSaver:
     when cores are oversubscribed the training threads, and other ranks
     still inside their save call, run first.
 
+    ``prewarm`` (default) makes the private group, the worker threads and
+    the staging buffer now, so the first save stalls no longer than later
+    ones; the constructor is then collective: every rank of the group
+    constructs the saver together (see :meth:`prewarm`). ``prewarm_state``
+    (this rank's state, as it will be saved) also sizes and touches the
+    staging memory and caches the save plan; without it the staging pages
+    are filled by the first save. ``prewarm=False`` makes everything on
+    first use, inside the first save.
+
     :meth:`close` waits for the in-flight save, stops the two worker threads
     and destroys the private group; it also runs at interpreter exit for a
     saver still open then, so that no gloo thread outlives the interpreter
@@ -159,6 +116,8 @@ class AsyncSaver:
         process_group: Any = None,
         timeout: float | None = None,
         background_nice: int = 5,
+        prewarm: bool = True,
+        prewarm_state: MutableMapping[str, Any] | None = None,
     ):
         self.timeout = timeout
         self.background_nice = int(background_nice)
@@ -174,7 +133,47 @@ class AsyncSaver:
         # waits for the new thread to take the GIL, which costs the loop milliseconds.
         self._pool: cf.ThreadPoolExecutor | None = None
         self._owned: list[Comm] = []  # private groups this saver made, destroyed by close()
+        self.prewarmed: Prewarmed | None = None
         close_at_exit(self.close)
+        if prewarm or prewarm_state is not None:
+            self.prewarm(prewarm_state)
+
+    def prewarm(self, state: MutableMapping[str, Any] | None = None, process_group: Any = None) -> Prewarmed:
+        """Make now what the first save would make; return what is ready (also kept as ``self.prewarmed``).
+
+        Makes the private coordination group for ``process_group`` (default:
+        the saver's), starts the worker threads and allocates the staging
+        buffer. With ``state`` it also plans the save of ``state`` (the plan
+        is cached for the saves that follow) and touches as many staging
+        bytes as this rank's part of it (at most ``staging_bytes``), so the
+        first save's copy takes no page faults. Collective when a process
+        group is active: every rank of the group calls it, in the same order
+        relative to other group creations. Calling it again is cheap.
+
+        Example::
+
+            saver = sp.AsyncSaver(prewarm=False)
+            saver.prewarm({"model": model, "optimizer": opt})
+        """
+        t0 = time.monotonic()
+        base = Comm.resolve(self._pg_arg if process_group is None else process_group)
+        comm = self._coordination(base)
+        self._workers()
+        ring = self._staging()
+        ring.warm(0)
+        need = 0
+        if state is not None:
+            check_state(state)
+            try:
+                result = SaveResult("prewarm", "")
+                prep = prepare_save(state, comm, False, "prewarm", result, (), self._cache(base, process_group), rank_local=base.local)
+                need = sum(t.nbytes for t in prep.mine)
+            except CheckpointError as e:  # the save itself will raise it, with its path
+                log.debug("pre-warming could not plan the state: %s", e)
+            ring.warm(need)
+        self.prewarmed = Prewarmed(comm is not base, 2, ring.warm_bytes, need, time.monotonic() - t0)
+        log.debug("rank %s pre-warmed its saver in %.3fs: %s", comm.rank, self.prewarmed.seconds, self.prewarmed)
+        return self.prewarmed
 
     def close(self) -> None:
         """Wait for the in-flight save, then stop the worker threads and destroy the private group.
@@ -195,18 +194,23 @@ class AsyncSaver:
                 pool.shutdown(wait=True)
             owned, self._owned = self._owned, []
             self._comms.clear()
+            self.prewarmed = None
             for comm in owned:
                 destroy_private_group(comm)
 
     def _workers(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:
-            # The target is fixed here, on the caller's thread: a worker may be started
-            # by the other worker (the lazy copier starts the writer), and a relative
-            # change there would stack (+5 on +5).
-            self._pool = cf.ThreadPoolExecutor(
-                max_workers=2, thread_name_prefix="shardpoint-save", initializer=_lower_priority, initargs=(_nice_target(self.background_nice),)
-            )
+            self._pool = start_workers(2, self.background_nice)
         return self._pool
+
+    def _staging(self) -> StagingRing:
+        if self._ring is None:
+            self._ring = StagingRing(self.staging_bytes)
+        return self._ring
+
+    def _cache(self, base: Comm, process_group: Any) -> dict:
+        # Plans depend on the ranks: one cache for the saver's own group, one per other group.
+        return self._plan_cache if process_group is None else self._plan_caches.setdefault(_group_key(base), {})
 
     def _coordination(self, base: Comm) -> Comm:
         """The private coordination group for the saves of ``base``'s ranks (one per group).
@@ -269,8 +273,7 @@ class AsyncSaver:
         where = storage.url
         base.enter("async_save", where, collective_timeout)  # every rank agrees before any group is made
         comm = self._coordination(base)
-        # Plans depend on the ranks: one cache for the saver's own group, one per other group.
-        cache = self._plan_cache if process_group is None else self._plan_caches.setdefault(_group_key(base), {})
+        cache = self._cache(base, process_group)
         t0 = time.monotonic()
         save_id = uuid.uuid4().hex  # per rank; the manifest takes rank 0's
         result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
@@ -279,9 +282,7 @@ class AsyncSaver:
         prep_out = run_guarded(lambda: prepare_save(state, comm, allow_pickle, where, result, layouts, cache, replicated_over=replicated_over, rank_local=base.local))
         if comm.world == 1 and not prep_out.ok:
             raise prep_out.exc
-        if self._ring is None:
-            self._ring = StagingRing(self.staging_bytes)
-        ring = self._ring
+        ring = self._staging()
         ring.reopen()
         staged = None
         split = 0
@@ -333,8 +334,10 @@ class AsyncSaver:
                 handle._finished.set()
 
         pool = self._workers()
-        if split > 0:
-            # The writer starts first: an eager snapshot larger than the ring streams through it.
+        # An eager snapshot larger than the ring streams through it: the writer starts first. One
+        # that fits is copied before the writer wakes, which would compete with the copy for the CPU.
+        early = split > 0 and staged is not None and sum(t.nbytes for t in staged.items[:split]) > ring.capacity
+        if early:
             handle._futures.append(pool.submit(finish))
         ts = time.monotonic()
         if staged is not None:
@@ -379,7 +382,7 @@ class AsyncSaver:
         else:
             if lazy_copy is not None:
                 handle._futures.insert(0, pool.submit(lazy_copy))
-            if split == 0:
+            if not early:
                 handle._futures.append(pool.submit(finish))
         if not prep_out.ok:
             # This rank cannot save; its writer thread still joins the commit so no rank hangs.
@@ -394,44 +397,35 @@ def _group_key(comm: Comm) -> Any:
     return ("local",) if comm.local else ("group", comm.group) if comm.active else ("none",)
 
 
-def _nice_target(delta: int) -> int | None:
-    """The nice level ``delta`` levels below the calling thread's, or None to leave priorities alone."""
-    if delta <= 0 or not hasattr(os, "setpriority"):
-        return None
-    try:
-        return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + delta)
-    except OSError:
-        return None
-
-
-def _lower_priority(target: int | None) -> None:
-    """Run the calling thread at nice level ``target`` unless it is already that low (Linux threads only)."""
-    if target is None:
-        return
-    try:
-        tid = threading.get_native_id()
-        if os.getpriority(os.PRIO_PROCESS, tid) < target:
-            os.setpriority(os.PRIO_PROCESS, tid, target)
-    except OSError as e:  # not permitted, or not a per-thread scheduler: run at normal priority
-        log.debug("could not lower the save workers' priority: %s", e)
-
-
 _default: AsyncSaver | None = None
 _default_lock = threading.Lock()
 
 
-def default_saver() -> AsyncSaver:
+def default_saver(prewarm_state: MutableMapping[str, Any] | None = None) -> AsyncSaver:
     """The process's default :class:`AsyncSaver`, created on first use.
 
     This is the one piece of process-wide state in shardpoint: ``async_save``
     must reuse staging memory and know the previous in-flight save across
     calls. Create your own ``AsyncSaver`` for explicit control.
+
+    Made by the first ``async_save``, it is not pre-warmed (its private group
+    is made inside that save, after every rank entered it). Call
+    ``default_saver(prewarm_state=state)`` once on every rank before the loop
+    to pre-warm it (collective, see :meth:`AsyncSaver.prewarm`): the first
+    ``async_save`` then stalls no longer than later ones.
+
+    Example::
+
+        sp.default_saver(prewarm_state={"model": model, "optimizer": opt})
     """
     global _default
     with _default_lock:
         if _default is None:
-            _default = AsyncSaver()
-        return _default
+            _default = AsyncSaver(prewarm=False)
+        saver = _default
+    if prewarm_state is not None:
+        saver.prewarm(prewarm_state)
+    return saver
 
 
 def async_save(path, state: MutableMapping[str, Any], *, mode: str = "eager", **kwargs) -> AsyncSaveHandle:

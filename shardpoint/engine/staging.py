@@ -99,12 +99,37 @@ class StagingRing:
         self._closed = False
         self.high_water = 0
         self.allocations = 0
+        self._warm = 0
 
     def _buffer(self) -> torch.Tensor:
         if self._buf is None:
             self._buf = host_buffer(self.capacity, self._device)
             self.allocations += 1
         return self._buf
+
+    @property
+    def warm_bytes(self) -> int:
+        """Bytes at the start of the buffer already touched by :meth:`warm` (0 before it)."""
+        return self._warm
+
+    def warm(self, nbytes: int | None = None) -> int:
+        """Allocate the buffer now and touch its first ``nbytes`` (default: none); return the bytes touched.
+
+        A save copies into the ring from its start, so touching the prefix a
+        save will fill moves the page faults of its first copy out of the
+        save. ``nbytes`` is capped at ``capacity``; a later, larger call
+        touches the rest.
+
+        Example::
+
+            ring = StagingRing(1 << 30); ring.warm(300 << 20)
+        """
+        buf = self._buffer()
+        n = min(self.capacity, max(0, int(nbytes or 0)))
+        if n > self._warm:
+            buf[self._warm : n].zero_()
+            self._warm = n
+        return self._warm
 
     def acquire(self, n: int, timeout: float | None = None) -> Slot:
         """Reserve ``n`` contiguous bytes (``0 < n <= capacity``), waiting for space."""

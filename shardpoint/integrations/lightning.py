@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from ..api import load, read_manifest, save
-from ..async_save import AsyncSaveHandle, async_save
+from ..async_handle import AsyncSaveHandle
+from ..async_save import async_save
 from ..errors import UnsupportedStateError
 from ..dist import LOCAL
 from ..extras import require

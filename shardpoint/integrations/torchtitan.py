@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api import load, save
-from ..async_save import AsyncSaveHandle, AsyncSaver
+from ..async_handle import AsyncSaveHandle
+from ..async_save import AsyncSaver
 from ..convert.dcp import import_dcp as _convert_dcp
 from ..errors import CheckpointNotFoundError, UnsupportedStateError
 from ..format.manifest import MANIFEST_NAME

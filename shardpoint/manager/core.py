@@ -63,6 +63,12 @@ class CheckpointManager:
             its interval, and ``restore`` from the newest step complete in this
             host's or peers' memory before the stored ones (see
             :mod:`shardpoint.peer`); ``last_restore`` reports the step and source.
+        prewarm: make the private groups, the saver's worker threads and its
+            staging buffer now (see :meth:`~shardpoint.AsyncSaver.prewarm`), so the
+            first save stalls no longer than later ones. The constructor is then
+            collective: every rank constructs the manager together.
+        prewarm_state: the state that will be saved; with it the staging
+            memory is also sized to it and touched, and its save plan cached.
 
     Example::
 
@@ -92,6 +98,8 @@ class CheckpointManager:
         clock: Callable[[], float] = time.monotonic,
         fault_hook: FaultHook | None = None,
         memory: Any = None,
+        prewarm: bool = True,
+        prewarm_state: MutableMapping[str, Any] | None = None,
     ):
         _check_arguments(keep_last, keep_every, async_mode, timeout, on_hang)
         self.storage: Storage = storage_for(root, **(storage_options or {}))
@@ -126,6 +134,12 @@ class CheckpointManager:
         for p in self.policies:
             if isinstance(p, OnDemand) and p.signals:
                 p.install()
+        if prewarm or prewarm_state is not None:  # collective: every rank constructs the manager together
+            comm = self._comm()
+            if async_mode is not None:
+                self._get_saver().prewarm(prewarm_state)
+            if memory is not None:
+                memory.prewarm(comm, prewarm_state)
 
     # ------------------------------------------------------------ public
     @property

@@ -187,6 +187,24 @@ class PeerMemory:
             self._table = comm.all_gather((self.host, self.dir, self.domain))
         return self._table
 
+    def prewarm(self, comm: Comm, state: MutableMapping[str, Any] | None = None) -> None:
+        """Make now what the first memory step would make: the host table, the replication group and the
+        snapshot's saver (pre-warmed with ``state``, see :meth:`~shardpoint.AsyncSaver.prewarm`). Collective.
+
+        :class:`~shardpoint.CheckpointManager` calls it on construction.
+        """
+        self._hosts(comm)
+        if self._rcomm is None:
+            self._rcomm = private_group(comm, self.timeout)
+        if self.mode is not None:
+            self._snapshot_saver(comm).prewarm(state)
+
+    def _snapshot_saver(self, comm: Comm) -> AsyncSaver:
+        if self._saver is None:
+            kw = {} if self.staging_bytes is None else {"staging_bytes": int(self.staging_bytes)}
+            self._saver = AsyncSaver(process_group=comm.group if comm.active else None, timeout=self.timeout, **kw)
+        return self._saver
+
     def save(self, step: int, state: MutableMapping[str, Any], comm: Comm) -> None:
         """Snapshot ``step`` into this host's memory, then replicate and commit it in the background.
 
@@ -205,10 +223,7 @@ class PeerMemory:
         if self.mode is None:
             _sp_save(st, state, process_group=group)
         else:
-            if self._saver is None:
-                kw = {} if self.staging_bytes is None else {"staging_bytes": int(self.staging_bytes)}
-                self._saver = AsyncSaver(process_group=group, timeout=self.timeout, **kw)
-            handle = self._saver.save(st, state, mode=self.mode)
+            handle = self._snapshot_saver(comm).save(st, state, mode=self.mode)
         t1 = time.monotonic()
         self._thread = threading.Thread(target=self._background, args=(step, st, table, t0, t1, handle),
                                         name="shardpoint-peer-replicate", daemon=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import threading
@@ -12,9 +11,7 @@ import torch
 from torch import nn
 
 import shardpoint as sp
-from shardpoint.engine import pipeline
-
-async_save = importlib.import_module("shardpoint.async_save")  # the package exports a function of that name
+from shardpoint.engine import pipeline, workers
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice levels are Linux behaviour")
 
@@ -62,8 +59,8 @@ def test_zero_leaves_priorities_alone():
 
     base, got = _in_fresh_thread(run)
     assert got == (base, base)
-    assert async_save._nice_target(0) is None
-    assert async_save._nice_target(-2) is None
+    assert workers.nice_target(0) is None
+    assert workers.nice_target(-2) is None
 
 
 def test_lazy_save_writes_at_the_configured_level(tmp_path, monkeypatch):

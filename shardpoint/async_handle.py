@@ -1,0 +1,95 @@
+"""The handle of one in-flight asynchronous save (see :mod:`shardpoint.async_save`).
+
+The saver fills its events and futures; the training loop waits on it,
+fences on it before mutating the state, or polls it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from typing import Any
+
+from .api import SaveResult
+from .errors import DistributedError
+
+__all__ = ["AsyncSaveHandle"]
+
+
+class AsyncSaveHandle:
+    """One in-flight asynchronous save.
+
+    ``wait()`` returns the :class:`SaveResult` once the checkpoint is durable
+    and committed, or raises the background error (the same typed error on
+    every rank). ``done()`` never blocks. ``fence()`` waits only for the
+    snapshot copy, after which the state may be mutated.
+    """
+
+    def __init__(self, path: str, result: SaveResult):
+        self.path = path
+        self.result = result
+        self._copied = threading.Event()
+        self._written = threading.Event()
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._copy_error: BaseException | None = None
+        self._futures: list[cf.Future] = []
+        self._futures_later: tuple | None = None
+        self._hooks: list[Any] = []
+        self._reported = False
+        self._storage: Any = None
+
+    def done(self) -> bool:
+        """True once the save has committed or failed (non-blocking)."""
+        return self._finished.is_set()
+
+    @property
+    def phase(self) -> str:
+        """Where this rank's save is: ``snapshot``, ``write``, ``commit`` or ``done``."""
+        if self._finished.is_set():
+            return "done"
+        if not self._copied.is_set():
+            return "snapshot"
+        return "commit" if self._written.is_set() else "write"
+
+    def fence(self, timeout: float | None = None) -> None:
+        """Block until the snapshot copy is complete; the state may then change."""
+        if not self._copied.wait(timeout):
+            raise TimeoutError(f"snapshot of {self.path} not finished within {timeout}s")
+
+    def wait(self, timeout: float | None = None, tier: str | int | None = None) -> SaveResult:
+        """Block until durable and committed; raise the background failure if any.
+
+        With a :class:`~shardpoint.storage.tiers.TieredStorage`, ``tier`` also
+        waits until the checkpoint is committed on that (slower) tier.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._futures_later is not None:  # the writer, submitted by the copier's thread
+            box, ready = self._futures_later
+            if not ready.wait(timeout):
+                raise TimeoutError(f"save to {self.path} still running after {timeout}s")
+            self._futures.extend(box)
+            self._futures_later = None
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        _, pending = cf.wait(self._futures, left)
+        if pending:
+            raise TimeoutError(f"save to {self.path} still running after {timeout}s")
+        self._remove_hooks()
+        if not self._finished.is_set():
+            # Every worker exited but none reported: a worker died without a trace.
+            raise DistributedError(f"background save to {self.path} ended without a result", {})
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        if tier is not None:
+            if self._storage is None or not self._storage.tiered:
+                raise ValueError(f"{self.path} is not tiered storage; wait(tier=...) needs a TieredStorage")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._storage.wait(tier, left)
+        return self.result
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
