@@ -64,6 +64,11 @@ class Collectives:
         self._own = False
         self._watchdog: Watchdog | None = None
 
+    @property
+    def ready(self) -> bool:
+        """Whether the private group exists (made on first use, or by pre-warming)."""
+        return self._comm is not None
+
     def comm(self) -> Comm:
         """The manager's private group over ``process_group`` (created on first use)."""
         if self._comm is None:

@@ -69,11 +69,11 @@ def prewarm_job(rank: int, world: int, root: str) -> dict:
     # 4. The manager pre-warms its group and its saver (sized by prewarm_state) on construction.
     mgr = sp.CheckpointManager(os.path.join(root, "run"), interval=1, prewarm_state=state)
     warm = mgr._saver.prewarmed
-    out["manager"] = {"comm": mgr._comm_obj is not None, "saver_group": warm.group, "staged": warm.staged_bytes,
+    out["manager"] = {"comm": mgr._coll.ready, "saver_group": warm.group, "staged": warm.staged_bytes,
                       "state": warm.state_bytes}
     mgr.save(1, state)
     mgr.close()
     lazy = sp.CheckpointManager(os.path.join(root, "run2"), interval=1, prewarm=False)
-    out["manager_cold"] = {"comm": lazy._comm_obj is not None, "saver": lazy._saver is not None}
+    out["manager_cold"] = {"comm": lazy._coll.ready, "saver": lazy._saver is not None}
     lazy.close()
     return out
