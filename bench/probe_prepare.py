@@ -1,4 +1,4 @@
-"""Probe: the async save's blocking work (``api.prepare_save``) per rank, uncontended.
+"""Probe: the async save's blocking work (``save_steps.prepare_save``) per rank, uncontended.
 
 Not a peer comparison: it explains bench_async's stall. Four FSDP2 ranks
 (TinyGPT dim 768, 3 layers, AdamW after two steps, as in bench_async) take
@@ -22,7 +22,7 @@ import _common as C  # noqa: E402
 def job(rank: int, world: int) -> float:
     import torch.distributed as dist
 
-    from shardpoint.api import SaveResult, prepare_save
+    from shardpoint.save_steps import SaveCache, SaveResult, prepare_save
     from shardpoint.dist import Comm
     from shardpoint.monitor import Recorder
     from shardpoint.testing import GPTConfig, batch, build, loss_of
@@ -34,7 +34,7 @@ def job(rank: int, world: int) -> float:
         loss_of(model, x, y).backward()
         opt.step()
         opt.zero_grad()
-    comm, cache, out = Comm.resolve(None), {}, 0.0
+    comm, cache, out = Comm.resolve(None), SaveCache(), 0.0
     for r in range(world):
         dist.barrier()
         if r == rank:

@@ -39,7 +39,8 @@ from typing import Any, MutableMapping, Sequence
 
 import torch
 
-from .api import SaveResult, check_block_size, check_state, data_file_name, finish_save, mark_phase, prepare_save
+from .api import check_state
+from .save_steps import SaveCache, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
 from .engine.claim import CommitPolicy, SaveClaim
 from .monitor import Recorder, format_summary
 from .dist import Comm, close_at_exit, destroy_private_group, private_group, run_guarded
@@ -168,8 +169,8 @@ class AsyncSaver:
         self._comms: dict[Any, Comm] = {}  # the user's group -> its private coordination group
         self._ring: StagingRing | None = None
         self._inflight: AsyncSaveHandle | None = None
-        self._plan_cache: dict = {}
-        self._plan_caches: dict[Any, dict] = {}
+        self._plan_cache = SaveCache()
+        self._plan_caches: dict[Any, SaveCache] = {}
         # Two long-lived workers (writer and lazy copier): a thread start per save
         # waits for the new thread to take the GIL, which costs the loop milliseconds.
         self._pool: cf.ThreadPoolExecutor | None = None
@@ -270,7 +271,7 @@ class AsyncSaver:
         base.enter("async_save", where, collective_timeout)  # every rank agrees before any group is made
         comm = self._coordination(base)
         # Plans depend on the ranks: one cache for the saver's own group, one per other group.
-        cache = self._plan_cache if process_group is None else self._plan_caches.setdefault(_group_key(base), {})
+        cache = self._plan_cache if process_group is None else self._plan_caches.setdefault(_group_key(base), SaveCache())
         t0 = time.monotonic()
         save_id = uuid.uuid4().hex  # per rank; the manifest takes rank 0's
         result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
@@ -314,9 +315,9 @@ class AsyncSaver:
                         files[staged.file] = staged.size
                         result.bytes_written = staged.size
                     mark_phase(result, "data_file", tb)
-                    local = prep_out.value.summary(storage, staged.records if staged else [], files, comm)
-                    result.bytes_written = sum(local.status["files"].values())
-                    return local
+                    report = prep_out.value.summary(storage, staged.records if staged else [], files, comm)
+                    result.bytes_written = sum(report.status.files.values())
+                    return report
 
                 out = run_guarded(write)
             handle._written.set()
