@@ -77,11 +77,12 @@ class TensorsDoc:
 
     def digest(self) -> str:
         """xxh3_128 of a canonical JSON form: equal on ranks that describe the same tensors the same way."""
-        doc = {
-            "meshes": [[m.shape, m.ranks] for m in self.meshes],
-            "tensors": {k: e.row() for k, e in self.tensors.items()},
-        }
-        return xxhash.xxh3_128_hexdigest(json.dumps(doc, separators=(",", ":")).encode("utf-8"))
+        return _digest(self.meshes, {k: e.row() for k, e in self.tensors.items()})
+
+
+def _digest(meshes: Sequence[Mesh], rows: Mapping[str, tuple]) -> str:
+    doc = {"meshes": [[m.shape, m.ranks] for m in meshes], "tensors": rows}
+    return xxhash.xxh3_128_hexdigest(json.dumps(doc, separators=(",", ":")).encode("utf-8"))
 
 
 @dataclass(frozen=True)
@@ -218,30 +219,37 @@ def describe(tensors: Sequence[HeldTensor], mine: Sequence[HeldTensor], choice: 
     """
     meshes: dict[tuple, int] = {}
     mesh_of: dict[tuple, tuple[int, tuple]] = {}  # (id(ranks), shape) -> (mesh index, ranks kept alive)
+    names: dict = {}  # dtype -> its name
     held: dict[str, list] = {}
     own = {id(t) for t in mine}
     for t in tensors:
         held.setdefault(t.fqn, []).append(t)
     entries: dict[str, TensorEntry] = {}
+    rows: dict[str, tuple] = {}  # the entries as plain data, for the digest
     listed: set[str] = set()
     for fqn, ts in held.items():
         t = ts[0]
-        dt = _dtype(t)
-        copy = choice.copy_of(t)
+        dt = names.get(t.data.dtype)
+        if dt is None:
+            dt = names[t.data.dtype] = _dtype(t)
+        shape = tuple(t.shape)
         grid = None
         if len(ts) == 1 and t.flat is None:
+            copy = choice.copy_of(t) if t.replica_count > 1 else 0
             grid = checked_grid(t, grids.of(t), rank, id(t) in own, copy)
         if grid is None:
             listed.add(fqn)
-            entries[fqn] = ListedEntry(dt, tuple(t.shape), t.layout, any(id(x) in own for x in ts))
+            e = entries[fqn] = ListedEntry(dt, shape, t.layout, any(id(x) in own for x in ts))
+            rows[fqn] = (dt, shape, t.layout, None, None, e.wrote)
             continue
         # Tuples do not cache their hash: hash each distinct rank tuple once, not per tensor.
         hit = mesh_of.get((id(grid.ranks), grid.mesh_shape))
         if hit is None:
             hit = mesh_of[(id(grid.ranks), grid.mesh_shape)] = (meshes.setdefault((grid.mesh_shape, grid.ranks), len(meshes)), grid.ranks)
-        entries[fqn] = GridEntry(dt, tuple(t.shape), t.layout, hit[0], grid.splits, copy)
-    doc = TensorsDoc(tuple(Mesh(tuple(s), tuple(r)) for s, r in sorted(meshes, key=meshes.get)), entries)
-    return Description(doc, doc.digest(), frozenset(listed))
+        entries[fqn] = GridEntry(dt, shape, t.layout, hit[0], grid.splits, copy)
+        rows[fqn] = (dt, shape, t.layout, hit[0], grid.splits, copy)
+    mesh_list = tuple(Mesh(tuple(s), tuple(r)) for s, r in sorted(meshes, key=meshes.get))
+    return Description(TensorsDoc(mesh_list, entries), _digest(mesh_list, rows), frozenset(listed))
 
 
 def cover_of(mine: Sequence[HeldTensor], listed: Collection[str]) -> dict[str, int]:
