@@ -6,11 +6,11 @@ list the adapters would hand to ``prepare_save`` (boxes, replica index/count,
 cost, replica group, and the ``grid`` a DTensor gets from
 ``grid_of_placements``), runs ``prepare_save``'s writer choice (fqn-keyed
 ``assign_writers``), lays out chunk records as ``write_chunks`` does (fake
-offsets and checksums), and runs the real ``_Prepared.summary``: it encodes
+offsets and checksums), and runs the real ``PreparedSave.summary``: it encodes
 and stores the rank's binary index (``encode_index``), describes the rank's
-tensors (``_describe``) and returns the fixed-size status. Rank 0's side
+tensors (``planning.describe``) and returns the fixed-size status. Rank 0's side
 follows ``finish_save``: gather every status, ask one rank per distinct
-descriptor digest for its descriptor, and run the real ``_commit``. Then
+descriptor digest for its descriptor, and run the real ``commit_save``. Then
 ``Manifest.from_json`` parses the version-2 manifest, and sampled target
 ranks plan their loads with the real ``resolve`` (``IndexReader``: only the
 writers' index files) and ``plan_chunk_reads``, same layout and resharded.
@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from shardpoint.adapters.base import AdapterContext, Replicas, global_cost
-from shardpoint.api import _commit, _describe, _Local, _Prepared, choose_writers
+from shardpoint.engine.commit import CommitDecision, commit_save
 from shardpoint.dist import Outcome
 from shardpoint.engine.indexes import IndexReader, resolve, wanted_box
 from shardpoint.engine.load import LoadStats, plan_chunk_reads
@@ -68,7 +68,13 @@ from shardpoint.format.values import _TAG
 from shardpoint.geometry import Box, even_chunks
 from shardpoint.grid import Grid, grid_of_placements
 from shardpoint.items import LoadTarget, SaveTensor
-from shardpoint.planning import assign_writers
+from shardpoint.planning import assign_writers, choose_writers
+from shardpoint.planning import commit as planning_commit
+from shardpoint.planning import describe as planning_describe
+from shardpoint.planning.commit import Documents, representatives
+from shardpoint.planning.describe import Description, GridEntry, RankReport, RankStatus
+from shardpoint.planning.writers import WriterChoice
+from shardpoint.save_steps import PreparedSave, describe_prepared
 from shardpoint.storage.memory import MemoryStorage
 
 SAVE_ID = "5ca1ab1e" * 4  # 32 hex digits, like uuid4().hex
@@ -382,10 +388,10 @@ def same_tensors(a: list[SaveTensor], b: list[SaveTensor]) -> bool:
     return [key(t) for t in a] == [key(t) for t in b]
 
 
-def pick_mine(tensors: list[SaveTensor], assign: Callable = assign_writers) -> tuple[list[SaveTensor], dict]:
+def pick_mine(tensors: list[SaveTensor], assign: Callable = assign_writers) -> tuple[list[SaveTensor], WriterChoice]:
     """``prepare_save``'s writer choice: the library's own ``choose_writers``."""
-    picked, writers = choose_writers(tensors, assign)
-    return [tensors[i] for i in picked], writers
+    choice = choose_writers(tensors, assign)
+    return [tensors[i] for i in choice.picked], choice
 
 
 def _memo_assign(memo: dict) -> Callable:
@@ -402,9 +408,9 @@ def _memo_assign(memo: dict) -> Callable:
 
 
 class _GridMemo:
-    """Stands in for ``shardpoint.api.Grid`` in the bulk: equal arguments give one shared (immutable) ``Grid``.
+    """Stands in for the planners' ``Grid`` in the bulk: equal arguments give one shared (immutable) ``Grid``.
 
-    ``_checked_grid`` builds a new replica grid per plain tensor, O(group size)
+    ``CandidateGrids`` builds a new replica grid per plain tensor, O(group size)
     each; sampled ranks are timed without this, every other rank with it.
     """
 
@@ -421,14 +427,13 @@ class _GridMemo:
 
 @contextlib.contextmanager
 def memo_grids():
-    import shardpoint.api as api
-
-    orig = api.Grid
-    api.Grid = _GridMemo()
+    memo = _GridMemo()
+    orig = planning_describe.Grid, planning_commit.Grid
+    planning_describe.Grid = planning_commit.Grid = memo
     try:
         yield
     finally:
-        api.Grid = orig
+        planning_describe.Grid, planning_commit.Grid = orig
 
 
 def data_file(rank: int) -> str:
@@ -478,22 +483,22 @@ def stage_values(specs, m: ModelSpec, lay: Layout, p: int) -> tuple[dict, dict]:
 
 
 class SimComm:
-    """What ``_describe`` and ``summary`` read from a ``Comm``: rank, world, group (``None``: global ranks)."""
+    """What ``describe_prepared`` and ``summary`` read from a ``Comm``: rank, world, group (``None``: global ranks)."""
 
     def __init__(self, rank: int, world: int):
         self.rank, self.world, self.group = rank, world, None
 
 
 def plan_rank(specs, m: ModelSpec, lay: Layout, rank: int, mode: str = "pp-aware", assign: Callable = assign_writers,
-              exact: bool = False) -> _Prepared:
+              exact: bool = False) -> PreparedSave:
     """One rank's ``prepare_save``: its tensors, what it writes, and its documents."""
     tensors = rank_tensors(specs, m, lay, rank, mode, exact)
-    mine, writers = pick_mine(tensors, assign)
+    mine, choice = pick_mine(tensors, assign)
     values, layout = stage_values(specs, m, lay, lay.coords(rank)[0])
-    return _Prepared(tensors, mine, values, layout, set(), writers, rank_context(lay, rank, mode))
+    return PreparedSave(tensors, mine, values, layout, set(), choice, rank_context(lay, rank, mode))
 
 
-def finish_rank(storage, prep: _Prepared, rank: int, world: int, block: int) -> tuple[_Local, list]:
+def finish_rank(storage, prep: PreparedSave, rank: int, world: int, block: int) -> tuple[RankReport, list]:
     """After the (simulated) data file: the real ``summary`` writes the index and describes the rank."""
     records, files = [], {}
     if prep.mine:
@@ -576,8 +581,8 @@ class Saved:
     """Everything rank 0 holds after the gathers, and what the simulation keeps for checks."""
 
     storage: MemoryStorage
-    statuses: list[dict]
-    docs: list[tuple]
+    statuses: list[RankStatus]
+    docs: list[Documents]
     status_blobs: list[bytes]
     doc_blobs: list[bytes]
     chunks: int = 0
@@ -604,14 +609,14 @@ def save_all(specs, m: ModelSpec, lay: Layout, block: int, mode: str = "pp-aware
             st = local.status
             out.statuses.append(st)
             out.status_blobs.append(pickle.dumps(Outcome(True, st)))
-            first_t = want_t.setdefault(st["tdig"], r) == r
-            first_v = want_v.setdefault(st["vdig"], r) == r
-            doc = (local.tensors_doc if first_t else None, local.values_doc if first_v else None)
+            first_t = want_t.setdefault(st.tensors_digest, r) == r
+            first_v = want_v.setdefault(st.values_digest, r) == r
+            doc = Documents(local.tensors if first_t else None, local.values if first_v else None)
             out.docs.append(doc)
             out.doc_blobs.append(pickle.dumps(doc))
             out.chunks += len(records)
-            if st["ranks"] is not None:
-                n = st["files"][st["ranks"][1]]
+            if st.index is not None:
+                n = st.files[st.index.index]
                 out.index_bytes += n
                 out.index_max = max(out.index_max, n)
             for t in prep.mine:
@@ -625,9 +630,7 @@ def save_all(specs, m: ModelSpec, lay: Layout, block: int, mode: str = "pp-aware
 
 def decision_blob(saved: Saved) -> bytes:
     """What rank 0 broadcasts between the gathers: which ranks send their descriptors."""
-    ask_t = {r for r, d in enumerate(saved.docs) if d[0] is not None}
-    ask_v = {r for r, d in enumerate(saved.docs) if d[1] is not None}
-    return pickle.dumps(("ask", ask_t, ask_v))
+    return pickle.dumps(CommitDecision(representatives(saved.statuses)))
 
 
 def rank0_unpickle(saved: Saved) -> None:
@@ -639,7 +642,7 @@ def rank0_unpickle(saved: Saved) -> None:
 
 
 def commit(saved: Saved, lay: Layout, block: int, storage=None, where: str = WHERE) -> str:
-    return _commit(saved.storage if storage is None else storage, SAVE_ID, lay.world, block, saved.statuses, saved.docs, where)
+    return commit_save(saved.storage if storage is None else storage, SAVE_ID, lay.world, block, saved.statuses, saved.docs, where)
 
 
 @dataclass
@@ -650,9 +653,9 @@ class SaveResult:
     chunks_per_rank: float = 0.0
     geometry: list[Cost] = field(default_factory=list)  # per sampled rank: torch boxes and grids, as the adapter computes them
     assign: list[Cost] = field(default_factory=list)  # prepare_save's writer choice
-    summary: list[Cost] = field(default_factory=list)  # real summary: encode_index + store + _describe + digests
-    describe: list[Cost] = field(default_factory=list)  # of which _describe
-    describe_fixed: list[Cost] = field(default_factory=list)  # _describe with replica grids built once (_GridMemo)
+    summary: list[Cost] = field(default_factory=list)  # real summary: encode_index + store + describe + digests
+    describe: list[Cost] = field(default_factory=list)  # of which describe
+    describe_fixed: list[Cost] = field(default_factory=list)  # describe with replica grids built once (_GridMemo)
     bulk: Cost = field(default_factory=Cost)  # simulation: every rank's plan + summary
     saved: Saved | None = None
     gather_bytes: int = 0  # statuses + descriptors, pickled, over all ranks
@@ -670,22 +673,22 @@ class SaveResult:
 
 
 def time_rank(specs, m: ModelSpec, lay: Layout, r: int, block: int) -> tuple[dict, list, list]:
-    """One rank's save work, timed step by step: adapter geometry, writer choice, ``_describe``, the whole ``summary``."""
+    """One rank's save work, timed step by step: adapter geometry, writer choice, ``describe``, the whole ``summary``."""
     tensors, c_geo = measure(partial(rank_tensors, specs, m, lay, r, "pp-aware", True))
     assert same_tensors(tensors, rank_tensors(specs, m, lay, r)), f"closed-form geometry differs from torch's on rank {r}"
-    (mine, writers), c_asg = measure(partial(pick_mine, tensors))
+    (mine, choice), c_asg = measure(partial(pick_mine, tensors))
     values, layout = stage_values(specs, m, lay, lay.coords(r)[0])
-    prep = _Prepared(tensors, mine, values, layout, set(), writers, rank_context(lay, r, "pp-aware"))
-    desc, c_desc = best_of(partial(_describe, prep, SimComm(r, lay.world)))
+    prep = PreparedSave(tensors, mine, values, layout, set(), choice, rank_context(lay, r, "pp-aware"))
+    desc, c_desc = best_of(partial(describe_prepared, prep, SimComm(r, lay.world)))
     desc2, c_fix = best_of(partial(_describe_memo, prep, SimComm(r, lay.world)))
-    assert desc[1] == desc2[1], "the grid memo changed a descriptor"
+    assert desc.digest == desc2.digest, "the grid memo changed a descriptor"
     records, size = fake_records(r, mine, block)  # write_chunks' records, outside the timing
     _, c_sum = best_of(partial(_fresh_summary, prep, records, {data_file(r): size} if mine else {}, SimComm(r, lay.world)))
     costs = {"geometry": c_geo, "assign": c_asg, "describe": c_desc, "describe_fixed": c_fix, "summary": c_sum}
     return costs, tensors, mine
 
 
-def _fresh_summary(prep: _Prepared, records: list, files: dict, comm: SimComm) -> _Local:
+def _fresh_summary(prep: PreparedSave, records: list, files: dict, comm: SimComm) -> RankReport:
     prep.described = None  # summary caches the descriptor for repeated saves: time a first save
     return prep.summary(MemoryStorage(), records, files, comm)
 
@@ -723,7 +726,7 @@ def run_save(specs, m: ModelSpec, lay: Layout, block: int, sample: list[int], ch
     res.gather_bytes = res.status_bytes + res.doc_bytes
     _, res.unpickle = best_of(partial(rank0_unpickle, saved))
 
-    # 3. The coordinator: the real _commit (on the storage holding every index, so its cleanup lists them all).
+    # 3. The coordinator: the real commit_save (on the storage holding every index, so its cleanup lists them all).
     if profile:
         _, res.profiles["commit"] = profile_top(partial(commit, saved, lay, block, MemoryStorage()))
     _, res.commit = best_of(partial(commit, saved, lay, block))
@@ -751,9 +754,9 @@ def run_save(specs, m: ModelSpec, lay: Layout, block: int, sample: list[int], ch
     return res, man
 
 
-def _describe_memo(prep: _Prepared, comm: SimComm) -> tuple:
+def _describe_memo(prep: PreparedSave, comm: SimComm) -> Description:
     with memo_grids():  # a fresh memo: what a per-process cache would cost on a first save
-        return _describe(prep, comm)
+        return describe_prepared(prep, comm)
 
 
 def _chunk_key(c: ChunkMeta) -> tuple:
@@ -858,7 +861,7 @@ def pp_check(specs, m: ModelSpec, lay: Layout) -> dict:
     it gets no grid and its chunks are listed by holder; ``step`` counts the
     whole world as copies and gets a world-sized grid. The writer choice then
     picks copies on stages that hold other layers. Returns how many tensors
-    end up short, how they were described, and what the real ``_commit`` says.
+    end up short, how they were described, and what the real ``commit_save`` says.
     """
     saved = save_all(specs, m, lay, DEFAULT_BLOCK_SIZE, mode="adapters")
     short = [s for s in specs if saved.written.get(s.fqn, 0) < math.prod(s.shape)]
@@ -866,15 +869,15 @@ def pp_check(specs, m: ModelSpec, lay: Layout) -> dict:
     # How each tensor was described (the representatives' descriptors), and whether its grid's writer wrote it.
     gridded: dict[str, tuple] = {}
     listed: set[str] = set()
-    for tdoc, _ in saved.docs:
-        if tdoc is None:
+    for d in saved.docs:
+        if d.tensors is None:
             continue
-        meshes = tdoc["meshes"]
-        for fqn, (_dt, shape, _lay, mesh, splits, copy) in tdoc["tensors"].items():
-            if mesh is None:
+        meshes = d.tensors.meshes
+        for fqn, e in d.tensors.tensors.items():
+            if not isinstance(e, GridEntry):
                 listed.add(fqn)
             else:
-                gridded[fqn] = (Grid(tuple(meshes[mesh][0]), tuple(meshes[mesh][1]), tuple(map(tuple, splits))), copy, tuple(shape))
+                gridded[fqn] = (Grid(meshes[e.mesh].shape, meshes[e.mesh].ranks, e.splits), e.copy, e.shape)
     short_names = {s.fqn for s in short}
     grid_lost = sorted(f for f in gridded if f in short_names)
     try:
@@ -889,12 +892,12 @@ def pp_check(specs, m: ModelSpec, lay: Layout) -> dict:
 
 
 def plain_pp_check() -> dict:
-    """Two pipeline stages holding different plain tensors, no ``replicated_over``: the real ``prepare_save`` to ``_commit``.
+    """Two pipeline stages holding different plain tensors, no ``replicated_over``: the real ``prepare_save`` to ``commit_save``.
 
     Each rank claims two copies of its tensors; the writer choice gives one
     of them to the other stage's rank, which does not hold it.
     """
-    from shardpoint.api import SaveResult as ApiSaveResult, prepare_save
+    from shardpoint.save_steps import SaveResult as ApiSaveResult, prepare_save
     from shardpoint.engine.indexes import resolve_all
     from shardpoint.engine.io import write_chunks
 
@@ -911,13 +914,11 @@ def plain_pp_check() -> dict:
         written[r] = [t.fqn for t in prep.mine]
         locals_.append(prep.summary(storage, records, files, comm))
     statuses = [x.status for x in locals_]
-    seen_t: dict = {}
-    seen_v: dict = {}
-    docs = [(x.tensors_doc if seen_t.setdefault(x.status["tdig"], r) == r else None,
-             x.values_doc if seen_v.setdefault(x.status["vdig"], r) == r else None) for r, x in enumerate(locals_)]
+    ask = representatives(statuses)
+    docs = [Documents(x.tensors if r in ask.tensors else None, x.values if r in ask.values else None) for r, x in enumerate(locals_)]
     out = {"written": written}
     try:
-        _commit(storage, SAVE_ID, world, block, statuses, docs, "sim://plain-pp")
+        commit_save(storage, SAVE_ID, world, block, statuses, docs, "sim://plain-pp")
         out["commit"] = "accepted"
     except CorruptCheckpointError as e:
         out["commit"] = f"refused: {e}"
@@ -1048,7 +1049,7 @@ def simulate(cfg: Config, log: Callable[[str], None]) -> dict:
     out["probes"] = [probe(specs, m, lay, rng) for lay in cfg.probes]
     for pr in out["probes"]:
         log(f"probe {pr['layout']}: plan {(pr['geometry_s'] + pr['assign_s'])*1e3:.0f} ms, summary {pr['summary_s']*1e3:.0f} ms,"
-            f" _describe {pr['describe_s']*1e3:.0f} ms ({pr['describe_fixed_s']*1e3:.0f} ms with replica grids cached)")
+            f" describe {pr['describe_s']*1e3:.0f} ms ({pr['describe_fixed_s']*1e3:.0f} ms with replica grids cached)")
 
     layouts = []
     for lay in cfg.growth + cfg.extra:
@@ -1109,12 +1110,12 @@ def render_tables(res: dict) -> str:
     L = []
     L.append("**Save, format version 2.** *Per rank* is measured on the sampled ranks (every rank runs the same code in "
              "parallel): *plan* is the adapter's geometry (torch boxes, `grid_of_placements`) plus `prepare_save`'s writer "
-             "choice; *summary* is the real `_Prepared.summary` (`encode_index`, storing the index, `_describe`, "
+             "choice; *summary* is the real `PreparedSave.summary` (`encode_index`, storing the index, `describe`, "
              "digests). Everything else is measured on every rank's real status and index: *gather* is what "
              "`finish_save` sends to rank 0, pickled (statuses + the asked descriptors); the commit, manifest and parse "
              "are full size; peaks are tracemalloc's. *Checked*: chunks of a stride of tensors resolved from the indexes "
              "and compared field by field with the records the ranks wrote.\n")
-    L.append("| layout | ranks | chunks | plan/rank mean / max (ms) | summary/rank mean / max (ms) | of which `_describe`: as landed / replica grids cached (ms) "
+    L.append("| layout | ranks | chunks | plan/rank mean / max (ms) | summary/rank mean / max (ms) | of which `describe`: as landed / replica grids cached (ms) "
              "| index/rank max (KB) | indexes, all ranks (MB) | descriptors fetched | gather to rank 0: statuses + descriptors (MB) "
              "| rank-0 unpickle (ms) | commit (ms) | commit peak (MB) | manifest (KB) | parse (ms) | parse peak (MB) | chunks checked |")
     L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -1130,7 +1131,7 @@ def render_tables(res: dict) -> str:
     if res.get("probes"):
         L.append("")
         L.append("**Per-rank save work at larger FSDP2 worlds** (one sampled rank each, nothing else built; same columns as above).\n")
-        L.append("| layout | ranks | tensors/rank | plan (ms) | summary (ms) | of which `_describe`: as landed / replica grids cached (ms) |")
+        L.append("| layout | ranks | tensors/rank | plan (ms) | summary (ms) | of which `describe`: as landed / replica grids cached (ms) |")
         L.append("|---|---:|---:|---:|---:|---:|")
         for p in res["probes"]:
             L.append(f"| {p['layout']} | {p['ranks']:,} | {p['tensors_per_rank']:,} | {_ms(p['geometry_s'] + p['assign_s'])} "
@@ -1192,9 +1193,9 @@ def plot(res: dict, path: str) -> None:
 
     a = ax[0]
     if v1:
-        a.plot(v1x, [v[2] + v[3] for v in v1], "s-", color="C3", label="v1 rank 0: unpickle (e) + _commit")
+        a.plot(v1x, [v[2] + v[3] for v in v1], "s-", color="C3", label="v1 rank 0: unpickle (e) + commit_save")
         a.plot(v1x, [v[5] for v in v1], "^-", color="C1", label="v1 every rank: parse")
-    a.plot(x, [r["unpickle_s"] + r["commit_s"] for r in rows], "s--", color="C3", label="v2 rank 0: unpickle + _commit")
+    a.plot(x, [r["unpickle_s"] + r["commit_s"] for r in rows], "s--", color="C3", label="v2 rank 0: unpickle + commit_save")
     a.plot(x, [r["parse_s"] for r in rows], "^--", color="C1", label="v2 every rank: parse")
     a.plot(x, [r["rank_total_max_s"] for r in rows], "o--", color="C0", label="v2 per rank: plan + summary (max of sample)")
     v1f = [(r["ranks"], V1_SAVE[r["layout"]]) for r in fs if r["layout"] in V1_SAVE]
@@ -1269,8 +1270,8 @@ def render_checks(res: dict) -> str:
     return (
         f"Pipeline check ({pp['layout']}, adapters without `replicated_over`): {pp['short']:,} of {pp['tensors']:,} "
         f"tensors left short ({pp['short_listed']:,} described by holders, {pp['short_gridded']:,} with a grid); "
-        f"`_commit` says: \"{err}\". "
-        f"Plain tensors on two stages, real `prepare_save` to `_commit` (rank 0 holds `a`, rank 1 `b`): writers "
+        f"`commit_save` says: \"{err}\". "
+        f"Plain tensors on two stages, real `prepare_save` to `commit_save` (rank 0 holds `a`, rank 1 `b`): writers "
         f"{pl['written']}; commit {pl['commit'].split(':')[0]}; resolving the chunks: "
         f"\"{pl.get('load', '-')}\".\n"
     )

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from .api import SaveResult
+from .save_steps import SaveResult
 from .errors import DistributedError
 
 __all__ = ["AsyncSaveHandle"]

@@ -46,7 +46,8 @@ from typing import Any, MutableMapping, Sequence
 import torch
 
 from .async_handle import AsyncSaveHandle
-from .api import SaveResult, check_block_size, check_state, data_file_name, finish_save, mark_phase, prepare_save
+from .api import check_state
+from .save_steps import SaveCache, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
 from .engine.claim import CommitPolicy, SaveClaim
 from .monitor import Recorder, format_summary
 from .dist import Comm, close_at_exit, destroy_private_group, private_group, run_guarded
@@ -127,8 +128,8 @@ class AsyncSaver:
         self._comms: dict[Any, Comm] = {}  # the user's group -> its private coordination group
         self._ring: StagingRing | None = None
         self._inflight: AsyncSaveHandle | None = None
-        self._plan_cache: dict = {}
-        self._plan_caches: dict[Any, dict] = {}
+        self._plan_cache = SaveCache()
+        self._plan_caches: dict[Any, SaveCache] = {}
         # Two long-lived workers (writer and lazy copier): a thread start per save
         # waits for the new thread to take the GIL, which costs the loop milliseconds.
         self._pool: cf.ThreadPoolExecutor | None = None
@@ -208,9 +209,9 @@ class AsyncSaver:
             self._ring = StagingRing(self.staging_bytes)
         return self._ring
 
-    def _cache(self, base: Comm, process_group: Any) -> dict:
+    def _cache(self, base: Comm, process_group: Any) -> SaveCache:
         # Plans depend on the ranks: one cache for the saver's own group, one per other group.
-        return self._plan_cache if process_group is None else self._plan_caches.setdefault(_group_key(base), {})
+        return self._plan_cache if process_group is None else self._plan_caches.setdefault(_group_key(base), SaveCache())
 
     def _coordination(self, base: Comm) -> Comm:
         """The private coordination group for the saves of ``base``'s ranks (one per group).
@@ -315,9 +316,9 @@ class AsyncSaver:
                         files[staged.file] = staged.size
                         result.bytes_written = staged.size
                     mark_phase(result, "data_file", tb)
-                    local = prep_out.value.summary(storage, staged.records if staged else [], files, comm)
-                    result.bytes_written = sum(local.status["files"].values())
-                    return local
+                    report = prep_out.value.summary(storage, staged.records if staged else [], files, comm)
+                    result.bytes_written = sum(report.status.files.values())
+                    return report
 
                 out = run_guarded(write)
             handle._written.set()

@@ -15,7 +15,7 @@ import logging
 import traceback
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -153,6 +153,18 @@ class Comm:
         if self.group is None:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
+
+    def group_ranks(self, ranks: "Sequence[int]") -> "tuple[int, ...] | None":
+        """``ranks`` (global ranks) as ranks of this group; ``None`` if one lies outside it.
+
+        Not a collective. DTensor meshes and ``replicated_over`` name global ranks.
+        """
+        if self.group is None:
+            return tuple(ranks)
+        try:
+            return tuple(dist.get_group_rank(self.group, r) for r in ranks)
+        except (ValueError, RuntimeError):
+            return None
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """``obj`` from group rank ``src`` on every rank."""

@@ -36,13 +36,14 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..engine.claim import CommitPolicy, SaveClaim, cleanup_after_commit
+from ..engine.claim import CommitPolicy, SaveClaim
+from ..engine.commit import commit_manifest
 from ..engine.io import tensor_bytes
 from ..engine.load import execute_reads
 from ..errors import ConversionError, KeyMismatchError, ShapeMismatchError, UnsupportedStateError
 from ..format.datafile import DEFAULT_BLOCK_SIZE, DataFileWriter
 from ..format.index import encode_index, fqn_key, index_digest
-from ..format.manifest import DTYPE_SIZES, FORMAT_VERSION, MANIFEST_NAME, ChunkMeta, Manifest, RankFiles, TensorMeta, rank_runs
+from ..format.manifest import DTYPE_SIZES, FORMAT_VERSION, ChunkMeta, Manifest, RankFiles, TensorMeta, rank_runs
 from ..geometry import Box
 from ..items import LoadTarget, dtype_name, torch_dtype
 from ..storage import Storage, storage_for
@@ -281,10 +282,8 @@ class CheckpointWriter:
         )
         data = manifest.to_json()  # sealed with its digest
         Manifest.from_json(data, self.where)  # the reader's validation, before the commit
-        self._claim.confirm()
-        self.storage.put_atomic(MANIFEST_NAME, data)
+        commit_manifest(self.storage, data, files, self._claim, self.policy.cleanup_grace_s, self.where)  # as save() commits
         self._done = True
-        cleanup_after_commit(self.storage, files, data, self.policy.cleanup_grace_s, self.where)
         self._claim.release()
         return manifest
 

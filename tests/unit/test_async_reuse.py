@@ -20,7 +20,7 @@ def _step(m, opt):
 
 
 def _reused(saver) -> int:
-    return saver._plan_cache["parts"].hits
+    return saver._plan_cache.parts.hits
 
 
 def _check(path, m, opt):

@@ -15,6 +15,7 @@ from bench import scale_sim as S
 from shardpoint.engine.indexes import resolve_all
 from shardpoint.engine.load import LoadStats, plan_chunk_reads
 from shardpoint.format.manifest import Manifest, TensorMeta
+from shardpoint.planning.commit import Documents
 
 TINY = S.ModelSpec(layers=4, hidden=16, heads=4, kv_heads=2, head_dim=4, ffn=40, vocab=50)
 SPECS = S.state_tensors(TINY)
@@ -54,7 +55,7 @@ def test_closed_form_tensors_are_the_adapters(lay, mode):
 
 def _v1_manifest(saved: S.Saved, lay: S.Layout) -> Manifest:
     """Format version 1 of the same save: every written record listed in the manifest."""
-    files = {k: v for st in saved.statuses for k, v in st["files"].items()}
+    files = {k: v for st in saved.statuses for k, v in st.files.items()}
     tensors = {s.fqn: TensorMeta(S.DTYPE, s.shape, tuple(saved.records.get(s.fqn, ()))) for s in SPECS}
     return Manifest(S.SAVE_ID, lay.world, BLOCK, tensors, {}, files, format_version=1)
 
@@ -76,7 +77,7 @@ def test_every_tensor_written_once_and_commit_round_trips(lay):
         t = man.tensors[s.fqn]
         assert t.grid.copies == (lay.tp if s.style == "rep" and lay.tp > 1 else lay.dp * lay.tp if s.style == "scalar" else 1)
     # one descriptor per pipeline stage, and statuses that do not grow with the tensors a rank holds
-    assert saved.tdigs == lay.pp and sum(d[0] is not None for d in saved.docs) == lay.pp
+    assert saved.tdigs == lay.pp and sum(d.tensors is not None for d in saved.docs) == lay.pp
     assert max(map(len, saved.status_blobs)) < 1000
     # every chunk resolved from the indexes equals the record its rank wrote, field by field
     full = resolve_all(saved.storage, man, "t")
@@ -89,7 +90,7 @@ def test_every_tensor_written_once_and_commit_round_trips(lay):
     assert n == saved.chunks - sum(1 for v in saved.records.values() for c in v if c.numel == 0 and c.box.ndim)
     # the index bytes on storage are what the statuses and the manifest say
     for r, e in enumerate(man.ranks):
-        assert e is not None and len(saved.storage.get(e.index)) == man.files[e.index] == saved.statuses[r]["files"][e.index]
+        assert e is not None and len(saved.storage.get(e.index)) == man.files[e.index] == saved.statuses[r].files[e.index]
 
 
 def _reads(reads) -> list:
@@ -167,6 +168,6 @@ def test_sample_ranks_cover_first_and_last_stage():
 def test_gathered_bytes_are_statuses_plus_representatives():
     lay = S.Layout(2, 2, 3)
     saved = S.save_all(SPECS, TINY, lay, BLOCK)
-    asked = [r for r, d in enumerate(saved.docs) if d != (None, None)]
+    asked = [r for r, d in enumerate(saved.docs) if d != Documents()]
     assert asked == [0, lay.dp * lay.tp]  # the first rank of each stage
-    assert all(len(b) == len(pickle.dumps((None, None))) for r, b in enumerate(saved.doc_blobs) if r not in asked)
+    assert all(len(b) == len(pickle.dumps(Documents())) for r, b in enumerate(saved.doc_blobs) if r not in asked)

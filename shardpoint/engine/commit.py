@@ -1,0 +1,148 @@
+"""The commit's I/O: each rank's index file, the two gathers to rank 0, the manifest written last, cleanup.
+
+What goes into the manifest is decided by :mod:`shardpoint.planning.commit`;
+this module moves it. Every collective goes through
+:class:`~shardpoint.dist.Comm`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ..dist import Comm, Outcome, raise_if_failed, run_guarded
+from ..errors import StorageError
+from ..format.index import encode_index, index_digest
+from ..format.manifest import MANIFEST_NAME, RankFiles
+from ..planning.commit import AskFor, Documents, assemble_manifest, representatives
+from ..planning.describe import RankReport, RankStatus
+from ..storage import Storage
+from .claim import CommitPolicy, SaveClaim, cleanup_after_commit
+
+__all__ = ["write_index", "commit_manifest", "discard_files", "commit_save", "commit_gathered", "CommitDecision"]
+
+log = logging.getLogger("shardpoint")
+
+
+def write_index(storage: Storage, data: str, records, dtypes: Mapping[str, str]) -> tuple[RankFiles, int]:
+    """Write the index file of the data file ``data`` (its chunk ``records``); return its entry and size.
+
+    Example::
+
+        entry, size = write_index(storage, "data/ab-r00000.bin", records, {"w": "float32"})
+    """
+    index = data[: -len(".bin")] + ".idx"
+    blob = encode_index(records, dtypes)
+    try:
+        with storage.open_writer(index) as w:
+            w.write(blob)
+    except OSError as e:
+        raise StorageError(f"{storage.url}: writing {index} failed: {e}") from e
+    return RankFiles(data, index, index_digest(blob)), len(blob)
+
+
+def commit_manifest(storage: Storage, data: bytes, files: Mapping[str, int], claim: SaveClaim | None, grace_s: float, where: str) -> None:
+    """Write the manifest bytes ``data`` atomically (the commit), then remove what nothing lists.
+
+    ``claim`` (the path's claim, when held) is confirmed right before the
+    write; ``files`` are the new checkpoint's, kept by the cleanup along
+    with every file a committed manifest lists or younger than ``grace_s``.
+
+    Example::
+
+        commit_manifest(storage, manifest.to_json(), manifest.files, claim, policy.cleanup_grace_s, storage.url)
+    """
+    if claim is not None:
+        claim.confirm()
+    try:
+        storage.put_atomic(MANIFEST_NAME, data)
+    except OSError as e:
+        raise StorageError(f"{where}: committing {MANIFEST_NAME} failed: {e}") from e
+    cleanup_after_commit(storage, files, data, grace_s, where)
+
+
+def discard_files(storage: Storage, files: Sequence[str], rank: int) -> None:
+    """Remove this rank's files of a save that will not commit; a later commit's cleanup removes leftovers.
+
+    Example::
+
+        discard_files(storage, ["data/ab-r00001.bin", "data/ab-r00001.idx"], 1)
+    """
+    try:
+        storage.delete_many(sorted(files))
+    except Exception as e:  # noqa: BLE001 - a later commit's cleanup removes them
+        log.debug("rank %s: could not remove its files of the failed save: %s", rank, e)
+
+
+def commit_save(
+    storage: Storage, save_id: str, world: int, block: int, statuses: Sequence[RankStatus], docs: Sequence[Documents], where: str,
+    claim: SaveClaim | None = None, policy: CommitPolicy | None = None,
+) -> str:
+    """Rank 0: assemble the manifest from the gathered statuses and documents, and commit it.
+
+    Example::
+
+        commit_save(storage, save_id, 8, 1 << 20, statuses, docs, storage.url)
+    """
+    manifest = assemble_manifest(save_id, world, block, statuses, docs, where, time.time())
+    commit_manifest(storage, manifest.to_json(), manifest.files, claim, (policy or CommitPolicy()).cleanup_grace_s, where)
+    return save_id
+
+
+@dataclass(frozen=True)
+class CommitDecision:
+    """Rank 0's answer to the first gather: whom to ask for documents, or every rank's failure."""
+
+    ask: AskFor | None
+    failures: tuple[Outcome, ...] = ()
+
+
+def commit_gathered(
+    comm: Comm, storage: Storage, save_id: str, block: int, out: Outcome, where: str, claim: SaveClaim | None,
+    policy: CommitPolicy,
+) -> str:
+    """Every rank: commit on rank 0 from two small gathers; return the manifest's save id or raise everywhere.
+
+    First every rank's fixed-size :class:`RankStatus`; then only the ranks
+    rank 0 asks for, one per distinct digest, send their documents. Chunk
+    records never travel: each rank wrote its own index file. ``out`` is
+    this rank's outcome, holding a :class:`RankReport` when it succeeded.
+
+    Example::
+
+        save_id = commit_gathered(comm, storage, save_id, block, out, storage.url, claim, CommitPolicy())
+    """
+    report: RankReport | None = out.value if out.ok else None
+    status = Outcome(True, report.status) if report is not None else out.sendable(with_value=False)
+    gathered = comm.gather(status)
+    decision = CommitDecision(None)
+    if comm.rank == 0:
+        assert gathered is not None
+        if all(o.ok for o in gathered):
+            decision = CommitDecision(representatives([o.value for o in gathered]))
+        else:
+            decision = CommitDecision(None, tuple(o.sendable(with_value=False) for o in gathered))
+    decision = comm.broadcast(decision)
+    if decision.ask is None:
+        if report is not None:  # nothing will list this rank's files (unique to this save): remove them now
+            discard_files(storage, list(report.status.files), comm.rank)
+        raise_if_failed(list(decision.failures), f"save to {where}")
+    assert report is not None and decision.ask is not None
+    ask = decision.ask
+    docs = comm.gather(Documents(
+        report.tensors if comm.rank in ask.tensors else None,
+        report.values if comm.rank in ask.values else None,
+    ))
+    final: list[Outcome] | None = None
+    if comm.rank == 0:
+        assert gathered is not None and docs is not None
+        statuses = [o.value for o in gathered]
+        commit = run_guarded(lambda: commit_save(storage, save_id, comm.world, block, statuses, docs, where, claim, policy))
+        if comm.world == 1 and not commit.ok:
+            raise commit.exc
+        final = [commit.sendable()]
+    final = comm.broadcast(final)
+    raise_if_failed(final, f"save to {where}")
+    return final[0].value  # the manifest's id (rank 0's)
