@@ -56,18 +56,18 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from shardpoint.adapters.base import AdapterContext, LoadTarget, Replicas, SaveTensor, global_cost
+from shardpoint.adapters.base import AdapterContext, Replicas, SaveTensor, global_cost
 from shardpoint.api import _commit, _describe, _Local, _Prepared, choose_writers
 from shardpoint.dist import Outcome
 from shardpoint.engine.indexes import IndexReader, resolve, wanted_box
 from shardpoint.engine.io import ALIGN, DEFAULT_BLOCK_SIZE
-from shardpoint.engine.load import LoadStats, plan_chunk_reads
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.format.manifest import MANIFEST_NAME, ChunkMeta, Manifest
 from shardpoint.format.values import _TAG
 from shardpoint.geometry import Box, even_chunks
 from shardpoint.grid import Grid, grid_of_placements
 from shardpoint.planning import assign_writers
+from shardpoint.planning.reads import ReadTarget, plan_chunk_reads
 from shardpoint.storage.memory import MemoryStorage
 
 SAVE_ID = "5ca1ab1e" * 4  # 32 hex digits, like uuid4().hex
@@ -761,12 +761,9 @@ def _chunk_key(c: ChunkMeta) -> tuple:
 
 
 # ----------------------------------------------------------------------------- load
-_DEST = {DTYPE: torch.empty(0, dtype=torch.float32)}  # plan_chunk_reads only looks at dest.dtype
-
-
-def load_targets(specs, m: ModelSpec, lay: Layout, rank: int) -> list[LoadTarget]:
+def load_targets(specs, m: ModelSpec, lay: Layout, rank: int) -> list[ReadTarget]:
     p, d, t = lay.coords(rank)
-    return [LoadTarget(s.fqn, _DEST[DTYPE], s.shape, shard_box(s.shape, s.style, lay, d, t)) for s in stage_specs(specs, m, lay)[p]]
+    return [ReadTarget(s.fqn, DTYPE, s.shape, shard_box(s.shape, s.style, lay, d, t)) for s in stage_specs(specs, m, lay)[p]]
 
 
 class CountingStorage:
@@ -787,14 +784,14 @@ class CountingStorage:
         return self._count(self.base.get_limited(name, limit))
 
 
-def plan_load(storage, man: Manifest, targets: list[LoadTarget]) -> tuple[Manifest, list, CountingStorage]:
+def plan_load(storage, man: Manifest, targets: list[ReadTarget]) -> tuple[Manifest, list, CountingStorage]:
     """One rank's load planning, as ``load``'s read step runs it: ``resolve`` then ``plan_chunk_reads``."""
     wants: dict[str, list[Box]] = {}
     for t in targets:
         wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
     cs = CountingStorage(storage)
     resolved = resolve(cs, man, wants, WHERE)
-    reads = plan_chunk_reads(resolved, targets, WHERE, True, LoadStats())
+    reads = plan_chunk_reads(resolved, targets, WHERE, True)
     return resolved, reads, cs
 
 
@@ -826,7 +823,7 @@ def run_load(specs, m: ModelSpec, saved: Saved, man: Manifest, src: Layout, tgt:
             wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
         cs = CountingStorage(saved.storage)
         resolved, c_res = measure(partial(resolve, cs, man, wants, WHERE))
-        reads, c_plan = measure(partial(plan_chunk_reads, resolved, targets, WHERE, True, LoadStats()))
+        reads, c_plan = measure(partial(plan_chunk_reads, resolved, targets, WHERE, True))
         res.resolve.append(c_res)
         res.plan.append(c_plan)
         res.targets.append(len(targets))

@@ -137,7 +137,7 @@ def test_no_private_name_is_imported_across_modules():
 
 
 # Modules still over the limit, each waiting for its own split; none may be added.
-OVER_LIMIT = {"manager.py", "api.py", "engine/load.py", "testing.py", "format/manifest.py", "convert/common.py"}
+OVER_LIMIT = {"manager.py", "api.py", "testing.py", "format/manifest.py", "convert/common.py"}
 
 
 def test_no_new_module_over_500_lines():
