@@ -36,7 +36,15 @@ __all__ = ["LoadStats", "read_targets", "execute_reads"]
 
 def read_targets(targets: Sequence[LoadTarget]) -> list[ReadTarget]:
     """The geometry planning needs of each target (name, dtype name, shape, place), in the same order."""
-    return [ReadTarget(t.fqn, dtype_name(t.dest.dtype), tuple(t.shape), t.box, t.flat) for t in targets]
+    names: dict[torch.dtype, str] = {}
+    out = []
+    for t in targets:
+        dt = t.dest.dtype
+        name = names.get(dt)
+        if name is None:
+            name = names[dt] = dtype_name(dt)
+        out.append(ReadTarget(t.fqn, name, tuple(t.shape), t.box, t.flat))
+    return out
 
 
 def execute_reads(

@@ -38,7 +38,12 @@ MAX_RUNS = 1 << 20
 DEFAULT_COALESCE = 4096
 
 
-@dataclass(frozen=True)
+# Plans of large loads hold tens of thousands of these records. The frozen
+# dataclass __init__ sets each field through object.__setattr__, about four
+# times the cost of filling the instance dict once; the records below do that.
+
+
+@dataclass(frozen=True, init=False)
 class ReadTarget:
     """What planning needs of one tensor to fill: its name, dtype name, global shape and place.
 
@@ -56,16 +61,24 @@ class ReadTarget:
     box: Box
     flat: tuple[int, int] | None = None
 
+    def __init__(self, fqn: str, dtype: str, shape: tuple[int, ...], box: Box, flat: tuple[int, int] | None = None):
+        d = self.__dict__
+        d["fqn"], d["dtype"], d["shape"], d["box"], d["flat"] = fqn, dtype, shape, box, flat
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class CopyJob:
     """The copies one chunk read feeds into one target (``target``: its index in the planned list)."""
 
     target: int
     ops: tuple[ReadOp, ...]
 
+    def __init__(self, target: int, ops: tuple[ReadOp, ...]):
+        d = self.__dict__
+        d["target"], d["ops"] = target, ops
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class ChunkRead:
     """One byte span ``[lo, hi)`` of a saved chunk, and the copies it feeds.
 
@@ -84,6 +97,14 @@ class ChunkRead:
     jobs: tuple[CopyJob, ...] = ()
     segments: tuple[tuple[int, int], ...] | None = None
     needed: int = 0
+
+    def __init__(
+        self, fqn: str, ci: int, chunk: ChunkMeta, lo: int, hi: int, dtype: str, itemsize: int,
+        jobs: tuple[CopyJob, ...] = (), segments: tuple[tuple[int, int], ...] | None = None, needed: int = 0,
+    ):
+        d = self.__dict__
+        d["fqn"], d["ci"], d["chunk"], d["lo"], d["hi"], d["dtype"], d["itemsize"] = fqn, ci, chunk, lo, hi, dtype, itemsize
+        d["jobs"], d["segments"], d["needed"] = jobs, segments, needed
 
     @property
     def key(self) -> tuple[str, int, int, int]:
@@ -208,6 +229,18 @@ def _plan_target(idx: SourceIndex, box: Box, flat: tuple[int, int] | None) -> tu
     return gap, parts
 
 
+class _Span:
+    """A chunk read while targets widen it: mutable, and private to :func:`plan_chunk_reads`."""
+
+    __slots__ = ("fqn", "ci", "chunk", "dtype", "itemsize", "lo", "hi", "jobs", "needed")
+
+    def __init__(self, fqn: str, ci: int, chunk: ChunkMeta, dtype: str, itemsize: int, lo: int, hi: int):
+        self.fqn, self.ci, self.chunk, self.dtype, self.itemsize = fqn, ci, chunk, dtype, itemsize
+        self.lo, self.hi = lo, hi
+        self.jobs: list[CopyJob] = []
+        self.needed = 0
+
+
 def plan_chunk_reads(
     manifest: Manifest, targets: Sequence[ReadTarget], where: str, verify: bool, coalesce: int = DEFAULT_COALESCE,
 ) -> list[ChunkRead]:
@@ -225,18 +258,17 @@ def plan_chunk_reads(
         sum(r.needed for r in reads)   # 256: 4 x 16 float32 values
     """
     block = manifest.block_size
-    # Per (tensor, chunk): [chunk, lo, hi, jobs, needed bytes], widened target by target.
-    spans: dict[tuple[str, int], list] = {}
+    spans: dict[tuple[str, int], _Span] = {}
     # The plan of a target depends only on the geometry (saved chunk boxes, target box), which
     # every layer's weights and their optimizer states share: planned once per geometry.
     indexes: dict[tuple, SourceIndex] = {}
     plans: dict[tuple, tuple[int, list[_ChunkPart]]] = {}
-    itemsizes: dict[str, int] = {}
     for ti, tgt in enumerate(targets):
-        meta = manifest.tensors[tgt.fqn]
+        fqn = tgt.fqn
+        meta = manifest.tensors[fqn]
         if tuple(meta.shape) != tuple(tgt.shape) or meta.dtype != tgt.dtype:
             raise ShapeMismatchError(
-                f"{where}: tensor {tgt.fqn!r}: checkpoint has {meta.dtype}{list(meta.shape)}, "
+                f"{where}: tensor {fqn!r}: checkpoint has {meta.dtype}{list(meta.shape)}, "
                 f"target has {tgt.dtype}{list(tgt.shape)}"
             )
         src = tuple((c.box, c.flat) for c in meta.chunks)
@@ -250,29 +282,27 @@ def plan_chunk_reads(
         gap, parts = plan
         if gap != 0:
             raise CorruptCheckpointError(
-                f"{where}: tensor {tgt.fqn!r}: saved chunks cover the target shard "
+                f"{where}: tensor {fqn!r}: saved chunks cover the target shard "
                 f"{'with overlaps' if gap < 0 else f'with {gap} elements missing'}; the manifest is inconsistent"
             )
-        isz = itemsizes[tgt.fqn] = meta.itemsize
+        isz = meta.itemsize
         for p in parts:
-            s = spans.get((tgt.fqn, p.ci))
-            if s is None:
-                s = spans[(tgt.fqn, p.ci)] = [meta.chunks[p.ci], p.lo * isz, p.hi * isz, [], 0]
+            sp = spans.get((fqn, p.ci))
+            if sp is None:
+                sp = spans[(fqn, p.ci)] = _Span(fqn, p.ci, meta.chunks[p.ci], meta.dtype, isz, p.lo * isz, p.hi * isz)
             else:
-                s[1], s[2] = min(s[1], p.lo * isz), max(s[2], p.hi * isz)
-            s[3].append(CopyJob(ti, p.ops))
-            s[4] += p.numel * isz
-    order = sorted(spans, key=lambda k: (spans[k][0].file, spans[k][0].offset + spans[k][1]))
+                sp.lo, sp.hi = min(sp.lo, p.lo * isz), max(sp.hi, p.hi * isz)
+            sp.jobs.append(CopyJob(ti, p.ops))
+            sp.needed += p.numel * isz
     out = []
-    for fqn, ci in order:
-        chunk, lo, hi, jobs, needed = spans[(fqn, ci)]
+    for sp in sorted(spans.values(), key=lambda sp: (sp.chunk.file, sp.chunk.offset + sp.lo)):
+        lo, hi, chunk = sp.lo, sp.hi, sp.chunk
         if verify:
             lo = (lo // block) * block
             hi = min(-(-hi // block) * block, chunk.nbytes)
-        isz = itemsizes[fqn]
-        jobs = tuple(jobs)
-        segs = _segments(jobs, lo, hi, chunk, isz, verify, block, coalesce)
-        out.append(ChunkRead(fqn, ci, chunk, lo, hi, manifest.tensors[fqn].dtype, isz, jobs, segs, needed))
+        jobs = tuple(sp.jobs)
+        segs = _segments(jobs, lo, hi, chunk, sp.itemsize, verify, block, coalesce)
+        out.append(ChunkRead(sp.fqn, sp.ci, chunk, lo, hi, sp.dtype, sp.itemsize, jobs, segs, sp.needed))
     return out
 
 
