@@ -60,7 +60,6 @@ from shardpoint.adapters.base import AdapterContext, Replicas, global_cost
 from shardpoint.engine.commit import CommitDecision, commit_save
 from shardpoint.dist import Outcome
 from shardpoint.engine.indexes import IndexReader, resolve, wanted_box
-from shardpoint.engine.load import LoadStats, plan_chunk_reads
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.format.datafile import DEFAULT_BLOCK_SIZE, block_count, padding
 from shardpoint.format.manifest import MANIFEST_NAME, ChunkMeta, Manifest
@@ -75,6 +74,7 @@ from shardpoint.planning.commit import Documents, representatives
 from shardpoint.planning.describe import Description, GridEntry, RankReport, RankStatus
 from shardpoint.planning.writers import WriterChoice
 from shardpoint.save_steps import PreparedSave, describe_prepared
+from shardpoint.planning.reads import ReadTarget, plan_chunk_reads
 from shardpoint.storage.memory import MemoryStorage
 
 SAVE_ID = "5ca1ab1e" * 4  # 32 hex digits, like uuid4().hex
@@ -764,12 +764,9 @@ def _chunk_key(c: ChunkMeta) -> tuple:
 
 
 # ----------------------------------------------------------------------------- load
-_DEST = {DTYPE: torch.empty(0, dtype=torch.float32)}  # plan_chunk_reads only looks at dest.dtype
-
-
-def load_targets(specs, m: ModelSpec, lay: Layout, rank: int) -> list[LoadTarget]:
+def load_targets(specs, m: ModelSpec, lay: Layout, rank: int) -> list[ReadTarget]:
     p, d, t = lay.coords(rank)
-    return [LoadTarget(s.fqn, _DEST[DTYPE], s.shape, shard_box(s.shape, s.style, lay, d, t)) for s in stage_specs(specs, m, lay)[p]]
+    return [ReadTarget(s.fqn, DTYPE, s.shape, shard_box(s.shape, s.style, lay, d, t)) for s in stage_specs(specs, m, lay)[p]]
 
 
 class CountingStorage:
@@ -790,14 +787,14 @@ class CountingStorage:
         return self._count(self.base.get_limited(name, limit))
 
 
-def plan_load(storage, man: Manifest, targets: list[LoadTarget]) -> tuple[Manifest, list, CountingStorage]:
+def plan_load(storage, man: Manifest, targets: list[ReadTarget]) -> tuple[Manifest, list, CountingStorage]:
     """One rank's load planning, as ``load``'s read step runs it: ``resolve`` then ``plan_chunk_reads``."""
     wants: dict[str, list[Box]] = {}
     for t in targets:
         wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
     cs = CountingStorage(storage)
     resolved = resolve(cs, man, wants, WHERE)
-    reads = plan_chunk_reads(resolved, targets, WHERE, True, LoadStats())
+    reads = plan_chunk_reads(resolved, targets, WHERE, True)
     return resolved, reads, cs
 
 
@@ -829,7 +826,7 @@ def run_load(specs, m: ModelSpec, saved: Saved, man: Manifest, src: Layout, tgt:
             wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
         cs = CountingStorage(saved.storage)
         resolved, c_res = measure(partial(resolve, cs, man, wants, WHERE))
-        reads, c_plan = measure(partial(plan_chunk_reads, resolved, targets, WHERE, True, LoadStats()))
+        reads, c_plan = measure(partial(plan_chunk_reads, resolved, targets, WHERE, True))
         res.resolve.append(c_res)
         res.plan.append(c_plan)
         res.targets.append(len(targets))

@@ -225,6 +225,14 @@ class Comm:
         dist.all_to_all_single(flat_out, flat_in, rc, [int(c) * k for c in send_counts], group=self.group)
         return list(flat_out.reshape(-1, k).split([c // k for c in rc]))
 
+    def isend(self, tensor: "torch.Tensor", dst: int) -> Any:
+        """Start sending ``tensor`` to group rank ``dst``; returns a handle whose ``wait()`` ends it."""
+        return dist.isend(tensor, dst=self._global(dst), group=self.group)
+
+    def irecv(self, tensor: "torch.Tensor", src: int) -> Any:
+        """Start receiving into ``tensor`` from group rank ``src``; returns a handle whose ``wait()`` ends it."""
+        return dist.irecv(tensor, src=self._global(src), group=self.group)
+
     def barrier(self) -> None:
         if self.active and self.world > 1:
             dist.barrier(group=self.group)

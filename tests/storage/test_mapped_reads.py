@@ -140,21 +140,22 @@ def test_flipped_byte_under_a_mapped_span_is_corrupt(tmp_path, monkeypatch):
 def test_strided_span_is_brought_in_with_few_calls(tmp_path, monkeypatch):
     """Unverified, a strided span's many runs are populated in one call, or hinted in one where that is missing."""
     import shardpoint.storage.local as local
-    from shardpoint.engine.load import PREFETCH_GAP, ChunkRead, _fault_in, _mapped
+    from shardpoint.engine.read_local import fault_in, map_span
+    from shardpoint.planning.reads import PREFETCH_GAP, ChunkRead
     from shardpoint.format.manifest import ChunkMeta
     from shardpoint.geometry import Box
 
     st = _storage(tmp_path)
     n = len(DATA)
     chunk = ChunkMeta(Box((0,), (n // 4,)), "data/x.bin", 0, n, ("0" * 16,), None, 0)
-    r = ChunkRead("w", 0, chunk, 0, n, torch.float32, 4)
-    r.segments = [(k, k + 8) for k in range(0, 8192, 16)] + [(n - 8, n)]  # 513 runs, all within PREFETCH_GAP
+    segments = tuple((k, k + 8) for k in range(0, 8192, 16)) + ((n - 8, n),)  # 513 runs, all within PREFETCH_GAP
+    r = ChunkRead("w", 0, chunk, 0, n, "float32", 4, segments=segments)
     assert n < PREFETCH_GAP
-    view = _mapped(st, r)
+    view = map_span(st, r)
     calls: list = []
     real = st.populate
     st.populate = lambda name, off, k: calls.append((off, k)) or real(name, off, k)
-    assert bytes(_fault_in(st, r, view, 1 << 20, False, "t", None).numpy()) == DATA
+    assert bytes(fault_in(st, r, view, 1 << 20, False, "t", None).numpy()) == DATA
     assert calls == [(0, n)]  # one call, not one system call per run
     hints: list = []
     st.prefetch = lambda name, off, k: hints.append((off, k))

@@ -579,7 +579,7 @@ def test_unsupported_dtype_rejected_before_writing(tmp_path):
 
 def test_corrupt_block_of_a_span_read_straight_into_place(tmp_path):
     """A span read into its destination is verified block by block by its reader; the bad block is named."""
-    from shardpoint.engine.load import SMALL_SPAN
+    from shardpoint.planning.reads import SMALL_SPAN
 
     t = torch.arange(200_000, dtype=torch.float32)
     assert t.numel() * 4 > SMALL_SPAN  # read alone, straight into the destination

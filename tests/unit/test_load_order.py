@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardpoint.engine.load import BATCH_BYTES, ChunkRead, LoadStats, batch_reads, order_reads, plan_chunk_reads, plan_segments
 from shardpoint.format.datafile import ALIGN
+from shardpoint.planning.reads import BATCH_BYTES, ChunkRead, ReadTarget, batch_reads, order_reads, plan_chunk_reads, plan_segments
 from shardpoint.format.manifest import ChunkMeta, Manifest, TensorMeta
 from shardpoint.geometry import Box
 from shardpoint.items import LoadTarget
@@ -18,7 +18,7 @@ SIZE = 1000
 
 def _read(file: str, writer: int, offset: int, n: int = 100) -> ChunkRead:
     chunk = ChunkMeta(Box((0,), (n // 4,)), file, offset, n, ("0" * 16,), None, writer)
-    return ChunkRead("w", 0, chunk, 0, n, torch.float32, 4)
+    return ChunkRead("w", 0, chunk, 0, n, "float32", 4)
 
 
 def _files(n: int) -> dict[str, int]:
@@ -103,27 +103,25 @@ def _manifest(shape, splits, block):
 
 def test_a_span_within_one_block_is_read_whole_when_verifying():
     m = _manifest((8, 64), [(0, 8)], block=4096)  # 2 KiB chunk, one block
-    tgt = LoadTarget("w", torch.empty(8, 32), (8, 64), Box((0, 0), (8, 32)))
-    (r,) = plan_chunk_reads(m, [tgt], "t", True, LoadStats(), 0)
+    tgt = ReadTarget("w", "float32", (8, 64), Box((0, 0), (8, 32)))
+    (r,) = plan_chunk_reads(m, [tgt], "t", True, 0)
     assert r.segments is None and (r.lo, r.hi) == (0, 2048)
-    (r,) = plan_chunk_reads(m, [tgt], "t", False, LoadStats(), 0)
-    assert r.segments == [(i * 256, i * 256 + 128) for i in range(8)]  # the strided runs, without verification
+    (r,) = plan_chunk_reads(m, [tgt], "t", False, 0)
+    assert r.segments == tuple((i * 256, i * 256 + 128) for i in range(8))  # the strided runs, without verification
 
 
 def test_a_contiguous_run_is_one_segment():
     m = _manifest((8, 64), [(0, 8)], block=256)
-    tgt = LoadTarget("w", torch.empty(2, 64), (8, 64), Box((3, 0), (2, 64)))
+    tgt = ReadTarget("w", "float32", (8, 64), Box((3, 0), (2, 64)))
     for verify in (True, False):
-        (r,) = plan_chunk_reads(m, [tgt], "t", verify, LoadStats(), 0)
+        (r,) = plan_chunk_reads(m, [tgt], "t", verify, 0)
         assert r.segments is None
         assert plan_segments(r, verify, 256, 0) is None
 
 
 def _span(file: str, offset: int, n: int, lo: int = 0, segments=None) -> ChunkRead:
     chunk = ChunkMeta(Box((0,), (n // 4,)), file, offset, n, ("0" * 16,), None, 0)
-    r = ChunkRead("w", 0, chunk, lo, n, torch.float32, 4)
-    r.segments = segments
-    return r
+    return ChunkRead("w", 0, chunk, lo, n, "float32", 4, segments=segments)
 
 
 def test_neighbouring_small_spans_share_one_request():
@@ -131,22 +129,22 @@ def test_neighbouring_small_spans_share_one_request():
     far = _span("data/a.bin", 1_000_000, 768)
     other = _span("data/b.bin", 2368, 768)
     big = _span("data/b.bin", 3200, 1 << 20)
-    groups = batch_reads(a + [far, other, big])
+    groups = batch_reads(a + [far, other, big], ALIGN)
     assert [len(g) for g in groups] == [3, 1, 1, 1]
     assert groups[0] == a
     # A gap of ALIGN bytes could hold another chunk (a span another rank reads): never read it.
-    assert [len(g) for g in batch_reads([_span("data/a.bin", 0, 768), _span("data/a.bin", 768 + ALIGN, 768)])] == [1, 1]
+    assert [len(g) for g in batch_reads([_span("data/a.bin", 0, 768), _span("data/a.bin", 768 + ALIGN, 768)], ALIGN)] == [1, 1]
 
 
 def test_batches_keep_order_and_respect_limits():
     reads = [_span("data/a.bin", i * 200_000, 200_000) for i in range(40)]  # 8 MB of touching 200 kB spans
-    groups = batch_reads(reads)
+    groups = batch_reads(reads, ALIGN)
     assert [r for g in groups for r in g] == reads
     assert all(sum(r.hi - r.lo for r in g) <= BATCH_BYTES for g in groups)
     assert len(groups) == 2
     # Backwards, overlapping or segmented spans are never merged.
-    assert len(batch_reads([_span("data/a.bin", 768, 768), _span("data/a.bin", 0, 768)])) == 2
-    assert len(batch_reads([_span("data/a.bin", 0, 768, segments=[(0, 64)]), _span("data/a.bin", 768, 768)])) == 2
+    assert len(batch_reads([_span("data/a.bin", 768, 768), _span("data/a.bin", 0, 768)], ALIGN)) == 2
+    assert len(batch_reads([_span("data/a.bin", 0, 768, segments=((0, 64),)), _span("data/a.bin", 768, 768)], ALIGN)) == 2
 
 
 def test_batched_small_tensors_load_and_name_the_corrupt_one(tmp_path):
@@ -202,8 +200,8 @@ def test_garbage_collection_is_paused_during_reads_and_restored(tmp_path, monkey
     path = str(tmp_path / "ck")
     sp.save(path, {"t": torch.arange(10.0)})
     seen = []
-    real = L._execute_local
-    monkeypatch.setattr(L, "_execute_local", lambda *a, **k: (seen.append(gc.isenabled()), real(*a, **k))[1])
+    real = L.execute_local
+    monkeypatch.setattr(L, "execute_local", lambda *a, **k: (seen.append(gc.isenabled()), real(*a, **k))[1])
     assert gc.isenabled()
     sp.load(path, {"t": None})
     assert seen == [False] and gc.isenabled()
@@ -213,7 +211,7 @@ def test_garbage_collection_is_paused_during_reads_and_restored(tmp_path, monkey
         assert not gc.isenabled()  # a caller's choice is kept
     finally:
         gc.enable()
-    monkeypatch.setattr(L, "_execute_local", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(L, "execute_local", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         sp.load(path, {"t": None})
     assert gc.isenabled()

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardpoint as sp
-from shardpoint.items import LoadTarget
-from shardpoint.engine.load import LoadStats, plan_chunk_reads, plan_sharing
+from shardpoint.planning.reads import ReadTarget, at_blocks, plan_chunk_reads
+from shardpoint.planning.sharing import plan_sharing
 from shardpoint.format.manifest import ChunkMeta, Manifest, TensorMeta
 from shardpoint.geometry import Box
 from shardpoint.storage import MemoryStorage
@@ -29,15 +29,15 @@ def _manifest(shape, row_splits, block, itemsize=4):
 
 
 def _plan(m, box, verify, coalesce=0):
-    tgt = LoadTarget("w", torch.empty(box.sizes), tuple(m.tensors["w"].shape), box)
-    return plan_chunk_reads(m, [tgt], "t", verify, LoadStats(), coalesce)
+    tgt = ReadTarget("w", "float32", tuple(m.tensors["w"].shape), box)
+    return plan_chunk_reads(m, [tgt], "t", verify, coalesce)
 
 
 def test_column_half_reads_only_its_runs_without_verification():
     m = _manifest((8, 1024), [(0, 8)], block=1 << 20)
     (r,) = _plan(m, Box((0, 0), (8, 512)), verify=False)
     # 8 rows of 512 fp32 values, 2 KiB apart: eight separate runs.
-    assert r.segments == [(i * 4096, i * 4096 + 2048) for i in range(8)]
+    assert r.segments == tuple((i * 4096, i * 4096 + 2048) for i in range(8))
     assert r.nread == 8 * 2048 and r.hi - r.lo == 7 * 4096 + 2048
 
 
@@ -54,11 +54,11 @@ def test_verification_reads_whole_blocks_and_skips_untouched_ones():
     (r,) = _plan(m, Box((0, 0), (64, 8)), verify=True)
     assert r.segments is None  # every block holds a needed run
     # Rows 0..3 and 60..63 only: two blocks far apart, both read whole.
-    tgt_a = LoadTarget("w", torch.empty(4, 256), (64, 256), Box((0, 0), (4, 256)))
-    tgt_b = LoadTarget("w", torch.empty(4, 256), (64, 256), Box((60, 0), (4, 256)))
-    (r,) = plan_chunk_reads(m, [tgt_a, tgt_b], "t", True, LoadStats(), 0)
+    tgt_a = ReadTarget("w", "float32", (64, 256), Box((0, 0), (4, 256)))
+    tgt_b = ReadTarget("w", "float32", (64, 256), Box((60, 0), (4, 256)))
+    (r,) = plan_chunk_reads(m, [tgt_a, tgt_b], "t", True, 0)
     assert (r.lo, r.hi) == (0, 64 * 1024)
-    assert r.segments == [(0, 4096), (60 * 1024, 64 * 1024)]
+    assert r.segments == ((0, 4096), (60 * 1024, 64 * 1024))
 
 
 @settings(max_examples=60, deadline=None)
@@ -137,11 +137,9 @@ def test_nothing_shared_gives_an_empty_plan():
 
 
 def test_ranges_cut_at_checksum_blocks():
-    from shardpoint.engine.load import _at_blocks
-
-    assert _at_blocks(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert _at_blocks(3, 10, 4) == [(3, 4), (4, 8), (8, 10)]  # an unaligned start keeps every byte
-    assert _at_blocks(4, 8, 4) == [(4, 8)]
+    assert at_blocks(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert at_blocks(3, 10, 4) == [(3, 4), (4, 8), (8, 10)]  # an unaligned start keeps every byte
+    assert at_blocks(4, 8, 4) == [(4, 8)]
 
 
 def test_tensors_of_one_geometry_share_a_plan_but_keep_their_own_chunks():
@@ -157,10 +155,9 @@ def test_tensors_of_one_geometry_share_a_plan_but_keep_their_own_chunks():
     m = Manifest(save_id="x", world_size=2, block_size=1 << 20, tensors=tensors, values={}, layout={},
                  files={"data/x-r00000.bin": 512, "data/y-r00001.bin": 4608, "data/z.bin": 192})
     box = Box((2, 0), (4, 16))  # rows 2..5: the end of one chunk, the start of the next
-    tw = LoadTarget("w", torch.empty(4, 16), (8, 16), box)
-    tv = LoadTarget("v", torch.empty(4, 16), (8, 16), box)
-    stats = LoadStats()
-    reads = plan_chunk_reads(m, [tw, tv], "t", False, stats, 0)
+    tw = ReadTarget("w", "float32", (8, 16), box)
+    tv = ReadTarget("v", "float32", (8, 16), box)
+    reads = plan_chunk_reads(m, [tw, tv], "t", False, 0)
     got = sorted((r.fqn, r.chunk.file, r.chunk.offset + r.lo, r.chunk.offset + r.hi) for r in reads)
     assert got == [
         ("v", "data/y-r00001.bin", 4096 + 2 * 64, 4096 + 4 * 64),
@@ -168,8 +165,8 @@ def test_tensors_of_one_geometry_share_a_plan_but_keep_their_own_chunks():
         ("w", "data/x-r00000.bin", 2 * 64, 4 * 64),
         ("w", "data/x-r00000.bin", 256, 256 + 2 * 64),
     ]
-    assert stats.bytes_needed == 2 * 4 * 16 * 4
+    assert sum(r.needed for r in reads) == 2 * 4 * 16 * 4
     # A tensor whose chunks leave a hole is named, even after a clean tensor of the same target box.
-    th = LoadTarget("h", torch.empty(4, 16), (8, 16), box)
+    th = ReadTarget("h", "float32", (8, 16), box)
     with pytest.raises(sp.CorruptCheckpointError, match=r"tensor 'h': saved chunks cover the target shard with 16 elements missing"):
-        plan_chunk_reads(m, [tw, tv, th], "t", False, LoadStats(), 0)
+        plan_chunk_reads(m, [tw, tv, th], "t", False, 0)

@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardpoint.engine.load import collect_replies, owner_replies, route_rows
+from shardpoint.planning.sharing import collect_replies, owner_replies, route_rows
 
 SETTINGS = settings(max_examples=120, deadline=None)
 

@@ -142,7 +142,7 @@ def test_no_private_name_is_imported_across_modules():
 
 # Modules still over 500 lines, each waiting for its own split. A new module over the limit fails,
 # and so does one listed here that is already under it (take it off the list).
-OVERSIZED_TODAY = {"engine/load.py"}
+OVERSIZED_TODAY: set[str] = set()
 MAX_LINES = 500
 
 

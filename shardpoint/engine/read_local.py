@@ -1,0 +1,291 @@
+"""Run a read plan on this rank alone: fetch spans, verify them, copy them into their targets.
+
+A small pool of reader threads prefetches ahead of the loading thread under a
+byte budget. A span that lands whole on a contiguous destination is read
+straight into it; one whose bytes must be narrowed or hashed anyway is viewed
+in a mapping of its file where the backend offers one; the rest are read
+into buffers, neighbouring small spans with one request. The plan (which
+spans, which segments, in which order) comes from
+:mod:`shardpoint.planning.reads`; its copy jobs name targets by index into
+``targets``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..items import LoadTarget
+from ..errors import CorruptCheckpointError
+from ..geometry import row_major_strides, runs_within
+from ..planning.reads import ChunkRead, at_blocks, batch_reads, extent, fault_pieces
+from ..storage.base import ShortReadError, Storage
+from ..format.datafile import ALIGN, verify_blocks
+from .io import dest_view, read_chunk_into, short_file_error
+
+__all__ = ["LoadStats", "execute_local", "fetch", "whole_span", "count_read", "copy_timed", "map_span", "fault_in"]
+
+
+@dataclass
+class LoadStats:
+    """What one rank's load read from storage, received from peers, and needed."""
+
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    chunks_read: int = 0
+    direct_reads: int = 0
+    shared_spans: int = 0
+    per_file: dict = field(default_factory=lambda: defaultdict(int))
+
+
+def count_read(stats: LoadStats, r: ChunkRead) -> None:
+    """Count ``r``'s bytes as read from storage."""
+    stats.chunks_read += 1
+    stats.bytes_read += r.nread
+    stats.per_file[r.chunk.file] += r.nread
+
+
+def _copy_jobs(r: ChunkRead, buf: torch.Tensor, targets: Sequence[LoadTarget]) -> None:
+    if not r.jobs:
+        return
+    # Every job of a span fills the same tensor's shards, whose dtype the plan checked.
+    typed = buf.view(targets[r.jobs[0].target].dest.dtype)
+    base_e = r.lo // r.itemsize
+    for job in r.jobs:
+        tgt = targets[job.target]
+        for op in job.ops:
+            strides = row_major_strides(op.src.box.sizes)
+            run = runs_within(op.src.box, op.region)
+            src = typed.as_strided(op.region.sizes, strides, typed.storage_offset() + op.src.start + run.base - base_e)
+            dest_view(tgt, op).copy_(src)
+
+
+def copy_timed(r: ChunkRead, buf: torch.Tensor, targets: Sequence[LoadTarget], rec) -> None:
+    """Copy ``buf`` (the bytes of ``r``'s span) into every target it feeds; timed as "copy"."""
+    t0 = time.monotonic()
+    _copy_jobs(r, buf, targets)
+    if rec is not None:
+        rec.add("copy", t0, time.monotonic(), r.hi - r.lo)
+
+
+def _direct_view(r: ChunkRead, targets: Sequence[LoadTarget]) -> torch.Tensor | None:
+    """The destination bytes when the whole chunk lands on one contiguous host view."""
+    if len(r.jobs) != 1 or r.lo != 0 or r.hi != r.chunk.nbytes or r.chunk.flat is not None or r.segments is not None:
+        return None
+    job = r.jobs[0]
+    if len(job.ops) != 1 or job.ops[0].region != job.ops[0].src.box:
+        return None
+    dv = dest_view(targets[job.target], job.ops[0])
+    if not dv.is_contiguous() or dv.device.type != "cpu" or dv.numel() * r.itemsize != r.chunk.nbytes:
+        return None
+    return dv.reshape(-1).view(torch.uint8)
+
+
+def whole_span(r: ChunkRead) -> ChunkRead:
+    """``r`` read whole, with no copies: what a rank fetches for peers that may need other runs."""
+    return dataclasses.replace(r, jobs=(), segments=None, needed=0)
+
+
+def fetch(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str, into: torch.Tensor | None = None, rec=None) -> torch.Tensor:
+    """The bytes of ``r``'s span (its segments filled), verified when asked; from another tier if corrupt."""
+    try:
+        return _fetch_one(storage, r, block, verify, where, into, rec)
+    except CorruptCheckpointError:
+        # Tiered storage: a corrupt or missing copy on a fast tier comes from the next tier.
+        for alt in storage.alternatives():
+            try:
+                return _fetch_one(alt, r, block, verify, where, into, rec)
+            except CorruptCheckpointError:
+                continue
+        raise
+
+
+def _read_segments(storage: Storage, r: ChunkRead, mv: memoryview, where: str, rec) -> None:
+    """All of ``r``'s segments with one storage call: thousands of strided runs cost little each."""
+    t0 = time.monotonic()
+    try:
+        storage.readinto_many(r.chunk.file, [(r.chunk.offset + a, mv[a - r.lo : b - r.lo]) for a, b in r.segments])
+    except (FileNotFoundError, ShortReadError):
+        for a, b in r.segments:  # piece by piece: the usual error, naming the tensor
+            read_chunk_into(storage, r.chunk, a, mv[a - r.lo : b - r.lo], r.fqn, where)
+    if rec is not None:
+        rec.add("read", t0, time.monotonic(), r.nread)
+
+
+def _fetch_one(storage: Storage, r: ChunkRead, block: int, verify: bool, where: str, into: torch.Tensor | None, rec) -> torch.Tensor:
+    buf = into if into is not None else torch.empty(r.hi - r.lo, dtype=torch.uint8)
+    mv = memoryview(buf.numpy())
+    if not verify and r.segments is not None and len(r.segments) > 1 and storage.vectored_reads:
+        _read_segments(storage, r, mv, where, rec)
+        return buf
+    rs = r.ranges()
+    if verify:  # read and hash block by block: each block is hashed while still in cache
+        rs = [piece for a, b in rs for piece in at_blocks(a, b, block)]
+    for a, b in rs:
+        part = mv[a - r.lo : b - r.lo]
+        t0 = time.monotonic()
+        read_chunk_into(storage, r.chunk, a, part, r.fqn, where)
+        t1 = time.monotonic()
+        if verify:
+            verify_blocks(part, r.chunk, a // block, block, r.fqn, where)
+        if rec is not None:
+            rec.add("read", t0, t1, len(part))
+            if verify:
+                rec.add("verify", t1, time.monotonic(), len(part))
+    return buf
+
+
+def _fetch_group(storage: Storage, group: Sequence[ChunkRead], where: str, rec) -> list[torch.Tensor]:
+    """One request for a group of neighbouring spans; a view of the buffer per span (not verified)."""
+    a, b = extent(group)
+    buf = torch.empty(b - a, dtype=torch.uint8)
+    first = group[0]
+    try:
+        t0 = time.monotonic()
+        read_chunk_into(storage, first.chunk, a - first.chunk.offset, memoryview(buf.numpy()), first.fqn, where)
+        if rec is not None:
+            rec.add("read", t0, time.monotonic(), b - a)
+    except CorruptCheckpointError:
+        # Span by span: names the damaged chunk, and lets tiered storage fall back per span.
+        return [fetch(storage, r, 0, False, where, None, rec) for r in group]
+    parts = []
+    for r in group:
+        o = r.chunk.offset + r.lo - a
+        part = buf[o : o + r.hi - r.lo]
+        parts.append(part if o % r.itemsize == 0 else part.clone())  # typed views need aligned offsets
+    return parts
+
+
+def _verified(storage: Storage, r: ChunkRead, buf: torch.Tensor, block: int, where: str, into: torch.Tensor | None, rec) -> torch.Tensor:
+    """``buf`` once its ranges match their checksums; else ``r`` read again, verified (other tiers too)."""
+    t0 = time.monotonic()
+    mv = memoryview(buf.numpy())
+    try:
+        for a, b in r.ranges():
+            verify_blocks(mv[a - r.lo : b - r.lo], r.chunk, a // block, block, r.fqn, where)
+    except CorruptCheckpointError:
+        return fetch(storage, r, block, True, where, into, rec)
+    if rec is not None:
+        rec.add("verify", t0, time.monotonic(), r.nread)
+    return buf
+
+
+def map_span(storage: Storage, r: ChunkRead) -> memoryview | None:
+    """A view of ``r``'s span in a mapping of its file, or None to read it instead.
+
+    Where the bytes must be narrowed or hashed in memory anyway, reading them
+    into a buffer first is one more copy of every byte; a view of the page
+    cache skips it. The view is not yet backed by memory: :func:`fault_in`
+    brings it in.
+    """
+    return storage.map_range(r.chunk.file, r.chunk.offset + r.lo, r.hi - r.lo, r.nread)
+
+
+def fault_in(storage: Storage, r: ChunkRead, mv: memoryview, block: int, verify: bool, where: str, rec) -> torch.Tensor:
+    """In a reader thread: bring a mapped span into memory, verifying each block as it lands.
+
+    ``storage.populate`` reads the cold pages of each piece and maps them
+    without holding the interpreter lock; the piece is hashed right after,
+    while it is still in the CPU cache. The loading thread then only copies.
+    """
+    populate = storage.populate  # the default does nothing: the hash's page faults bring pages in
+    for a, b in fault_pieces(r, verify, block):
+        t0 = time.monotonic()
+        try:
+            populate(r.chunk.file, r.chunk.offset + a, b - a)
+        except ShortReadError as e:
+            raise short_file_error(r.chunk, r.fqn, where, e) from None
+        t1 = time.monotonic()
+        if rec is not None:
+            rec.add("read", t0, t1, b - a)
+        if verify:
+            verify_blocks(mv[a - r.lo : b - r.lo], r.chunk, a // block, block, r.fqn, where)
+            if rec is not None:
+                rec.add("verify", t1, time.monotonic(), b - a)
+    return torch.frombuffer(mv, dtype=torch.uint8)
+
+
+def _fault_in_or_fetch(storage: Storage, r: ChunkRead, mv: memoryview, block: int, verify: bool, where: str, rec) -> torch.Tensor:
+    """:func:`fault_in`; a span whose mapped bytes fail their checksum is read again, from every tier."""
+    try:
+        return fault_in(storage, r, mv, block, verify, where, rec)
+    except CorruptCheckpointError:
+        if not verify:
+            raise
+        # Name the damaged span exactly, and let tiered storage fall back to a slower copy.
+        return fetch(storage, r, block, True, where, None, rec)
+
+
+def _size(group: Sequence[ChunkRead]) -> int:
+    a, b = extent(group)
+    return b - a if len(group) > 1 else group[0].hi - group[0].lo
+
+
+def execute_local(
+    storage: Storage, reads: Sequence[ChunkRead], targets: Sequence[LoadTarget], block: int, verify: bool, where: str,
+    stats: LoadStats, window: int, threads: int, rec=None,
+) -> None:
+    """Fetch in a thread pool, at most ``window`` bytes ahead of the copies.
+
+    A reader thread verifies each block of a span it read or faulted in
+    right after it landed, while the block is still in the CPU cache
+    (xxhash releases the GIL, so this runs beside the loading thread). This
+    thread verifies the batches of small spans read with one request, and
+    does every copy. Spans that land whole on their destination are read
+    straight into it; the rest are viewed in a mapping of the file where
+    the backend offers one (:func:`map_span`, :func:`fault_in`), else read
+    into a buffer.
+    """
+    groups = batch_reads(reads, ALIGN)
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardpoint-read") as pool:
+        pending: list = []
+        ahead = 0
+        i = 0
+        while i < len(groups) or pending:
+            while i < len(groups) and (not pending or ahead + _size(groups[i]) <= window):
+                g = groups[i]
+                direct = _direct_view(g[0], targets) if len(g) == 1 else None
+                # A batch of small spans is one request into one buffer; a mapping would cost a call per span.
+                view = map_span(storage, g[0]) if direct is None and len(g) == 1 else None
+                # A span read into memory alone, or mapped, is verified by its reader, block by block.
+                pv = verify and len(g) == 1
+                if view is not None:
+                    fut = pool.submit(_fault_in_or_fetch, storage, g[0], view, block, pv, where, rec)
+                    count_read(stats, g[0])
+                elif len(g) == 1:
+                    fut = pool.submit(fetch, storage, g[0], block, pv, where, direct, rec)
+                    count_read(stats, g[0])
+                else:
+                    fut = pool.submit(_fetch_group, storage, g, where, rec)
+                    for r in g:
+                        count_read(stats, r)
+                    gap = _size(g) - sum(r.hi - r.lo for r in g)
+                    stats.bytes_read += gap
+                    stats.per_file[g[0].chunk.file] += gap
+                pending.append((g, direct, fut, pv))
+                ahead += _size(g)
+                i += 1
+            g, direct, fut, pv = pending.pop(0)
+            waiting = rec is not None and not fut.done()  # the loading thread idles until the read lands
+            t0 = time.monotonic()
+            bufs = fut.result()
+            if waiting:
+                rec.add("wait", t0, time.monotonic())
+            ahead -= _size(g)
+            if len(g) == 1:
+                bufs = [bufs]
+            for r, buf in zip(g, bufs):
+                if verify and not pv:
+                    buf = _verified(storage, r, buf, block, where, direct, rec)
+                if direct is not None:
+                    stats.direct_reads += 1
+                else:
+                    copy_timed(r, buf, targets, rec)

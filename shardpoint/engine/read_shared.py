@@ -1,0 +1,163 @@
+"""Run a read plan across ranks: read each span several ranks need once, and send it to the others.
+
+Ranks exchange int64 rows naming their spans through :class:`~shardpoint.dist.Comm`
+(two all-to-alls, :func:`route_sharing`); owners choose readers with the pure
+planner of :mod:`shardpoint.planning.sharing`. Replicas (DDP, HSDP) and TP
+ranks that need the same blocks then read storage once between them.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..items import LoadTarget
+from ..dist import Comm
+from ..errors import CorruptCheckpointError
+from ..planning.reads import ChunkRead, order_reads
+from ..planning.sharing import REPLY_COLUMNS, ROW_COLUMNS, SharedSpan, collect_replies, owner_replies, route_rows, span_rows
+from ..storage.base import Storage
+from ..format.datafile import verify_blocks
+from .read_local import LoadStats, copy_timed, count_read, execute_local, fetch, whole_span
+
+__all__ = ["route_sharing", "exchange_only", "execute_shared"]
+
+
+def route_sharing(rows: np.ndarray, comm: Comm) -> list[SharedSpan]:
+    """The shared spans this rank takes part in, planned by owners: no all-gather of plans.
+
+    ``rows`` are this rank's ``(span id, size, file index, offset)``. Span
+    ``s`` is planned by rank ``s % world``: each rank sends each row to its
+    owner (one all-to-all), the owner picks a reader among the needers it
+    heard from (:func:`~shardpoint.planning.sharing.plan_sharing`), and
+    answers the reader with every needer and each other needer with the
+    reader (a second all-to-all). A rank receives O(its own spans x their
+    needers), never world x spans. The spans come back in one global order
+    (file, offset, id) that every rank shares, which keeps the point-to-point
+    transfers deadlock-free.
+    """
+    world, me = comm.world, comm.rank
+    got = comm.all_to_all_rows([torch.from_numpy(p) for p in route_rows(rows, world)], ROW_COLUMNS)
+    replies = owner_replies([g.numpy() for g in got], world, me)
+    back = comm.all_to_all_rows([torch.from_numpy(r) for r in replies], REPLY_COLUMNS)
+    return collect_replies([b.numpy() for b in back])
+
+
+def exchange_only(comm: Comm) -> None:
+    """Join the span exchange with no spans after a local failure.
+
+    Peers then plan no sharing with this rank; the failure itself is reported
+    by the collective check that follows the read phase.
+    """
+    route_sharing(np.zeros((0, ROW_COLUMNS), dtype=np.int64), comm)
+
+
+def execute_shared(
+    storage: Storage, reads: Sequence[ChunkRead], targets: Sequence[LoadTarget], comm: Comm, block: int, verify: bool,
+    where: str, stats: LoadStats, window: int, rec=None, threads: int = 2, file_index: Mapping[str, int] | None = None,
+    sizes: Mapping[str, int] | None = None, saved_world: int = 1,
+) -> None:
+    """Read each span once across the ranks that need it; send it to the others.
+
+    Ranks exchange a table of span ids (int64 rows, no pickling). Spans only
+    one rank needs are read locally, in a background thread, while the shared
+    ones stream: readers prefetch and send point to point, needers receive
+    ahead into buffers, both bounded by ``window`` bytes. Every rank walks the
+    shared spans in the same order and only ever waits on an earlier or the
+    current span, so the exchange cannot deadlock.
+    """
+    by_id, rows = span_rows(reads, file_index or {})
+    tc = time.monotonic()
+    mine = route_sharing(rows, comm)
+    if rec is not None:
+        rec.add("communicate", tc, time.monotonic())
+    shared_ids = {sp.sid for sp in mine}
+    me = comm.rank
+    local = order_reads([r for sid, r in by_id.items() if sid not in shared_ids], me, comm.world, sizes or {}, saved_world)
+    errors: list[BaseException] = []
+    # Unshared spans: the ordinary prefetching path, beside the exchange.
+    local_pool = ThreadPoolExecutor(1, thread_name_prefix="shardpoint-local")
+    local_done = local_pool.submit(execute_local, storage, local, targets, block, verify, where, stats, window // 2, threads, rec)
+    reads_pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardpoint-shared")
+
+    def fetch_whole(r: ChunkRead, buf: torch.Tensor) -> None:
+        whole = whole_span(r)  # other needers may need other runs
+        fetch(storage, whole, block, verify, where, buf[:-1], rec)
+        count_read(stats, whole)
+
+    # Per span: ("read", future, buf) or ("recv", work, buf). Posted ahead in plan order.
+    posted: list = []
+    ahead = 0
+    nxt = 0
+    sends: list = []
+    in_flight = 0
+    half = max(1, window // 2)
+    try:
+        for i, sp in enumerate(mine):
+            while nxt < len(mine) and (nxt <= i or ahead + mine[nxt].size <= half):
+                q = mine[nxt]
+                buf = torch.empty(q.size + 1, dtype=torch.uint8)  # last byte: 1 = good data, 0 = reader failed
+                if q.reader == me:
+                    posted.append(("read", reads_pool.submit(fetch_whole, by_id[q.sid], buf), buf))
+                else:
+                    posted.append(("recv", comm.irecv(buf, q.reader), buf))
+                ahead += q.size
+                nxt += 1
+            kind, work, buf = posted.pop(0)
+            ahead -= sp.size
+            r = by_id[sp.sid]
+            stats.shared_spans += 1
+            tc = time.monotonic()
+            if kind == "read":
+                try:
+                    work.result()
+                    buf[sp.size] = 1
+                except Exception as e:  # noqa: BLE001 - peers must still get an answer
+                    errors.append(e)
+                    buf[sp.size] = 0
+                for q in sp.needers:
+                    if q != me:
+                        sends.append((comm.isend(buf, q), sp.size))
+                        in_flight += sp.size
+                        stats.bytes_sent += sp.size
+                while in_flight > half and sends:
+                    h, n = sends.pop(0)
+                    h.wait()
+                    in_flight -= n
+            else:
+                work.wait()
+                stats.bytes_received += sp.size
+                if rec is not None:
+                    rec.add("communicate", tc, time.monotonic(), sp.size)
+                if int(buf[sp.size]) != 1:
+                    if not errors:
+                        errors.append(CorruptCheckpointError(
+                            f"{where}: rank {sp.reader} could not read {r.chunk.file} for tensor {r.fqn!r}; see its error"
+                        ))
+                    continue
+                if verify:  # what came over the wire is checked like what comes from storage
+                    try:
+                        verify_blocks(memoryview(buf[: sp.size].numpy()), r.chunk, r.lo // block, block, r.fqn, where)
+                    except Exception as e:  # noqa: BLE001
+                        errors.append(e)
+                        continue
+            if not errors:
+                try:
+                    copy_timed(r, buf[: sp.size], targets, rec)
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+        for h, _n in sends:
+            h.wait()
+    finally:
+        reads_pool.shutdown(wait=True)
+        local_pool.shutdown(wait=True)
+    try:
+        local_done.result()
+    except Exception as e:  # noqa: BLE001
+        errors.insert(0, e)
+    if errors:
+        raise errors[0]
