@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -47,6 +48,7 @@ class PeerServer:
         self._tags = itertools.count(1)
         self._lock = threading.Lock()
         self.served = 0
+        self.busy = 0.0  # seconds the server thread spent answering requests
         self._thread = threading.Thread(target=self._serve, name="shardpoint-peer-server", daemon=True)
         self._thread.start()
 
@@ -60,6 +62,7 @@ class PeerServer:
             tag, fid, off, n, _ = (int(x) for x in hdr)
             if tag == _STOP:
                 return
+            t0 = time.monotonic()
             status = torch.tensor([_OK], dtype=torch.int64)
             buf = torch.empty(n, dtype=torch.uint8)
             try:
@@ -72,6 +75,7 @@ class PeerServer:
             if status[0] == _OK:
                 dist.send(buf, src, group=self.resp.group, tag=tag)
                 self.served += n
+            self.busy += time.monotonic() - t0
 
     def fetch(self, server: int, name: str, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` from ``name`` at ``offset`` as held by group rank ``server``; ``FileNotFoundError`` if it lacks it."""
