@@ -76,7 +76,8 @@ def test_routed_load_takes_only_the_corrupt_chunk_from_the_next_copy(tmp_path):
     assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"], state["b"])
     # Only chunk "a" was read again, whole, from h1; h0 served the rest (and a's blocks up to the bad one).
     assert routed.bytes_from["h1"] == bad.nbytes
-    assert routed.bytes_from["h0"] == 2 * man.block_size + man.tensors["b"].chunks[0].nbytes
+    served = routed.bytes_from["h0"] - 2 * man.block_size - man.tensors["b"].chunks[0].nbytes
+    assert 0 <= served < 4096, served  # plus the small index file
     # Every copy of the chunk bad: the load fails with the checksum error naming the file.
     flip_byte(str(tmp_path / "h1" / bad.file), bad.offset + 5 * (1 << 20))
     with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch in " + bad.file):
