@@ -139,7 +139,7 @@ class PeerMemory:
         self._rcomm: Comm | None = None  # private group of the background replication
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.kill_during_replication = False  # test-only: SIGKILL this process once replication has started
+        self.kill_during_replication: int | None = None  # test-only: SIGKILL this process at this replication round
 
     def __repr__(self) -> str:
         return f"PeerMemory(dir={self.dir!r}, replicas={self.replicas}, interval={self.interval}, host={self.host!r})"
@@ -236,7 +236,7 @@ class PeerMemory:
         gr = (lambda r: dist.get_global_rank(comm.group, r)) if comm.group is not None else (lambda r: r)
         sent = 0
         for k in range(rounds):
-            if self.kill_during_replication and k == 0:
+            if self.kill_during_replication == k:
                 os.kill(os.getpid(), signal.SIGKILL)
             ops, recvs = [], []
             for i, t in mine:
