@@ -29,6 +29,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
@@ -99,12 +100,14 @@ def job(rank: int, world: int, root: str, mem_root: str, cfg: dict, repeat: int 
         ms3.maybe_save(1, {"model": model, "optimizer": opt})
         ms3.close()
     used = C.dir_bytes(mem_dir)
-    del model, opt
+    budget = mem.budget_bytes
+    del model, opt, mgr, mem  # the recoveries run in fresh state, as in a restarted job
+    gc.collect()
     dist.barrier()
     if rank == 0:
         shutil.rmtree(os.path.join(mem_root, "h1"))
     dist.barrier()
-    out = {"save_s": save_s, "memory_bytes_host": used, "budget_bytes": mem.budget_bytes, "state_bytes_rank": state_bytes,
+    out = {"save_s": save_s, "memory_bytes_host": used, "budget_bytes": budget, "state_bytes_rank": state_bytes,
            "save_rss_growth": rss_growth, "runs": []}
     kinds = ("memory", "disk") + (("s3",) if s3 is not None else ())
     for _ in range(repeat):  # interleaved, so that load from other work on the machine hits each alike

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..dist import Comm, private_group
+from ..dist import Comm, destroy_private_group, private_group
 from ..errors import StorageError
 from ..storage.base import Storage, Writer
 
@@ -100,6 +100,8 @@ class PeerServer:
         dist.send(torch.tensor([_STOP, 0, 0, 0, c.rank], dtype=torch.int64), self._g(self.req, nxt), group=self.req.group)
         self._thread.join()
         c.barrier()
+        destroy_private_group(self.req)  # joined here, not at interpreter exit (see destroy_private_group)
+        destroy_private_group(self.resp)
 
     def __enter__(self) -> "PeerServer":
         return self

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..api import save as _sp_save
 from ..async_save import AsyncSaver
-from ..dist import Comm, private_group
+from ..dist import Comm, destroy_private_group, private_group
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import LocalStorage
@@ -137,6 +137,7 @@ class PeerMemory:
         self._saver: AsyncSaver | None = None
         self.timeout = timeout
         self._rcomm: Comm | None = None  # private group of the background replication
+        self._own_rcomm = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.kill_during_replication: int | None = None  # test-only: SIGKILL this process at this replication round
@@ -169,6 +170,7 @@ class PeerMemory:
         table = self._hosts(comm)
         if self._rcomm is None:
             self._rcomm = private_group(comm, self.timeout)
+            self._own_rcomm = self._rcomm is not comm
         name = _folder(step)
         st = _StepFolder(os.path.join(self.dir, name), name)
         group = comm.group if comm.active else None
@@ -194,6 +196,22 @@ class PeerMemory:
         if e is not None:
             raise CheckpointError(f"rank {self._rcomm.rank if self._rcomm else 0}: replicating a memory "
                                   f"checkpoint to peer hosts failed: {e}") from e
+
+    def close(self) -> None:
+        """Wait for the replication in flight, then free the snapshot's staging memory and the private group.
+
+        Local (no collective) and idempotent; a later save starts them again.
+        """
+        try:
+            self.wait()
+        finally:
+            saver, self._saver = self._saver, None
+            if saver is not None:
+                saver.close()
+            comm, self._rcomm = self._rcomm, None
+            if self._own_rcomm:
+                destroy_private_group(comm)
+            self._own_rcomm = False
 
     def _background(self, step: int, st: "_StepFolder", table, t0: float, t1: float, handle: Any) -> None:
         try:
