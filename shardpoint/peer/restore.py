@@ -73,8 +73,16 @@ def folder_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def server_rank(ranks: Sequence[int], name: str) -> int:
-    """Which of a host's ``ranks`` serves file ``name`` to other hosts (spread by a hash of the name)."""
+def server_rank(ranks: Sequence[int], name: str, writer: int | None = None) -> int:
+    """Which of a host's ``ranks`` serves file ``name`` to other hosts.
+
+    A file written by rank ``writer`` goes to that rank's place among the
+    host's ranks (modulo their number), so the data files of a lost host's
+    ranks spread evenly over the serving host's ranks; other files by a hash
+    of the name.
+    """
+    if writer is not None:
+        return ranks[writer % len(ranks)]
     return ranks[zlib.crc32(name.encode()) % len(ranks)]
 
 
@@ -101,12 +109,13 @@ def restore_step(ch: MemoryChoice, gathered: Sequence[HostListing], state: Mutab
     group = comm.group if comm.active else None
     server = PeerServer(comm, own, sorted(ch.sources)) if comm.active and comm.world > 1 else None
     secs["serve"] = time.monotonic() - ts
+    writer = {f: i for i, rf in enumerate(man.ranks) for f in (rf.data, rf.index)}
     try:
         def src(h: str, f: str):
             if h == host:
                 return own
             assert server is not None
-            return RemoteFolder(server, server_rank(ranks_of[h], f), man.files, f"peer-memory:{h}/{name}")
+            return RemoteFolder(server, server_rank(ranks_of[h], f, writer.get(f)), man.files, f"peer-memory:{h}/{name}")
 
         sources = {f: [(h, src(h, f)) for h in hs] for f, hs in ch.sources.items()}
         routed = RoutedStorage(f"peer-memory:{name}", mbytes, sources)
