@@ -55,7 +55,7 @@ def worker(out: str, steps: int, kill_at: int) -> None:
     if rep is not None:
         print(f"[attempt {attempt}] rank {rank} ({host}, world {dist.get_world_size()}): resumed at step {start} "
               f"from {rep.source} in {time.monotonic() - t0:.2f}s; bytes by host: {dict(rep.bytes_from)}", flush=True)
-        slow = sorted(((v, k) for k, v in rep.seconds.items() if k not in ("total", "load")), reverse=True)[:3]
+        slow = sorted(((v, k) for k, v in rep.seconds.items() if not k.endswith("total") and k != "load"), reverse=True)[:3]
         print(f"[attempt {attempt}] rank {rank}: slowest restore phases: "
               + ", ".join(f"{k} {v:.3f}s" for v, k in slow), flush=True)
     for step in range(start + 1, steps + 1):
