@@ -6,7 +6,8 @@ replicated to the other host; every 5th step also goes to disk. On the first
 attempt, after step 13, the ranks of ``h1`` delete h1's memory folder and
 SIGKILL themselves: the host is gone. torchrun restarts the group, and the
 restore resumes from step 13 (the last memory step, not the stored step 10),
-printing which host served each rank's bytes. Then the same run continues
+printing which host served each rank's bytes and the restore's slowest
+phases (``RestoreReport.seconds``). Then the same run continues
 on 2 ranks (one host), resharding from memory again.
 
 Run::
@@ -54,6 +55,9 @@ def worker(out: str, steps: int, kill_at: int) -> None:
     if rep is not None:
         print(f"[attempt {attempt}] rank {rank} ({host}, world {dist.get_world_size()}): resumed at step {start} "
               f"from {rep.source} in {time.monotonic() - t0:.2f}s; bytes by host: {dict(rep.bytes_from)}", flush=True)
+        slow = sorted(((v, k) for k, v in rep.seconds.items() if not k.endswith("total") and k != "load"), reverse=True)[:3]
+        print(f"[attempt {attempt}] rank {rank}: slowest restore phases: "
+              + ", ".join(f"{k} {v:.3f}s" for v, k in slow), flush=True)
     for step in range(start + 1, steps + 1):
         train_step(model, opt, step, cfg)
         mgr.maybe_save(step, state)

@@ -339,6 +339,11 @@ class CheckpointManager:
                 saver.close()
             except Exception as e:  # noqa: BLE001 - the save's own error was reported by wait()
                 log.debug("closing the save workers: %s", e)
+        if self.memory is not None:  # Peer memory: its staging memory and replication group
+            try:
+                self.memory.close()
+            except Exception as e:  # noqa: BLE001 - reported by wait()
+                log.debug("closing the peer memory: %s", e)
         self._coll.release_group()
 
     def _usable(self, closing: bool = False) -> None:

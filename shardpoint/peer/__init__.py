@@ -1,7 +1,10 @@
 """Peer-memory checkpoints: host memory on this host and its peers, restored in seconds after a host loss.
 
 - :mod:`.plan`: pure placement, completeness and source selection.
-- :mod:`.routed`: a read-only storage serving each file from the hosts holding it.
+- :mod:`.routed`: a read-only storage serving each file from the hosts holding it,
+  falling back chunk by chunk to the next copy.
+- :mod:`.serve`: the server thread and client that move a peer's bytes over the process group.
+- :mod:`.restore`: loading one complete memory step, phase by phase.
 - :mod:`.tier`: :class:`PeerMemory`, which saves, replicates and restores.
 """
 

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
+import warnings
 from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..dist import Comm, private_group
+from ..dist import Comm, destroy_private_group, private_group
 from ..errors import StorageError
 from ..storage.base import Storage, Writer
 
@@ -47,6 +49,7 @@ class PeerServer:
         self._tags = itertools.count(1)
         self._lock = threading.Lock()
         self.served = 0
+        self.busy = 0.0  # seconds the server thread spent answering requests
         self._thread = threading.Thread(target=self._serve, name="shardpoint-peer-server", daemon=True)
         self._thread.start()
 
@@ -60,33 +63,55 @@ class PeerServer:
             tag, fid, off, n, _ = (int(x) for x in hdr)
             if tag == _STOP:
                 return
+            t0 = time.monotonic()
             status = torch.tensor([_OK], dtype=torch.int64)
-            buf = torch.empty(n, dtype=torch.uint8)
             try:
                 if self.folder is None:
                     raise FileNotFoundError(self.names[fid])
-                self.folder.readinto(self.names[fid], off, memoryview(buf.numpy()))
+                buf = self._bytes(self.names[fid], off, n)
             except (OSError, StorageError):
                 status[0] = _MISSING
-            dist.send(status, src, group=self.resp.group, tag=tag)
+                buf = torch.zeros(n, dtype=torch.uint8)  # the reader posted its receive: it gets n bytes regardless
+            dist.send(status, src, group=self.resp.group, tag=2 * tag)
+            dist.send(buf, src, group=self.resp.group, tag=2 * tag + 1)
+            del buf  # a mapped view: released before the next request
             if status[0] == _OK:
-                dist.send(buf, src, group=self.resp.group, tag=tag)
                 self.served += n
+            self.busy += time.monotonic() - t0
+
+    def _bytes(self, name: str, off: int, n: int) -> torch.Tensor:
+        """``n`` bytes of ``name`` from ``off``: a view of the file's mapping where there is one
+        (sent from the host's memory with no copy and no new buffer), else read into a new buffer."""
+        assert self.folder is not None
+        view = self.folder.map_range(name, off, n)
+        if view is not None:
+            self.folder.populate(name, off, n)  # map every page now, not one fault per 4 KiB while sending
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a read-only mapping: sending only reads it
+                return torch.frombuffer(view, dtype=torch.uint8)
+        buf = torch.empty(n, dtype=torch.uint8)
+        self.folder.readinto(name, off, memoryview(buf.numpy()))
+        return buf
 
     def fetch(self, server: int, name: str, offset: int, buf: memoryview) -> None:
-        """Fill ``buf`` from ``name`` at ``offset`` as held by group rank ``server``; ``FileNotFoundError`` if it lacks it."""
+        """Fill ``buf`` from ``name`` at ``offset`` as held by group rank ``server``; ``FileNotFoundError`` if it lacks it.
+
+        Both receives are posted before the request goes out, so the bytes
+        flow as soon as the server sends them (one round trip, not two).
+        """
         with self._lock:
             tag = next(self._tags)
-        dst = self._g(self.req, server)
         out = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
-        hdr = torch.tensor([tag, self.ids[name], offset, len(out), self.comm.rank], dtype=torch.int64)
-        dist.send(hdr, dst, group=self.req.group)
         status = torch.empty(1, dtype=torch.int64)
         src = self._g(self.resp, server)
-        dist.recv(status, src, group=self.resp.group, tag=tag)
+        got = [dist.irecv(status, src, group=self.resp.group, tag=2 * tag),
+               dist.irecv(out, src, group=self.resp.group, tag=2 * tag + 1)]
+        hdr = torch.tensor([tag, self.ids[name], offset, len(out), self.comm.rank], dtype=torch.int64)
+        dist.send(hdr, self._g(self.req, server), group=self.req.group)
+        for w in got:
+            w.wait()
         if int(status[0]) != _OK:
             raise FileNotFoundError(f"rank {server} holds no readable copy of {name}")
-        dist.recv(out, src, group=self.resp.group, tag=tag)
 
     def close(self) -> None:
         """Stop serving once every rank is done reading (a barrier, then one stop message per server)."""
@@ -96,6 +121,8 @@ class PeerServer:
         dist.send(torch.tensor([_STOP, 0, 0, 0, c.rank], dtype=torch.int64), self._g(self.req, nxt), group=self.req.group)
         self._thread.join()
         c.barrier()
+        destroy_private_group(self.req)  # joined here, not at interpreter exit (see destroy_private_group)
+        destroy_private_group(self.resp)
 
     def __enter__(self) -> "PeerServer":
         return self

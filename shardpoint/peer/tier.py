@@ -26,7 +26,6 @@ Example::
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shutil
@@ -35,27 +34,21 @@ import socket
 import tempfile
 import threading
 import time
-import zlib
-from dataclasses import dataclass, field
 from typing import Any, Mapping, MutableMapping
 
 import torch
 import torch.distributed as dist
 
-from ..api import load as _sp_load
 from ..api import save as _sp_save
 from ..async_save import AsyncSaver
-from ..dist import Comm, private_group
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, FormatError
+from ..dist import Comm, destroy_private_group, private_group
+from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.local import LocalStorage
 from .plan import HostListing, StepCopy, choose_memory_step, transfers
-from .routed import RoutedStorage
-from .serve import PeerServer, RemoteFolder
+from .restore import RestoreReport, folder_name, restore_step
 
 __all__ = ["PeerMemory", "RestoreReport", "host_id", "default_memory_dir", "HOST_ENV", "DOMAIN_ENV"]
-
-log = logging.getLogger("shardpoint")
 
 HOST_ENV = "SHARDPOINT_HOST"
 """Overrides the host name (tests and demos simulate several hosts on one machine)."""
@@ -63,7 +56,6 @@ DOMAIN_ENV = "SHARDPOINT_FAILURE_DOMAIN"
 """This host's failure domain (a rack, a power feed); default: the host itself."""
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
-_RETRY = (CorruptCheckpointError, IncompleteCheckpointError, FormatError, FileNotFoundError)
 
 
 def host_id(env: Mapping[str, str] | None = None) -> str:
@@ -90,28 +82,7 @@ def default_memory_dir(host: str) -> str:
     return os.path.join(base, "shardpoint", host)
 
 
-def _folder(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-@dataclass(frozen=True)
-class RestoreReport:
-    """What a restore loaded: the step, its source and timings.
-
-    ``source`` is the job's: ``"memory"`` (every rank read only its own
-    host's memory), ``"peer"`` (some bytes came from other hosts' memory)
-    or ``"storage"`` (the persistent tiers); ``rank_source`` is this rank's
-    alone. ``bytes_from`` counts the bytes this rank read per host;
-    ``seconds`` maps phases (``plan``, ``load``, ``total``) to seconds;
-    ``attempts`` counts loads (more than one when a copy failed its checksum).
-    """
-
-    step: int
-    source: str
-    seconds: Mapping[str, float] = field(default_factory=dict)
-    bytes_from: Mapping[str, int] = field(default_factory=dict)
-    attempts: int = 1
-    rank_source: str = ""
+_folder = folder_name
 
 
 class _StepFolder(LocalStorage):
@@ -166,9 +137,10 @@ class PeerMemory:
         self._saver: AsyncSaver | None = None
         self.timeout = timeout
         self._rcomm: Comm | None = None  # private group of the background replication
+        self._own_rcomm = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.kill_during_replication = False  # test-only: SIGKILL this process once replication has started
+        self.kill_during_replication: int | None = None  # test-only: SIGKILL this process at this replication round
 
     def __repr__(self) -> str:
         return f"PeerMemory(dir={self.dir!r}, replicas={self.replicas}, interval={self.interval}, host={self.host!r})"
@@ -216,6 +188,7 @@ class PeerMemory:
         table = self._hosts(comm)
         if self._rcomm is None:
             self._rcomm = private_group(comm, self.timeout)
+            self._own_rcomm = self._rcomm is not comm
         name = _folder(step)
         st = _StepFolder(os.path.join(self.dir, name), name)
         group = comm.group if comm.active else None
@@ -238,6 +211,22 @@ class PeerMemory:
         if e is not None:
             raise CheckpointError(f"rank {self._rcomm.rank if self._rcomm else 0}: replicating a memory "
                                   f"checkpoint to peer hosts failed: {e}") from e
+
+    def close(self) -> None:
+        """Wait for the replication in flight, then free the snapshot's staging memory and the private group.
+
+        Local (no collective) and idempotent; a later save starts them again.
+        """
+        try:
+            self.wait()
+        finally:
+            saver, self._saver = self._saver, None
+            if saver is not None:
+                saver.close()
+            comm, self._rcomm = self._rcomm, None
+            if self._own_rcomm:
+                destroy_private_group(comm)
+            self._own_rcomm = False
 
     def _background(self, step: int, st: "_StepFolder", table, t0: float, t1: float, handle: Any) -> None:
         try:
@@ -280,7 +269,7 @@ class PeerMemory:
         gr = (lambda r: dist.get_global_rank(comm.group, r)) if comm.group is not None else (lambda r: r)
         sent = 0
         for k in range(rounds):
-            if self.kill_during_replication and k == 0:
+            if self.kill_during_replication == k:
                 os.kill(os.getpid(), signal.SIGKILL)
             ops, recvs = [], []
             for i, t in mine:
@@ -345,7 +334,7 @@ class PeerMemory:
         choices = choose_memory_step(listings, self.host, newer_than)
         t_plan = time.monotonic() - t0
         for ch in choices:
-            rep = self._restore_step(ch, gathered, state, comm, load_kwargs, t0, t_plan)
+            rep = restore_step(ch, gathered, state, comm, self.dir, self.host, load_kwargs, t0, t_plan)
             if rep is not None:
                 self.forget_newer(rep.step, comm, gathered)
                 return rep
@@ -367,61 +356,6 @@ class PeerMemory:
             m = _STEP_RE.match(name)
             if m and int(m.group(1)) > step:
                 shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
-
-    def _restore_step(self, ch, gathered: list[HostListing], state, comm: Comm, load_kwargs, t0: float, t_plan: float):
-        """Load one complete memory step: own host's files from its folder, peers' through their servers."""
-        name = _folder(ch.step)
-        ranks_of: dict[str, list[int]] = {}
-        for r, lst in enumerate(gathered):
-            ranks_of.setdefault(lst.host, []).append(r)
-        own = LocalStorage(os.path.join(self.dir, name))
-        msrc = ranks_of[ch.manifest_host][0]
-        mbytes = comm.broadcast(own.get(MANIFEST_NAME) if comm.rank == msrc else None, src=msrc)
-        man = Manifest.from_json(mbytes, f"peer-memory:{name}")
-        if man.save_id != ch.save_id:
-            raise CorruptCheckpointError(f"peer-memory:{name}: the manifest changed during the restore")
-        group = comm.group if comm.active else None
-        names = sorted(ch.sources)
-        server = PeerServer(comm, own, names) if comm.active and comm.world > 1 else None
-        try:
-            def src(h: str, f: str):
-                if h == self.host:
-                    return own
-                assert server is not None
-                return RemoteFolder(server, _server_rank(ranks_of[h], f), man.files, f"peer-memory:{h}/{name}")
-
-            sources = {f: [(h, src(h, f)) for h in hs] for f, hs in ch.sources.items()}
-            routed = RoutedStorage(f"peer-memory:{name}", mbytes, sources)
-            attempts = 0
-            while True:
-                attempts += 1
-                routed.bytes_from.clear()  # the source reported is the one of the attempt that loaded
-                tl = time.monotonic()
-                try:
-                    _sp_load(routed, state, process_group=group, **load_kwargs)
-                except _RETRY as e:
-                    # The same typed error reaches every rank: each moves the file it names (else every
-                    # file) on to its next copy, and all retry together.
-                    mine = routed.demote_named(str(e)) or routed.rotate_all()
-                    moved = comm.all_gather(mine) if comm.active else [mine]
-                    log.warning("rank %s: memory copy of %s failed (%s); %s", comm.rank, name, e,
-                                "trying other hosts' copies" if any(moved) else "trying an older step")
-                    if any(moved):
-                        continue
-                    return None
-                load_s = time.monotonic() - tl
-                mine = "memory" if set(routed.bytes_from) <= {self.host} else "peer"
-                kinds = comm.all_gather(mine) if comm.active else [mine]
-                return RestoreReport(ch.step, "peer" if "peer" in kinds else "memory",
-                                     {"plan": t_plan, "load": load_s, "total": time.monotonic() - t0},
-                                     dict(routed.bytes_from), attempts, mine)
-        finally:
-            if server is not None:
-                server.close()
-
-
-def _server_rank(ranks: list[int], name: str) -> int:
-    return ranks[zlib.crc32(name.encode()) % len(ranks)]
 
 
 def _read_span(st: LocalStorage, stream: list[tuple[str, int]], lo: int, n: int):

@@ -20,9 +20,9 @@ def _host(rank: int) -> str:
     return f"h{rank // PER_HOST}"
 
 
-def _memory(root: str, rank: int, replicas: int = 1) -> sp.PeerMemory:
+def _memory(root: str, rank: int, replicas: int = 1, budget: int = 256 << 20) -> sp.PeerMemory:
     os.environ["SHARDPOINT_HOST"] = _host(rank)
-    return sp.PeerMemory(dir=os.path.join(root, "mem", _host(rank)), replicas=replicas, interval=1)
+    return sp.PeerMemory(dir=os.path.join(root, "mem", _host(rank)), replicas=replicas, interval=1, budget_bytes=budget)
 
 
 def _diff(ref: dict, got: dict) -> list[str]:
@@ -48,10 +48,14 @@ def _restore(root: str, rank: int, layout: str = "fsdp2", seed: int = 7) -> tupl
     return out, full_state(model, opt)
 
 
-def train_job(rank: int, world: int, root: str, steps: int = 12, kill_at: int | None = None) -> dict:
-    """FSDP2 for ``steps`` steps with a memory checkpoint every step and a stored one every 5; no final save."""
+def train_job(rank: int, world: int, root: str, steps: int = 12, kill_at: int | None = None, kill_round: int = 0,
+              budget: int = 256 << 20) -> dict:
+    """FSDP2 for ``steps`` steps with a memory checkpoint every step and a stored one every 5; no final save.
+
+    With ``kill_at``, host h1's ranks are SIGKILLed in round ``kill_round`` of that step's replication
+    (a small ``budget`` makes several rounds)."""
     model, opt = build("fsdp2", CFG, seed=0)
-    mem = _memory(root, rank)
+    mem = _memory(root, rank, budget=budget)
     mgr = CheckpointManager(os.path.join(root, "run"), interval=5, memory=mem, async_mode=None, timeout=60)
     refs = {}
     for step in range(1, steps + 1):
@@ -60,8 +64,8 @@ def train_job(rank: int, world: int, root: str, steps: int = 12, kill_at: int | 
         if rank == 0 and (step >= steps - 2 or step == 10):
             keep = {s: refs[s] for s in refs if s >= steps - 2 or s == 10}
             torch.save(keep, os.path.join(root, "refs.pt"))
-        if kill_at == step and rank >= PER_HOST:
-            mem.kill_during_replication = True  # this host dies while sending its copies
+        if kill_at == step and _host(rank) == "h1":
+            mem.kill_during_replication = kill_round  # this host dies while sending its copies
         mgr.maybe_save(step, {"model": model, "optimizer": opt})
     mgr.close()
     return {"memory_steps": mem.steps(), "stored": mgr.steps()}
@@ -82,6 +86,7 @@ def restore_job(rank: int, world: int, root: str, scenarios: list) -> dict:
     refs = torch.load(os.path.join(root, "refs.pt"))
     out = []
     for losses, layout, corrupt in scenarios:
+        bad = None
         if rank == 0:
             lose(root, *losses)
             if corrupt:
@@ -92,8 +97,11 @@ def restore_job(rank: int, world: int, root: str, scenarios: list) -> dict:
                 man = sp.read_manifest(os.path.join(folder, steps[-1]))
                 own = man.ranks[PER_HOST * int(corrupt[1:])].data  # the host's own first rank's data file
                 flip_byte(os.path.join(folder, steps[-1], own), 64)
+                bad = next(c.nbytes for t in man.tensors.values() for c in t.chunks
+                           if c.file == own and c.offset <= 64 < c.offset + c.nbytes)
         dist.barrier()
         res, got = _restore(root, rank, layout)
+        res["corrupt_chunk_bytes"] = bad
         res["diff"] = _diff(refs[res["step"]], got) if res["step"] in refs else ["<no reference>"]
         out.append(res)
         dist.barrier()

@@ -55,3 +55,30 @@ def test_one_rank_memory_restore_prefers_memory_and_detects_corruption(tmp_path,
     got = {"w": torch.zeros(1000)}
     assert mgr2.restore(got) == 3 and mgr2.last_restore.source == "storage"
     assert torch.equal(got["w"], want - 1)
+
+
+def test_routed_load_takes_only_the_corrupt_chunk_from_the_next_copy(tmp_path):
+    # Two hosts' copies of one checkpoint; one chunk of the first copy is corrupt.
+    import shutil
+
+    from shardpoint.storage import LocalStorage
+
+    state = {"a": torch.arange(3 << 20, dtype=torch.float32), "b": torch.arange(1 << 20, dtype=torch.float32) * 2}
+    sp.save(str(tmp_path / "h0"), state, process_group=sp.LOCAL)
+    shutil.copytree(tmp_path / "h0", tmp_path / "h1")
+    man = sp.read_manifest(str(tmp_path / "h0"))
+    bad = man.tensors["a"].chunks[0]
+    flip_byte(str(tmp_path / "h0" / bad.file), bad.offset + 5 * (1 << 20))  # inside its second checksum block
+    h0, h1 = LocalStorage(str(tmp_path / "h0")), LocalStorage(str(tmp_path / "h1"))
+    routed = RoutedStorage("peer-memory:t", h0.get("manifest.json"), {f: [("h0", h0), ("h1", h1)] for f in man.files})
+    got = {"a": torch.zeros(3 << 20), "b": torch.zeros(1 << 20)}
+    sp.load(routed, got, process_group=sp.LOCAL)
+    assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"], state["b"])
+    # Only chunk "a" was read again, whole, from h1; h0 served the rest (and a's blocks up to the bad one).
+    assert routed.bytes_from["h1"] == bad.nbytes
+    served = routed.bytes_from["h0"] - 2 * man.block_size - man.tensors["b"].chunks[0].nbytes
+    assert 0 <= served < 4096, served  # plus the small index file
+    # Every copy of the chunk bad: the load fails with the checksum error naming the file.
+    flip_byte(str(tmp_path / "h1" / bad.file), bad.offset + 5 * (1 << 20))
+    with pytest.raises(sp.CorruptCheckpointError, match="checksum mismatch in " + bad.file):
+        sp.load(routed, {"a": torch.zeros(3 << 20), "b": torch.zeros(1 << 20)}, process_group=sp.LOCAL)

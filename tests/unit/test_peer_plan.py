@@ -55,3 +55,13 @@ def test_complete_needs_every_file_on_some_host_and_one_save():
     assert ch[0].sources == {"a": ("h0",), "b": ("h1",)}
     assert [c.step for c in choose_memory_step([h0, h1], own="h0", newer_than=12)] == [12]
     assert choose_memory_step([h0, h1], own="h0", newer_than=13) == []
+
+
+def test_server_rank_spreads_a_lost_hosts_files_over_the_serving_ranks():
+    from shardpoint.peer.restore import server_rank
+
+    # h1's ranks 2 and 3 wrote the files; h0's ranks 0 and 1 serve them, one each.
+    assert [server_rank([0, 1], f"data/r{w}.bin", w) for w in (2, 3)] == [0, 1]
+    assert [server_rank([4, 5, 6], f"data/r{w}.bin", w) for w in range(6)] == [4, 5, 6, 4, 5, 6]
+    # A file of no known writer: the same choice on every rank, among the host's ranks.
+    assert server_rank([0, 1], "x.json") == server_rank([0, 1], "x.json") in (0, 1)
