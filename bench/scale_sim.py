@@ -63,7 +63,7 @@ from shardpoint.engine.indexes import IndexReader, resolve, wanted_box
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.format.datafile import DEFAULT_BLOCK_SIZE, block_count, padding
 from shardpoint.format.manifest import MANIFEST_NAME, ChunkMeta, Manifest
-from shardpoint.format.values import _TAG
+from shardpoint.format.values import VALUE_TAG
 from shardpoint.geometry import Box, even_chunks
 from shardpoint.grid import Grid, grid_of_placements
 from shardpoint.items import LoadTarget, SaveTensor
@@ -456,7 +456,7 @@ def fake_records(rank: int, mine: list[SaveTensor], block: int) -> tuple[list[tu
 
 
 def _ref(path: str) -> dict:
-    return {_TAG: "tensor", "key": path}
+    return {VALUE_TAG: "tensor", "key": path}
 
 
 _VALUES: dict = {}
@@ -469,7 +469,7 @@ def stage_values(specs, m: ModelSpec, lay: Layout, p: int) -> tuple[dict, dict]:
     if got is None:
         params = [s.fqn for s in stage_specs(specs, m, lay)[p] if s.fqn.startswith("model.")]
         hyper = {
-            "lr": 3e-4, "betas": {_TAG: "tuple", "v": [0.9, 0.95]}, "eps": 1e-8, "weight_decay": 0.1,
+            "lr": 3e-4, "betas": {VALUE_TAG: "tuple", "v": [0.9, 0.95]}, "eps": 1e-8, "weight_decay": 0.1,
             "amsgrad": False, "foreach": None, "maximize": False, "capturable": False,
             "differentiable": False, "fused": None, "decoupled_weight_decay": True,
         }

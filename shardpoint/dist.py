@@ -225,13 +225,30 @@ class Comm:
         dist.all_to_all_single(flat_out, flat_in, rc, [int(c) * k for c in send_counts], group=self.group)
         return list(flat_out.reshape(-1, k).split([c // k for c in rc]))
 
-    def isend(self, tensor: "torch.Tensor", dst: int) -> Any:
+    def isend(self, tensor: "torch.Tensor", dst: int, tag: int = 0) -> Any:
         """Start sending ``tensor`` to group rank ``dst``; returns a handle whose ``wait()`` ends it."""
-        return dist.isend(tensor, dst=self._global(dst), group=self.group)
+        return dist.isend(tensor, dst=self._global(dst), group=self.group, tag=tag)
 
-    def irecv(self, tensor: "torch.Tensor", src: int) -> Any:
+    def irecv(self, tensor: "torch.Tensor", src: int, tag: int = 0) -> Any:
         """Start receiving into ``tensor`` from group rank ``src``; returns a handle whose ``wait()`` ends it."""
-        return dist.irecv(tensor, src=self._global(src), group=self.group)
+        return dist.irecv(tensor, src=self._global(src), group=self.group, tag=tag)
+
+    def send(self, tensor: "torch.Tensor", dst: int, tag: int = 0) -> None:
+        """Send ``tensor`` to group rank ``dst`` and wait until it is sent."""
+        dist.send(tensor, dst=self._global(dst), group=self.group, tag=tag)
+
+    def recv_any(self, tensor: "torch.Tensor") -> int:
+        """Receive into ``tensor`` from whichever rank sends first; returns the sender's group rank."""
+        sender = dist.recv(tensor, src=None, group=self.group)
+        return sender if self.group is None else dist.get_group_rank(self.group, sender)
+
+    def all_reduce(self, tensor: "torch.Tensor", op: str = "sum") -> "torch.Tensor":
+        """Reduce ``tensor`` in place over the group (``op``: ``"sum"`` or ``"max"``) and return it."""
+        if op not in ("sum", "max"):
+            raise ValueError(f"all_reduce: op must be 'sum' or 'max', got {op!r}")
+        if self.active and self.world > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+        return tensor
 
     def barrier(self) -> None:
         if self.active and self.world > 1:

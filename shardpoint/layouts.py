@@ -210,7 +210,6 @@ def apply_reduce(tensors: list[SaveTensor], rules: Sequence, comm) -> list[SaveT
     reds = [r for r in rules if isinstance(r, Reduced)]
     if not reds:
         return tensors
-    import torch.distributed as dist
 
     out = []
     for t in tensors:
@@ -222,7 +221,7 @@ def apply_reduce(tensors: list[SaveTensor], rules: Sequence, comm) -> list[SaveT
             raise UnsupportedStateError(f"{t.fqn}: Reduced applies to plain tensors held by every rank")
         data = t.data.detach().clone()
         if comm.active and comm.world > 1:
-            dist.all_reduce(data, group=comm.group)
+            comm.all_reduce(data)
             if rule.op == "mean":
                 data = data / comm.world if data.is_floating_point() else data // comm.world
         out.append(replace(t, data=data, layout=f"reduced:{rule.op}"))

@@ -41,7 +41,7 @@ MAX_DEPTH = 64
 # Integers outside int64 are stored as decimal text (tag "int"), at most this many digits.
 MAX_INT_DIGITS = 1000
 _INT64 = (-(1 << 63), (1 << 63) - 1)
-_TAG = "__sp__"
+VALUE_TAG = "__sp__"  # the key marking an encoded value (int, float, tensor, tuple...) in a value document
 
 
 def encode_value(
@@ -69,20 +69,20 @@ def encode_value(
         text = str(v) if abs(v).bit_length() < 3300 else ""
         if not text or len(text) > MAX_INT_DIGITS:
             raise UnsupportedStateError(f"integer at {path!r} has more than {MAX_INT_DIGITS} digits")
-        return {_TAG: "int", "v": text}
+        return {VALUE_TAG: "int", "v": text}
     if isinstance(value, float):
         if math.isfinite(value):
             return value
-        return {_TAG: "float", "v": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+        return {VALUE_TAG: "float", "v": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(value, torch.Tensor):
         on_tensor(path, value)
-        return {_TAG: "tensor", "key": path}
+        return {VALUE_TAG: "tensor", "key": path}
     if isinstance(value, torch.dtype):
-        return {_TAG: "dtype", "v": str(value).removeprefix("torch.")}
+        return {VALUE_TAG: "dtype", "v": str(value).removeprefix("torch.")}
     if isinstance(value, (bytes, bytearray)):
-        return {_TAG: "bytes", "b64": base64.b64encode(bytes(value)).decode("ascii")}
+        return {VALUE_TAG: "bytes", "b64": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return {_TAG: "tuple", "v": [encode_value(v, f"{path}.{i}", on_tensor, allow_pickle, d) for i, v in enumerate(value)]}
+        return {VALUE_TAG: "tuple", "v": [encode_value(v, f"{path}.{i}", on_tensor, allow_pickle, d) for i, v in enumerate(value)]}
     if isinstance(value, list):
         return [encode_value(v, f"{path}.{i}", on_tensor, allow_pickle, d) for i, v in enumerate(value)]
     if isinstance(value, collections.Counter):
@@ -90,16 +90,16 @@ def encode_value(
             [encode_value(k, f"{path}.<key>", on_tensor, allow_pickle, d), encode_value(v, f"{path}.{k}", on_tensor, allow_pickle, d)]
             for k, v in value.items()
         ]
-        return {_TAG: "counter", "items": items}
+        return {VALUE_TAG: "counter", "items": items}
     if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value) and _TAG not in value:
+        if all(isinstance(k, str) for k in value) and VALUE_TAG not in value:
             return {k: encode_value(v, f"{path}.{k}", on_tensor, allow_pickle, d) for k, v in value.items()}
         items = []
         for k, v in value.items():
             if not isinstance(k, (str, int, float, bool, tuple)) and k is not None:
                 raise UnsupportedStateError(f"dict key {k!r} at {path!r} is not a str/int/float/bool/tuple")
             items.append([encode_value(k, f"{path}.<key>", on_tensor, allow_pickle, d), encode_value(v, f"{path}.{k}", on_tensor, allow_pickle, d)])
-        return {_TAG: "dict", "items": items}
+        return {VALUE_TAG: "dict", "items": items}
     try:
         import numpy as np
 
@@ -110,7 +110,7 @@ def encode_value(
     except ImportError:  # pragma: no cover - numpy is a hard dependency
         pass
     if allow_pickle:
-        return {_TAG: "pickle", "b64": base64.b64encode(pickle.dumps(value)).decode("ascii")}
+        return {VALUE_TAG: "pickle", "b64": base64.b64encode(pickle.dumps(value)).decode("ascii")}
     raise UnsupportedStateError(
         f"cannot encode {type(value).__qualname__} at {path!r} safely; convert it to plain "
         "data (numbers, strings, lists, dicts, tensors) or pass allow_pickle=True"
@@ -134,7 +134,7 @@ def decode_value(
         return [decode_value(v, get_tensor, allow_pickle, where, d) for v in doc]
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: unexpected JSON value {type(doc).__name__}")
-    tag = doc.get(_TAG)
+    tag = doc.get(VALUE_TAG)
     if tag is None:
         return {k: decode_value(v, get_tensor, allow_pickle, where, d) for k, v in doc.items()}
     if tag == "float":
@@ -204,7 +204,7 @@ def check_optimizer_doc(doc: Any, where: str) -> tuple[dict, list, dict]:
     if not isinstance(groups, list):
         raise FormatError(f"{where}: field 'groups' must be a list of objects, got {type(groups).__name__}")
     for i, g in enumerate(groups):
-        if not isinstance(g, dict) or _TAG in g:
+        if not isinstance(g, dict) or VALUE_TAG in g:
             raise FormatError(f"{where}: field 'groups.{i}' must be an object of hyper-parameters, got {type(g).__name__}")
         if "params" in g:
             raise FormatError(f"{where}: field 'groups.{i}' must not hold 'params'")

@@ -8,7 +8,6 @@ import uuid
 from typing import Any, Callable, MutableMapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..api import read_manifest
 from ..api import save as save_checkpoint
@@ -370,8 +369,7 @@ class CheckpointManager:
         flags = torch.tensor([int(want), int(stop)], dtype=torch.int64)
 
         def reduce():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
-            return flags
+            return comm.all_reduce(flags, op="max")
 
         with self._coll.watch("decide", step):
             self._coll.run("decide", step, reduce)

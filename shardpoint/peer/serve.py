@@ -24,7 +24,6 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..dist import Comm, destroy_private_group, private_group
 from ..errors import StorageError
@@ -53,13 +52,10 @@ class PeerServer:
         self._thread = threading.Thread(target=self._serve, name="shardpoint-peer-server", daemon=True)
         self._thread.start()
 
-    def _g(self, group: Comm, r: int) -> int:
-        return dist.get_global_rank(group.group, r) if group.group is not None else r
-
     def _serve(self) -> None:
         hdr = torch.empty(5, dtype=torch.int64)
         while True:
-            src = dist.recv(hdr, src=None, group=self.req.group)
+            src = self.req.recv_any(hdr)
             tag, fid, off, n, _ = (int(x) for x in hdr)
             if tag == _STOP:
                 return
@@ -72,8 +68,8 @@ class PeerServer:
             except (OSError, StorageError):
                 status[0] = _MISSING
                 buf = torch.zeros(n, dtype=torch.uint8)  # the reader posted its receive: it gets n bytes regardless
-            dist.send(status, src, group=self.resp.group, tag=2 * tag)
-            dist.send(buf, src, group=self.resp.group, tag=2 * tag + 1)
+            self.resp.send(status, src, tag=2 * tag)
+            self.resp.send(buf, src, tag=2 * tag + 1)
             del buf  # a mapped view: released before the next request
             if status[0] == _OK:
                 self.served += n
@@ -103,11 +99,9 @@ class PeerServer:
             tag = next(self._tags)
         out = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
         status = torch.empty(1, dtype=torch.int64)
-        src = self._g(self.resp, server)
-        got = [dist.irecv(status, src, group=self.resp.group, tag=2 * tag),
-               dist.irecv(out, src, group=self.resp.group, tag=2 * tag + 1)]
+        got = [self.resp.irecv(status, server, tag=2 * tag), self.resp.irecv(out, server, tag=2 * tag + 1)]
         hdr = torch.tensor([tag, self.ids[name], offset, len(out), self.comm.rank], dtype=torch.int64)
-        dist.send(hdr, self._g(self.req, server), group=self.req.group)
+        self.req.send(hdr, server)
         for w in got:
             w.wait()
         if int(status[0]) != _OK:
@@ -118,7 +112,7 @@ class PeerServer:
         c = self.comm
         c.barrier()
         nxt = (c.rank + 1) % c.world
-        dist.send(torch.tensor([_STOP, 0, 0, 0, c.rank], dtype=torch.int64), self._g(self.req, nxt), group=self.req.group)
+        self.req.send(torch.tensor([_STOP, 0, 0, 0, c.rank], dtype=torch.int64), nxt)
         self._thread.join()
         c.barrier()
         destroy_private_group(self.req)  # joined here, not at interpreter exit (see destroy_private_group)

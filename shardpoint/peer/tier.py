@@ -37,7 +37,6 @@ import time
 from typing import Any, Mapping, MutableMapping
 
 import torch
-import torch.distributed as dist
 
 from ..api import save as _sp_save
 from ..async_save import AsyncSaver
@@ -266,7 +265,6 @@ class PeerMemory:
         total = {i: sum(s for _, s in v) for i, v in streams.items()}
         rounds = max((total[i] + piece - 1) // piece for i, _ in mine)
         writers: dict[int, list] = {i: [None, 0, 0] for i, t in mine if t.dst == me}  # writer, file index, offset
-        gr = (lambda r: dist.get_global_rank(comm.group, r)) if comm.group is not None else (lambda r: r)
         sent = 0
         for k in range(rounds):
             if self.kill_during_replication == k:
@@ -279,11 +277,11 @@ class PeerMemory:
                     continue
                 if t.src == me:
                     buf = torch.from_numpy(_read_span(st, streams[i], lo, n))
-                    ops.append(dist.isend(buf, gr(t.dst), group=comm.group, tag=i))
+                    ops.append(comm.isend(buf, t.dst, tag=i))
                     sent += n
                 else:
                     buf = torch.empty(n, dtype=torch.uint8)
-                    ops.append(dist.irecv(buf, gr(t.src), group=comm.group, tag=i))
+                    ops.append(comm.irecv(buf, t.src, tag=i))
                     recvs.append((i, buf))
             for op in ops:
                 op.wait()

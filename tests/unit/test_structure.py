@@ -326,3 +326,40 @@ def test_the_planning_scan_finds_a_forbidden_import(tmp_path, monkeypatch):
         "planning/bad.py:2: shardpoint.engine.io", "planning/bad.py:2: shardpoint.engine.io.write_chunks",
         "planning/bad.py:3: shardpoint.storage", "planning/bad.py:5: torch.distributed",
     ]
+
+
+# torch.distributed calls that move data between ranks; they belong behind Comm.
+COLLECTIVES = {
+    "all_gather", "all_gather_object", "all_gather_into_tensor", "all_reduce", "all_to_all", "all_to_all_single",
+    "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv", "isend", "recv",
+    "reduce", "reduce_scatter", "scatter", "scatter_object_list", "send", "batch_isend_irecv",
+}
+# dist.py is the seam; the test-model helpers in testing/ train (pipeline sends), they do not checkpoint.
+COLLECTIVE_OWNERS = ("dist.py", "testing/")
+
+
+def direct_collectives(root: pathlib.Path = PKG) -> list[str]:
+    """``dist.<collective>(...)`` / ``torch.distributed.<collective>(...)`` calls outside the Comm seam."""
+    found = []
+    for path, tree in _modules(root):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(COLLECTIVE_OWNERS):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES:
+                owner = ast.unparse(node.func.value)
+                if owner in ("dist", "torch.distributed"):
+                    found.append(f"{rel}:{node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def test_every_collective_goes_through_comm():
+    assert direct_collectives() == []
+
+
+def test_the_collective_scan_finds_a_direct_call(tmp_path):
+    pkg = tmp_path / "shardpoint"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "engine" / "bad.py").write_text("import torch.distributed as dist\ndef f(t):\n    dist.all_reduce(t)\n")
+    (pkg / "dist.py").write_text("import torch.distributed as dist\ndef g(t):\n    dist.broadcast(t, 0)\n")
+    assert direct_collectives(pkg) == ["engine/bad.py:3: dist.all_reduce"]
