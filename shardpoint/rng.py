@@ -243,7 +243,7 @@ def derive_seed(row: bytes, rank: int, name: str) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def _seed_generators(rows: Mapping[str, bytes], rank: int, cuda: str) -> list[str]:
+def seed_generators(rows: Mapping[str, bytes], rank: int, cuda: str) -> list[str]:
     done = []
     for name, data in rows.items():
         seed = derive_seed(data, rank, name)
@@ -387,7 +387,7 @@ class RNGState:
         if exact:
             restored = restore_rows({k: _to_row(v) for k, v in mine.items()}, self.cuda)
         else:
-            restored = _seed_generators(mine, rank, self.cuda)
+            restored = seed_generators(mine, rank, self.cuda)
         self.last_restore = {
             "row": row,
             "exact": exact,

@@ -11,7 +11,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint.data import epoch_permutation
-from shardpoint.rng import _seed_generators
+from shardpoint.rng import seed_generators
 from shardpoint.testing import launch
 
 from . import state_cases as C
@@ -74,7 +74,7 @@ def test_data_and_rng_across_world_sizes(tmp_path):
     rows_b = {n: bytes(sp.read_tensor(b, f"rng.rows_w2.{n}")[0].numpy()) for n in ("torch", "python", "numpy")}
     keep = (torch.get_rng_state(), random.getstate(), np.random.get_state())
     try:
-        _seed_generators(rows_b, 2, "current")
+        seed_generators(rows_b, 2, "current")
         assert C.draws() == new
     finally:
         torch.set_rng_state(keep[0]); random.setstate(keep[1]); np.random.set_state(keep[2])

@@ -137,7 +137,7 @@ def test_load_from_larger_world_restores_own_row():
 
 def test_derived_streams_match_seeding_from_derive_seed():
     sd = {"python": bytes(R._pack_python(random.getstate()).numpy())}
-    R._seed_generators(sd, 7, "current")
+    R.seed_generators(sd, 7, "current")
     a = random.random()
     random.seed(derive_seed(sd["python"], 7, "python"))
     assert random.random() == a
@@ -220,7 +220,7 @@ def test_cuda_all_devices_and_derive(fake_cuda):
     fake_cuda.states = {0: torch.zeros(16, dtype=torch.uint8), 1: torch.zeros(16, dtype=torch.uint8)}
     rng.load_state_dict(sd)
     assert torch.equal(torch.cat([fake_cuda.states[0], fake_cuda.states[1]]), rows["cuda"])
-    R._seed_generators({"cuda": bytes(rows["cuda"].numpy())}, 3, "all")
+    R.seed_generators({"cuda": bytes(rows["cuda"].numpy())}, 3, "all")
     assert not torch.equal(fake_cuda.states[0], fake_cuda.states[1])
 
 
