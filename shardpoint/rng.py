@@ -244,6 +244,12 @@ def derive_seed(row: bytes, rank: int, name: str) -> int:
 
 
 def seed_generators(rows: Mapping[str, bytes], rank: int, cuda: str) -> list[str]:
+    """Seed each named generator (``torch``, ``python``, ``numpy``, ``cuda``) from its saved row for ``rank``.
+
+    Used when a run resumes on a different world size: each rank derives its own
+    stream from the saved state instead of copying another rank's. Returns the
+    names seeded; raises ``ValueError`` for an unknown generator name.
+    """
     done = []
     for name, data in rows.items():
         seed = derive_seed(data, rank, name)
