@@ -19,9 +19,11 @@ Coordination (the save id, the gather of chunk records, the commit) runs on a
 dedicated gloo process group owned by the :class:`AsyncSaver`, so background
 collectives never interleave with the training loop's own collectives.
 
-Pre-warming: by default an :class:`AsyncSaver` makes its private group and
-its worker threads when it is constructed (so every rank of the group
-constructs it together), and ``prewarm_state=`` also touches the staging
+Pre-warming: by default an :class:`AsyncSaver` starts its worker threads and
+allocates its staging buffer when it is constructed, with no collective, so
+a saver may still be made on one rank for rank-local saves. ``prewarm_state=``
+(given on every rank of the group, which makes the constructor collective)
+also makes the private group, caches the save plan and touches the staging
 memory that state will fill. The first save then stalls the loop no longer
 than later ones.
 
@@ -95,13 +97,14 @@ class AsyncSaver:
     when cores are oversubscribed the training threads, and other ranks
     still inside their save call, run first.
 
-    ``prewarm`` (default) makes the private group, the worker threads and
-    the staging buffer now, so the first save stalls no longer than later
-    ones; the constructor is then collective: every rank of the group
-    constructs the saver together (see :meth:`prewarm`). ``prewarm_state``
-    (this rank's state, as it will be saved) also sizes and touches the
-    staging memory and caches the save plan; without it the staging pages
-    are filled by the first save. ``prewarm=False`` makes everything on
+    ``prewarm`` (default) starts the worker threads and allocates the
+    staging buffer now, locally: constructing the saver is not a collective,
+    so it may be made on one rank only (for ``process_group=sp.LOCAL``
+    saves). ``prewarm_state`` (this rank's state, as it will be saved; pass
+    it on every rank of the group, as the constructor then runs
+    :meth:`prewarm`, a collective) also makes the private group, caches the
+    save plan and sizes and touches the staging memory, so the first save
+    stalls no longer than later ones. ``prewarm=False`` makes everything on
     first use, inside the first save.
 
     :meth:`close` waits for the in-flight save, stops the two worker threads
@@ -136,8 +139,11 @@ class AsyncSaver:
         self._owned: list[Comm] = []  # private groups this saver made, destroyed by close()
         self.prewarmed: Prewarmed | None = None
         close_at_exit(self.close)
-        if prewarm or prewarm_state is not None:
+        if prewarm_state is not None:
             self.prewarm(prewarm_state)
+        elif prewarm:
+            self._workers()  # local only: threads and staging memory, no group (see the class docs)
+            self._staging().warm(0)
 
     def prewarm(self, state: MutableMapping[str, Any] | None = None, process_group: Any = None) -> Prewarmed:
         """Make now what the first save would make; return what is ready (also kept as ``self.prewarmed``).

@@ -77,3 +77,22 @@ def prewarm_job(rank: int, world: int, root: str) -> dict:
     out["manager_cold"] = {"comm": lazy._coll.ready, "saver": lazy._saver is not None}
     lazy.close()
     return out
+
+
+def local_saver_job(rank: int, world: int, root: str) -> dict:
+    """A saver made on rank 0 alone (for rank-local saves) must not wait for the other ranks."""
+    import torch.distributed as dist
+
+    model, opt = build("fsdp2", CFG, seed=0)
+    train_step(model, opt, 0, CFG)
+    state = {"model": model, "optimizer": opt}
+    out: dict = {}
+    if rank == 0:
+        saver = sp.AsyncSaver(staging_bytes=16 << 20)
+        out["workers"] = _save_threads()
+        out["groups"] = len(saver._owned)
+        saver.save(os.path.join(root, "local"), {"step": torch.tensor([7])}, process_group=sp.LOCAL).wait()
+        out["step"] = int(sp.load(os.path.join(root, "local"), {}, strict=False, process_group=sp.LOCAL)["step"])
+        saver.close()
+    dist.barrier()
+    return out

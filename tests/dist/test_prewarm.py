@@ -29,3 +29,9 @@ def test_prewarm(tmp_path):
         m = r["manager"]
         assert m["comm"] is True and m["saver_group"] is True and m["staged"] == m["state"] == w["state"], m
         assert r["manager_cold"] == {"comm": False, "saver": False}
+
+
+def test_a_saver_made_on_one_rank_does_not_wait_for_the_others(tmp_path):
+    results = launch(2, "tests.dist.prewarm_cases:local_saver_job", {"root": str(tmp_path)}, timeout=120)
+    assert results[1] == {}
+    assert results[0] == {"workers": 2, "groups": 0, "step": 7}
