@@ -517,8 +517,16 @@ class Cost:
     peak: int | None = None
 
 
-def measure(fn: Callable[[], Any], trace: bool = False) -> tuple[Any, Cost]:
-    """Run ``fn`` once; with ``trace`` also record its tracemalloc peak (slower)."""
+def measure(fn: Callable[[], Any], trace: bool = False, gc_paused: bool = False) -> tuple[Any, Cost]:
+    """Run ``fn`` once; with ``trace`` also record its tracemalloc peak (slower).
+
+    ``gc_paused`` runs it with automatic garbage collection off, as the
+    engine's ``execute_reads`` runs load planning: in this simulation's large
+    heap a full collection landing inside the step would otherwise dominate it.
+    """
+    was = gc.isenabled()
+    if gc_paused:
+        gc.disable()
     if trace:
         gc.collect()
         tracemalloc.start()
@@ -528,6 +536,8 @@ def measure(fn: Callable[[], Any], trace: bool = False) -> tuple[Any, Cost]:
         out = fn()
     finally:
         c1, w1 = time.process_time(), time.perf_counter()
+        if gc_paused and was:
+            gc.enable()
         peak = None
         if trace:
             peak = tracemalloc.get_traced_memory()[1] - base
@@ -826,7 +836,7 @@ def run_load(specs, m: ModelSpec, saved: Saved, man: Manifest, src: Layout, tgt:
             wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
         cs = CountingStorage(saved.storage)
         resolved, c_res = measure(partial(resolve, cs, man, wants, WHERE))
-        reads, c_plan = measure(partial(plan_chunk_reads, resolved, targets, WHERE, True))
+        reads, c_plan = measure(partial(plan_chunk_reads, resolved, targets, WHERE, True), gc_paused=True)
         res.resolve.append(c_res)
         res.plan.append(c_plan)
         res.targets.append(len(targets))
