@@ -12,7 +12,7 @@ Commands (each has ``--help`` with examples)::
     shardpoint import hf hf_model_dir ckpt/pretrained
     shardpoint import dcp dcp_ckpt ckpt/from_dcp --trust-pickle
     shardpoint import torch model.pt ckpt/from_pt --trust-pickle
-  shardpoint import deepspeed ds_ckpt ckpt/from_ds --trust-pickle   # engine.save_checkpoint folders (ZeRO 1-3)
+    shardpoint import deepspeed ds_ckpt ckpt/from_ds --trust-pickle   # engine.save_checkpoint folders (ZeRO 1-3)
     shardpoint reshard ckpt/step_100 --to-layout fsdp:8 ckpt/step_100-fsdp8
     shardpoint diff ckpt/step_100 resumed/step_100 --atol 1e-6
     shardpoint trace traces/step_100                     # slowest phases and ranks
@@ -38,14 +38,12 @@ import os
 import shutil
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 from .api import read_manifest
-from .engine.indexes import IndexReader
-from .engine.io import verify_chunk
 from .errors import CheckpointError, ConversionError
 from .extras import require
 from .storage import storage_for
+from .verify import verify_checkpoint
 
 __all__ = ["main", "build_parser"]
 
@@ -132,51 +130,6 @@ def _inspect(args) -> int:
 
 
 # ------------------------------------------------------------------ verify
-def verify_checkpoint(path: str, jobs: int = 4, quiet: bool = True) -> tuple[int, list[str]]:
-    """Check every data file and chunk checksum of ``path``; return (chunks checked, problems)."""
-    storage = storage_for(path)
-    m = read_manifest(storage, chunks=False)  # unreadable metadata is an error (exit 2), not damage found
-    problems: list[str] = []
-    for name, size in m.files.items():
-        try:
-            real = storage.size(name)
-        except FileNotFoundError:
-            problems.append(f"missing data file {name}")
-            continue
-        except CheckpointError as e:  # a link, FIFO or device in place of a file
-            problems.append(str(e))
-            continue
-        if real < size:
-            problems.append(f"data file {name} is truncated: {real} of {size} bytes")
-    work = []
-    reader = IndexReader(storage, m, storage.url)
-    for fqn, t in m.tensors.items():
-        try:  # a missing, unsafe or damaged index file is damage found, reported once
-            chunks = t.chunks if t.chunks is not None else reader.chunks(fqn)
-        except CheckpointError as e:
-            if str(e) not in problems:
-                problems.append(str(e))
-            continue
-        work.extend((fqn, c) for c in chunks)
-    from .convert.options import progress
-
-    def check(item):
-        fqn, c = item
-        try:
-            verify_chunk(storage, m, fqn, c)
-            return None
-        except (CheckpointError, OSError) as e:
-            return str(e)
-
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        with progress(len(work), "verify", quiet, unit="chunk") as bar:
-            for err in pool.map(check, work):
-                bar.update(1)
-                if err:
-                    problems.append(err)
-    return len(work), problems
-
-
 def _verify(args) -> int:
     n, problems = verify_checkpoint(args.path, args.jobs, args.quiet)
     if args.json:
