@@ -72,3 +72,9 @@ def test_scatter_plan_lands_every_byte_where_it_belongs(spans, lo, length):
     for (a, b), buf in zip(spans, bufs):
         for k in range(a, b):  # bytes inside the GET are the object's; the rest untouched
             assert buf[k - a] == (body[k] if lo <= k < hi else 0)
+
+
+def test_a_run_that_grew_is_joined_to_its_neighbour_when_that_costs_no_more_gets():
+    # (735, 1847) alone stays apart from (127, 545): 13 GETs joined against 4 + 8. Once (739, 1852)
+    # extends it, joining costs 13 against 4 + 9, so the three spans become one run.
+    assert merge_runs([(127, 545), (735, 1847), (739, 1852)], 748, 139) == [(127, 1852, [0, 1, 2])]

@@ -46,6 +46,17 @@ def merge_runs(
                 runs[-1] = (s0, e1, members)
                 continue
         runs.append((a, b, [i]))
+    # A run that grew after its neighbour was left apart may now be worth joining to it: settle
+    # until no two neighbouring runs pass the joining rule (each join removes a run, so this ends).
+    joined = True
+    while joined and len(runs) > 1:
+        joined = False
+        for k in range(len(runs) - 1):
+            (s0, e0, m0), (s1, e1, m1) = runs[k], runs[k + 1]
+            if s1 - e0 <= gap and gets(max(e0, e1) - s0) <= gets(e0 - s0) + gets(e1 - s1):
+                runs[k : k + 2] = [(s0, max(e0, e1), m0 + m1)]
+                joined = True
+                break
     return runs
 
 
