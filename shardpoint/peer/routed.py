@@ -26,7 +26,26 @@ from ..storage.base import Storage, Writer
 __all__ = ["RoutedStorage", "Fallback"]
 
 
-class RoutedStorage(Storage):
+class ReadOnlySource(Storage):
+    """What every restore source shares: it exists, and it refuses writes and sub-locations."""
+
+    def location_exists(self) -> bool:
+        return True
+
+    def open_writer(self, name: str) -> Writer:
+        raise StorageError(f"{self.url}: a restore source is read-only")
+
+    def put_atomic(self, name: str, data: bytes) -> None:
+        raise StorageError(f"{self.url}: a restore source is read-only")
+
+    def delete(self, name: str) -> None:
+        raise StorageError(f"{self.url}: a restore source is read-only")
+
+    def child(self, sub: str) -> "Storage":
+        raise StorageError(f"{self.url}: a restore source has no sub-locations")
+
+
+class RoutedStorage(ReadOnlySource):
     """Reads each file from its first working source; never writes.
 
     ``sources`` maps a file name to ``(host, storage)`` pairs in order of
@@ -128,23 +147,8 @@ class RoutedStorage(Storage):
     def list(self, prefix: str = "") -> list[str]:
         return sorted(n for n in [MANIFEST_NAME, *self._sources] if n.startswith(prefix))
 
-    def location_exists(self) -> bool:
-        return True
 
-    def open_writer(self, name: str) -> Writer:
-        raise StorageError(f"{self.url}: a restore source is read-only")
-
-    def put_atomic(self, name: str, data: bytes) -> None:
-        raise StorageError(f"{self.url}: a restore source is read-only")
-
-    def delete(self, name: str) -> None:
-        raise StorageError(f"{self.url}: a restore source is read-only")
-
-    def child(self, sub: str) -> "Storage":
-        raise StorageError(f"{self.url}: a restore source has no sub-locations")
-
-
-class Fallback(Storage):
+class Fallback(ReadOnlySource):
     """``routed``'s files as read from their ``rank``-th copy (a per-chunk fallback source; read-only)."""
 
     page_cached = True
@@ -170,21 +174,6 @@ class Fallback(Storage):
 
     def list(self, prefix: str = "") -> list[str]:
         return self.routed.list(prefix)
-
-    def location_exists(self) -> bool:
-        return True
-
-    def open_writer(self, name: str) -> Writer:
-        raise StorageError(f"{self.url}: a restore source is read-only")
-
-    def put_atomic(self, name: str, data: bytes) -> None:
-        raise StorageError(f"{self.url}: a restore source is read-only")
-
-    def delete(self, name: str) -> None:
-        raise StorageError(f"{self.url}: a restore source is read-only")
-
-    def child(self, sub: str) -> "Storage":
-        raise StorageError(f"{self.url}: a restore source has no sub-locations")
 
 
 def _read_all(st: Storage, name: str) -> bytes:
