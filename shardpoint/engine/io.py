@@ -14,18 +14,13 @@ from typing import Sequence
 import torch
 
 from ..errors import CorruptCheckpointError, ShapeMismatchError, StorageError
-from ..format.datafile import ALIGN, DEFAULT_BLOCK_SIZE, DataFileWriter, block_checksums, verify_blocks
+from ..format.datafile import DataFileWriter, verify_blocks
 from ..format.manifest import ChunkMeta, Manifest
 from ..items import LoadTarget, SaveTensor
 from ..planning.load_plan import ReadOp
 from ..storage.base import ShortReadError, Storage
 
-# ALIGN, DEFAULT_BLOCK_SIZE, block_checksums and verify_blocks live in format.datafile; kept here too
-# so that engine code written against this module keeps importing.
-__all__ = [
-    "ALIGN", "DEFAULT_BLOCK_SIZE", "tensor_bytes", "block_checksums", "write_chunks", "verify_chunk",
-    "verify_blocks", "dest_view", "read_chunk_into",
-]
+__all__ = ["tensor_bytes", "write_chunks", "verify_chunk", "dest_view", "read_chunk_into"]
 
 if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("shardpoint's format is little-endian; big-endian hosts are not supported")
