@@ -72,7 +72,7 @@ class AsyncSaveHandle:
 
         Example::
 
-            handle.guard(SnapshotGuard.record((t.fqn, t.data) for t in lazy_items))
+            handle.guard(SnapshotGuard.record([("model.weight", model.weight)]))
         """
         if guard is None or not len(guard):
             return

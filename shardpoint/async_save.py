@@ -57,7 +57,7 @@ import torch
 
 from .async_handle import AsyncSaveHandle
 from .api import check_state
-from .save_steps import SaveCache, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
+from .save_steps import SaveCache, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, optimized_tensors, prepare_save
 from .engine.claim import CommitPolicy, SaveClaim
 from .monitor import Recorder, format_summary
 from .dist import Comm, close_at_exit, destroy_private_group, private_group, run_guarded
@@ -368,7 +368,7 @@ class AsyncSaver:
         mark_phase(result, "snapshot", ts)
         lazy_copy = None
         if staged is not None and split < len(staged.items):
-            handle.guard(SnapshotGuard.record((t.fqn, t.data) for t in staged.items[split:]))
+            handle.guard(SnapshotGuard.record(optimized_tensors(state, prep_out.value.ctx)))
             def lazy_copy():
                 try:
                     staged.copy(split, len(staged.items), last=True)

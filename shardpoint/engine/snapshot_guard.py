@@ -14,15 +14,17 @@ Two witnesses tell that a tensor changed:
 - its version counter (``tensor._version``), which every in-place operation
   on the tensor or on a view of it bumps, at no cost;
 - a sampled fingerprint (a strided sample of the raw bytes, at most
-  :data:`SAMPLE_ELEMENTS` elements), which also sees writes through
-  ``tensor.data``: those go to a tensor with a counter of its own. It is
-  taken for host tensors of at least :data:`MIN_FINGERPRINT_ELEMENTS`
-  elements, where it costs a few microseconds; a change that touches only
-  elements between the samples is seen by the version counter alone.
+  :data:`SAMPLE_ELEMENTS` elements) of the :data:`FINGERPRINTED` largest
+  host tensors, which also sees writes through ``tensor.data``: those go to
+  a tensor with a counter of its own. A loop that writes through ``.data``
+  (WGAN-style clipping, an old EMA) does so to every parameter, so the
+  largest few tell; sampling them all would cost the loop milliseconds per
+  save. A change that touches only unsampled elements, or tensors on an
+  accelerator, is seen by the version counter alone.
 
 Example::
 
-    guard = SnapshotGuard.record([(t.fqn, t.data) for t in lazy_items])
+    guard = SnapshotGuard.record(optimized_tensors(state, ctx))
     ...  # the copy runs; the loop reaches the fence
     err = guard.check("ckpt/step_100")   # None, or a TornSnapshotError to raise
 """
@@ -36,13 +38,13 @@ import torch
 
 from ..errors import TornSnapshotError
 
-__all__ = ["SnapshotGuard", "GuardedTensor", "SAMPLE_ELEMENTS", "MIN_FINGERPRINT_ELEMENTS"]
+__all__ = ["SnapshotGuard", "GuardedTensor", "SAMPLE_ELEMENTS", "FINGERPRINTED"]
 
-SAMPLE_ELEMENTS = 4096
+SAMPLE_ELEMENTS = 1024
 """The most elements one tensor's fingerprint samples."""
 
-MIN_FINGERPRINT_ELEMENTS = 1 << 14
-"""Host tensors with fewer elements are watched by their version counter alone."""
+FINGERPRINTED = 8
+"""How many of the largest host tensors also get a fingerprint."""
 
 _NAMES_SHOWN = 5
 
@@ -57,9 +59,19 @@ class GuardedTensor:
     fingerprint: torch.Tensor | None
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The data a distributed tensor holds on this rank (writes through ``.data`` land there)."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is None:
+        return t
+    with torch.no_grad():
+        return to_local()
+
+
 def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
     """A strided sample of ``t``'s raw bytes, or None where sampling is not cheap and exact."""
-    if t.device.type != "cpu" or t.numel() < MIN_FINGERPRINT_ELEMENTS or not t.is_contiguous():
+    t = _local(t)
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
         return None
     flat = t.reshape(-1)
     stride = max(1, flat.numel() // SAMPLE_ELEMENTS)
@@ -87,9 +99,14 @@ class SnapshotGuard:
 
         Example::
 
-            guard = SnapshotGuard.record((t.fqn, t.data) for t in items)
+            guard = SnapshotGuard.record([("model.w", w), ("optimizer.state.model.w.exp_avg", m)])
         """
-        return cls([GuardedTensor(fqn, t, t._version, _fingerprint(t)) for fqn, t in tensors])
+        pairs = list(tensors)
+        sized = sorted(range(len(pairs)), key=lambda i: -_local(pairs[i][1]).numel())
+        sampled = set(sized[:FINGERPRINTED])
+        return cls([
+            GuardedTensor(fqn, t, t._version, _fingerprint(t) if i in sampled else None) for i, (fqn, t) in enumerate(pairs)
+        ])
 
     def __len__(self) -> int:
         return len(self.watched)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.engine.snapshot_guard import MIN_FINGERPRINT_ELEMENTS, SnapshotGuard
+from shardpoint.engine.snapshot_guard import FINGERPRINTED, SnapshotGuard
 
 
 def _setup(seed: int = 0):
@@ -204,9 +204,9 @@ def test_tensors_outside_any_optimizer_are_copied_eagerly(tmp_path):
 
 
 def test_guard_sees_version_and_data_writes():
-    big = torch.randn(MIN_FINGERPRINT_ELEMENTS)
+    big = torch.randn(1 << 16)
     small = torch.randn(8)
-    nan = torch.full((MIN_FINGERPRINT_ELEMENTS,), float("nan"))
+    nan = torch.full((1 << 12,), float("nan"))
     guard = SnapshotGuard.record([("big", big), ("small", small), ("nan", nan)])
     assert guard.changed() == [] and guard.check("p") is None
     big.data.mul_(2)  # invisible to the version counter; the fingerprint sees it
@@ -224,3 +224,13 @@ def test_guard_names_at_most_five():
         t.add_(1)
     msg = str(guard.check("p"))
     assert "'t4'" in msg and "'t5'" not in msg and "and 3 more" in msg
+
+
+def test_guard_samples_only_the_largest():
+    ts = [(f"t{i}", torch.randn(100 + i)) for i in range(FINGERPRINTED + 3)]
+    guard = SnapshotGuard.record(ts)
+    sampled = {g.fqn for g in guard.watched if g.fingerprint is not None}
+    assert sampled == {f"t{i}" for i in range(3, FINGERPRINTED + 3)}
+    ts[0][1].data.add_(1)  # unsampled, through .data: invisible to both witnesses
+    ts[-1][1].data.add_(1)  # sampled: seen
+    assert guard.changed() == [f"t{FINGERPRINTED + 2}"]
