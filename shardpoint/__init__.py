@@ -38,6 +38,7 @@ from .errors import (
     ShapeMismatchError,
     StateNotRestoredError,
     StorageError,
+    TornSnapshotError,
     UnsupportedStateError,
 )
 from .format.manifest import FORMAT_VERSION
@@ -94,6 +95,7 @@ __all__ = [
     "ShapeMismatchError",
     "StorageError",
     "UnsupportedStateError",
+    "TornSnapshotError",
     "DistributedError",
     "MissingDependencyError",
     "StateNotRestoredError",

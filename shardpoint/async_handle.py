@@ -2,6 +2,12 @@
 
 The saver fills its events and futures; the training loop waits on it,
 fences on it before mutating the state, or polls it.
+
+The *fence* is the first of ``fence()``, an optimizer step pre-hook,
+``done()`` once the copy is complete, and ``wait()``. A lazy save's guard
+(:class:`~shardpoint.engine.snapshot_guard.SnapshotGuard`) is checked there,
+and the background writer commits only after it: a tensor changed before the
+fence fails the save with :class:`~shardpoint.errors.TornSnapshotError`.
 """
 
 from __future__ import annotations
@@ -12,9 +18,25 @@ import time
 from typing import Any
 
 from .save_steps import SaveResult
-from .errors import DistributedError
+from .engine.snapshot_guard import SnapshotGuard
+from .errors import DistributedError, TornSnapshotError
 
-__all__ = ["AsyncSaveHandle"]
+__all__ = ["AsyncSaveHandle", "EXIT_FENCE_POLL_S"]
+
+EXIT_FENCE_POLL_S = 0.05
+"""How often a writer waiting for the fence looks whether the interpreter is exiting."""
+
+_exiting = threading.Event()
+
+
+def _at_exit() -> None:
+    # At exit the loop can change nothing more: writers still waiting for a fence check it now.
+    _exiting.set()
+
+
+# Threading's exit hooks run before the executors join their threads, so a writer
+# waiting for a fence wakes up instead of hanging the exit.
+getattr(threading, "_register_atexit", lambda fn: None)(_at_exit)
 
 
 class AsyncSaveHandle:
@@ -39,9 +61,61 @@ class AsyncSaveHandle:
         self._hooks: list[Any] = []
         self._reported = False
         self._storage: Any = None
+        self._guard: SnapshotGuard | None = None
+        self._fenced = threading.Event()
+        self._fenced.set()
+        self._fence_lock = threading.Lock()
+        self._torn: TornSnapshotError | None = None
+
+    def guard(self, guard: SnapshotGuard | None) -> None:
+        """Check ``guard`` at the fence, and hold the commit until then (the saver calls this).
+
+        Example::
+
+            handle.guard(SnapshotGuard.record([("model.weight", model.weight)]))
+        """
+        if guard is None or not len(guard):
+            return
+        self._guard = guard
+        self._fenced.clear()
+
+    def _check_fence(self) -> None:
+        with self._fence_lock:
+            if self._fenced.is_set():
+                return
+            guard, self._guard = self._guard, None
+            self._torn = guard.check(self.path) if guard is not None else None
+            self._fenced.set()
+
+    def wait_for_fence(self) -> TornSnapshotError | None:
+        """Block until the fence (the saver's writer calls this before committing); return the guard's verdict.
+
+        At interpreter exit the loop can change nothing more, so the guard is
+        checked then instead of waiting for a fence that will never come.
+
+        Example::
+
+            err = handle.wait_for_fence()
+        """
+        while not self._fenced.wait(EXIT_FENCE_POLL_S):
+            if _exiting.is_set() or not threading.main_thread().is_alive():
+                self._copied.wait()
+                self._check_fence()
+        return self._torn
+
+    @property
+    def fenced(self) -> bool:
+        """True once the fence has been passed (always true for an eager save)."""
+        return self._fenced.is_set()
 
     def done(self) -> bool:
-        """True once the save has committed or failed (non-blocking)."""
+        """True once the save has committed or failed (non-blocking).
+
+        Once the snapshot copy is complete, the first call is also the fence:
+        a lazy save's state may change after it.
+        """
+        if not self._fenced.is_set() and self._copied.is_set():
+            self._check_fence()
         return self._finished.is_set()
 
     @property
@@ -54,9 +128,15 @@ class AsyncSaveHandle:
         return "commit" if self._written.is_set() else "write"
 
     def fence(self, timeout: float | None = None) -> None:
-        """Block until the snapshot copy is complete; the state may then change."""
+        """Block until the snapshot copy is complete; the state may then change.
+
+        A lazy save checks here that nothing it copies changed since the call;
+        if something did, the save fails in :meth:`wait` with
+        :class:`~shardpoint.errors.TornSnapshotError` and commits nothing.
+        """
         if not self._copied.wait(timeout):
             raise TimeoutError(f"snapshot of {self.path} not finished within {timeout}s")
+        self._check_fence()
 
     def wait(self, timeout: float | None = None, tier: str | int | None = None) -> SaveResult:
         """Block until durable and committed; raise the background failure if any.
@@ -65,6 +145,7 @@ class AsyncSaveHandle:
         waits until the checkpoint is committed on that (slower) tier.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        self.fence(timeout)
         if self._futures_later is not None:  # the writer, submitted by the copier's thread
             box, ready = self._futures_later
             if not ready.wait(timeout):

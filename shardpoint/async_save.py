@@ -13,7 +13,15 @@ Modes:
   inside ``optimizer.step()``. A step pre-hook on every optimizer in the state
   blocks the step until the copy is done; custom loops call
   :meth:`AsyncSaveHandle.fence` before mutating. Buffers and other tensors are
-  still copied before ``async_save`` returns.
+  still copied before ``async_save`` returns. Only the parameters of the
+  optimizers in the state, and those optimizers' state, are copied lazily.
+  The rule: between ``async_save`` and the fence (``handle.fence()``, the
+  next ``optimizer.step()``, ``handle.done()`` after the copy, or
+  ``handle.wait()``), nothing may change them in place. A change there (an
+  EMA, a clamp, manual weight decay, an optimizer moment touched) fails the
+  save at ``wait()`` with :class:`~shardpoint.errors.TornSnapshotError`,
+  commits nothing and leaves the previous checkpoint intact, even when the
+  copy happened to finish first. The commit waits for the fence.
 
 Coordination (the save id, the gather of chunk records, the commit) runs on a
 dedicated gloo process group owned by the :class:`AsyncSaver`, so background
@@ -49,12 +57,13 @@ import torch
 
 from .async_handle import AsyncSaveHandle
 from .api import check_state
-from .save_steps import SaveCache, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
+from .save_steps import SaveCache, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, optimized_tensors, prepare_save
 from .engine.claim import CommitPolicy, SaveClaim
 from .monitor import Recorder, format_summary
 from .dist import Comm, close_at_exit, destroy_private_group, private_group, run_guarded
 from .format.datafile import DEFAULT_BLOCK_SIZE
 from .engine.pipeline import StagedWrite
+from .engine.snapshot_guard import SnapshotGuard
 from .engine.staging import StagingRing
 from .engine.workers import start_workers
 from .errors import CheckpointError
@@ -321,6 +330,9 @@ class AsyncSaver:
                         staged.write()
                         files[staged.file] = staged.size
                         result.bytes_written = staged.size
+                    torn = handle.wait_for_fence()  # a lazy save commits only what held until its fence
+                    if torn is not None:
+                        raise torn
                     mark_phase(result, "data_file", tb)
                     report = prep_out.value.summary(storage, staged.records if staged else [], files, comm)
                     result.bytes_written = sum(report.status.files.values())
@@ -356,6 +368,7 @@ class AsyncSaver:
         mark_phase(result, "snapshot", ts)
         lazy_copy = None
         if staged is not None and split < len(staged.items):
+            handle.guard(SnapshotGuard.record(optimized_tensors(state, prep_out.value.ctx)))
             def lazy_copy():
                 try:
                     staged.copy(split, len(staged.items), last=True)

@@ -28,6 +28,7 @@ __all__ = [
     "IncompleteStateError",
     "ConcurrentSaveError",
     "ConversionError",
+    "TornSnapshotError",
 ]
 
 
@@ -169,3 +170,29 @@ class ConcurrentSaveError(CheckpointError):
 
 class ConversionError(CheckpointError):
     """A conversion cannot proceed: bad arguments, an unsupported input, an unsafe output."""
+
+
+class TornSnapshotError(CheckpointError):
+    """An asynchronous save's state changed in place before its snapshot was complete.
+
+    Raised by :meth:`~shardpoint.AsyncSaveHandle.wait` (the same error on
+    every rank). In lazy mode, parameters and optimizer state are copied in
+    the background until the fence: ``handle.fence()``, the next
+    ``optimizer.step()`` (its pre-hook fences), or ``handle.done()`` and
+    ``handle.wait()``. Changing one of them in place before the fence (an
+    EMA, a clamp, manual weight decay, touching optimizer moments) is such a
+    change. Nothing was committed and the previous checkpoint at the path is
+    intact. Fix: call ``handle.fence()`` before changing state outside
+    ``optimizer.step()``, or save with ``mode="eager"``. ``tensors`` lists
+    the names that changed.
+
+    Example::
+
+        h = sp.async_save("ckpt/step_10", state, mode="lazy")
+        h.fence()            # before any change outside optimizer.step()
+        ema.update(model)
+    """
+
+    def __init__(self, message: str, tensors: list[str] | None = None):
+        super().__init__(message)
+        self.tensors = list(tensors or [])

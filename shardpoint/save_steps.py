@@ -35,7 +35,7 @@ from .storage import Storage
 
 __all__ = [
     "SaveResult", "mark_phase", "check_block_size", "data_file_name", "PreparedSave", "SaveCache", "CheckedSave",
-    "prepare_save", "describe_prepared", "finish_save",
+    "prepare_save", "describe_prepared", "finish_save", "optimized_names", "optimized_tensors",
 ]
 
 
@@ -194,7 +194,8 @@ def prepare_save(
     adapters = default_adapters()
     tensors: list[SaveTensor] = []
     values, layout = {}, {}
-    lazy_ok: set[str] = set(ctx.param_names.values())
+    # Lazily copied: what an optimizer of the state changes in its step(), whose pre-hook fences the save.
+    lazy_ok: set[str] = optimized_names(state, ctx)
     opt_parts: list = []
     for key, obj in state.items():
         part = parts.get(key, obj, ctx) if parts is not None else None
@@ -245,6 +246,47 @@ def prepare_save(
         cache.checked = CheckedSave(tuple(tensors), choice, lazy, prep)
     mark_phase(result, "plan", ta)
     return prep
+
+
+def optimized_names(state, ctx: AdapterContext) -> set[str]:
+    """The names of the parameters that the optimizers in ``state`` update in ``step()``.
+
+    Example::
+
+        optimized_names({"model": m, "optimizer": opt}, ctx)  # {"model.weight", "model.bias"}
+    """
+    names: set[str] = set()
+    for obj in state.values():
+        if isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                names.update(ctx.param_names[id(p)] for p in group["params"] if id(p) in ctx.param_names)
+    return names
+
+
+def optimized_tensors(state, ctx: AdapterContext) -> list[tuple[str, torch.Tensor]]:
+    """What a lazy save copies in the background, as live tensors: the optimizers' parameters and state.
+
+    These are the objects in-place changes go through (a DTensor parameter,
+    not its local shard), so their version counters witness every change.
+
+    Example::
+
+        optimized_tensors({"model": m, "optimizer": opt}, ctx)  # [("model.weight", w), ...]
+    """
+    out: list[tuple[str, torch.Tensor]] = []
+    for key, obj in state.items():
+        if not isinstance(obj, torch.optim.Optimizer):
+            continue
+        lazy_state = not own_protocol(type(obj))
+        for group in obj.param_groups:
+            for p in group["params"]:
+                name = ctx.param_names.get(id(p))
+                if name is None:
+                    continue
+                out.append((name, p))
+                if lazy_state:
+                    out.extend((f"{key}.state.{name}.{k}", v) for k, v in obj.state.get(p, {}).items() if isinstance(v, torch.Tensor))
+    return out
 
 
 def _logical(tensors: list[SaveTensor], lazy_ok: set[str], rules, comm: Comm) -> tuple[list[SaveTensor], set[str]]:

@@ -1,0 +1,152 @@
+"""The snapshot guard: an asynchronous save never commits a state that nobody held.
+
+A lazy save copies the tensors that change only inside ``optimizer.step()``
+in the background, after ``async_save`` returned. The state at the call is
+what the checkpoint must hold, so any in-place change to one of those tensors
+before the *fence* (``handle.fence()``, the optimizer's step pre-hook,
+``handle.done()`` once the copy is complete, or ``handle.wait()``) fails the
+save, whether or not the copy happened to finish first. The rule is the same
+on every run, so a loop that is wrong for lazy mode fails on its first
+checkpoint, not once in a hundred.
+
+Two witnesses tell that a tensor changed:
+
+- its version counter (``tensor._version``), which every in-place operation
+  on the tensor or on a view of it bumps, at no cost;
+- a sampled fingerprint (a strided sample of the raw bytes, at most
+  :data:`SAMPLE_ELEMENTS` elements) of the :data:`FINGERPRINTED` largest
+  host tensors, which also sees writes through ``tensor.data``: those go to
+  a tensor with a counter of its own. A loop that writes through ``.data``
+  (WGAN-style clipping, an old EMA) does so to every parameter, so the
+  largest few tell; sampling them all would cost the loop milliseconds per
+  save. A change that touches only unsampled elements, or tensors on an
+  accelerator, is seen by the version counter alone.
+
+Example::
+
+    guard = SnapshotGuard.record(optimized_tensors(state, ctx))
+    ...  # the copy runs; the loop reaches the fence
+    err = guard.check("ckpt/step_100")   # None, or a TornSnapshotError to raise
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from ..errors import TornSnapshotError
+
+__all__ = ["SnapshotGuard", "GuardedTensor", "SAMPLE_ELEMENTS", "FINGERPRINTED"]
+
+SAMPLE_ELEMENTS = 1024
+"""The most elements one tensor's fingerprint samples."""
+
+FINGERPRINTED = 8
+"""How many of the largest host tensors also get a fingerprint."""
+
+_NAMES_SHOWN = 5
+
+
+@dataclass(frozen=True)
+class GuardedTensor:
+    """One watched tensor: its name, the tensor, its version and fingerprint at the call."""
+
+    fqn: str
+    tensor: torch.Tensor
+    version: int
+    fingerprint: torch.Tensor | None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The data a distributed tensor holds on this rank (writes through ``.data`` land there)."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is None:
+        return t
+    with torch.no_grad():
+        return to_local()
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
+    """A strided sample of ``t``'s raw bytes, or None where sampling is not cheap and exact."""
+    t = _local(t)
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+        return None
+    flat = t.reshape(-1)
+    stride = max(1, flat.numel() // SAMPLE_ELEMENTS)
+    sample = flat[::stride].clone()
+    # Compared as bytes: NaN equals itself, and -0.0 differs from 0.0.
+    return sample.view(torch.uint8)
+
+
+class SnapshotGuard:
+    """The versions (and fingerprints) of the tensors of one save, taken at the call.
+
+    Example::
+
+        guard = SnapshotGuard.record([("model.w", w)])
+        w.mul_(2)
+        guard.changed()   # ["model.w"]
+    """
+
+    def __init__(self, watched: list[GuardedTensor]):
+        self.watched = watched
+
+    @classmethod
+    def record(cls, tensors: Iterable[tuple[str, torch.Tensor]]) -> "SnapshotGuard":
+        """Watch ``(name, tensor)`` pairs as they are now.
+
+        Example::
+
+            guard = SnapshotGuard.record([("model.w", w), ("optimizer.state.model.w.exp_avg", m)])
+        """
+        pairs = list(tensors)
+        sized = sorted(range(len(pairs)), key=lambda i: -_local(pairs[i][1]).numel())
+        sampled = set(sized[:FINGERPRINTED])
+        return cls([
+            GuardedTensor(fqn, t, t._version, _fingerprint(t) if i in sampled else None) for i, (fqn, t) in enumerate(pairs)
+        ])
+
+    def __len__(self) -> int:
+        return len(self.watched)
+
+    def changed(self) -> list[str]:
+        """The names of the watched tensors changed in place since :meth:`record`.
+
+        Example::
+
+            if guard.changed(): ...
+        """
+        out = []
+        for g in self.watched:
+            if g.tensor._version != g.version:
+                out.append(g.fqn)
+            elif g.fingerprint is not None:
+                now = _fingerprint(g.tensor)
+                if now is None or not torch.equal(now, g.fingerprint):
+                    out.append(g.fqn)
+        return out
+
+    def check(self, path: str) -> TornSnapshotError | None:
+        """A :class:`TornSnapshotError` naming what changed since :meth:`record`, or None.
+
+        Example::
+
+            err = guard.check("ckpt/step_100")
+            if err is not None: raise err
+        """
+        names = self.changed()
+        if not names:
+            return None
+        shown = ", ".join(repr(n) for n in names[:_NAMES_SHOWN])
+        more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
+        return TornSnapshotError(
+            f"the lazy save to {path} was abandoned: {shown}{more} changed in place after async_save() returned "
+            f"and before the snapshot's fence, so the checkpoint would hold a state that never existed. "
+            f"Nothing was committed; the previous checkpoint at the path is intact. Lazy mode copies parameters "
+            f"and optimizer state in the background until the next optimizer.step(): call handle.fence() before "
+            f"changing them anywhere else (an EMA, a clamp, manual weight decay, touching optimizer moments), "
+            f"or save with mode='eager'.",
+            names,
+        )
