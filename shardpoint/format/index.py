@@ -183,6 +183,105 @@ def encode_index(records: Sequence[tuple[str, ChunkMeta]], dtypes: Mapping[str, 
     return body + xxhash.xxh3_128_digest(body)
 
 
+
+def _bad(mask: np.ndarray, pre: str, msg) -> None:
+    """Raise a FormatError for the first row where ``mask`` holds, worded by ``msg(row)``."""
+    if mask.any():
+        i = int(np.flatnonzero(mask)[0])
+        raise FormatError(f"{pre}: row {i}: {msg(i)}")
+
+
+def _header(data: bytes, pre: str) -> tuple[bytes, int, int, int, int]:
+    """Check the magic, version, digest and counts; return the body without its trailer, version and counts."""
+    if len(data) < HEADER_SIZE:
+        raise FormatError(f"{pre}: {len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    magic = data[:8]
+    if magic[:6] != _MAGIC_PREFIX:
+        raise FormatError(f"{pre}: bad magic {magic!r}, not a shardpoint chunk index")
+    version = int.from_bytes(magic[6:], "little")
+    if version not in READ_INDEX_VERSIONS:
+        raise FormatError(f"{pre}: index format version {version} is not supported (reads versions 2 and 3)")
+    if version >= 3:
+        if len(data) < HEADER_SIZE + TRAILER_SIZE or xxhash.xxh3_128_digest(data[:-TRAILER_SIZE]) != data[-TRAILER_SIZE:]:
+            raise FormatError(f"{pre}: the index does not match its own digest; the file is damaged")
+        data = data[:-TRAILER_SIZE]
+    # Python ints: a lying count cannot overflow the size check or allocate.
+    n, nd, ns = (int.from_bytes(data[i : i + 8], "little") for i in (8, 16, 24))
+    want = HEADER_SIZE + ROW_DTYPE.itemsize * n + 8 * nd + 8 * ns
+    if want != len(data):
+        raise FormatError(
+            f"{pre}: header claims {n} rows, {nd} dims and {ns} checksums ({want} bytes) "
+            f"but the index is {len(data)} bytes"
+        )
+    return data, version, n, nd, ns
+
+
+def _check_layout(rows: np.ndarray, nd: int, pre: str) -> tuple[np.ndarray, np.ndarray]:
+    """Keys sorted, ndim bounded, flags known, dims used as the header says; return each row's dims end and ndim."""
+    keys = rows["key"]
+    unsorted = np.r_[False, keys[1:] < keys[:-1]]
+    _bad(unsorted, pre, lambda i: f"key {keys[i]:#x} is out of order (rows must be sorted by key)")
+    ndim, flags = rows["ndim"], rows["flags"]
+    _bad(ndim > MAX_NDIM, pre, lambda i: f"ndim {ndim[i]} exceeds {MAX_NDIM}")
+    _bad(flags & ~np.uint32(_FLAT) != 0, pre, lambda i: f"unknown flags {int(flags[i]):#x}")
+    ndim64 = ndim.astype(np.int64)
+    dend = np.cumsum(2 * ndim64)  # ndim <= 16: cannot overflow int64
+    used = int(dend[-1]) if len(rows) else 0
+    if used != nd:
+        raise FormatError(f"{pre}: rows use {used} dims but the header says {nd}")
+    return dend, ndim64
+
+
+def _check_bytes(rows: np.ndarray, ns: int, pre: str, file: str, file_size: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every chunk inside the file, with one checksum per block; return the running checksum ends and counts."""
+    off, nb = rows["offset"], rows["nbytes"]
+    fs = _U64(file_size)
+    _bad(
+        (nb > fs) | (off > fs - np.minimum(nb, fs)), pre,
+        lambda i: f"chunk bytes [{off[i]}, {int(off[i]) + int(nb[i])}) run past the end of {file} ({file_size} bytes)",
+    )
+    blk = _U64(block)
+    expect = np.maximum(nb // blk + (nb % blk != 0).astype(_U64), _U64(1))
+    nsum = rows["nsum"]
+    _bad(
+        nsum != expect, pre,
+        lambda i: f"{nsum[i]} block checksums, expected {expect[i]} for {nb[i]} bytes in blocks of {block}",
+    )
+    send = np.cumsum(nsum, dtype=_U64)
+    # A u64 wrap leaves a running sum below its own last term.
+    wrapped = bool((send < nsum).any())
+    if wrapped or (int(send[-1]) if len(rows) else 0) != ns:
+        raise FormatError(f"{pre}: rows use more or fewer block checksums than the header's {ns}")
+    return send, nsum
+
+
+def _check_boxes(rows: np.ndarray, dims: np.ndarray, dend: np.ndarray, ndim64: np.ndarray, pre: str) -> np.ndarray:
+    """Box values and sizes bounded, flat ranges inside their box; return each row's first dim."""
+    n = len(rows)
+    bad_dim = dims > _U64(_MAX_DIM)
+    if bad_dim.any():
+        j = int(np.flatnonzero(bad_dim)[0])
+        i = int(np.searchsorted(dend, j, "right"))
+        raise FormatError(f"{pre}: row {i}: box offset or size {dims[j]} exceeds 2**62")
+    # Box numels, one pass per dim position. float64 is exact up to 2**53 > MAX_ELEMENTS,
+    # and a product of 16 sizes <= 2**62 stays finite, so the bound check below is exact.
+    dstart = dend - 2 * ndim64
+    numel_f = np.ones(n)
+    for d in range(int(ndim64.max()) if n else 0):
+        has = ndim64 > d
+        numel_f[has] *= dims[dstart[has] + ndim64[has] + d]
+    _bad(numel_f > MAX_ELEMENTS, pre, lambda i: f"box of more than {MAX_ELEMENTS} elements")
+    numel = numel_f.astype(_U64)
+    flags = rows["flags"]
+    fa, fb = rows["flat_start"], rows["flat_stop"]
+    has_flat = (flags & np.uint32(_FLAT)) != 0
+    _bad(~has_flat & ((fa != 0) | (fb != 0)), pre, lambda i: "flat range fields set without the flat flag")
+    _bad(
+        has_flat & ((fa > fb) | (fb > numel)), pre,
+        lambda i: f"flat range [{fa[i]}, {fb[i]}) outside its box of {numel[i]} elements",
+    )
+    return dstart
+
 class ChunkIndex:
     """A parsed, validated chunk index of one data file.
 
@@ -218,88 +317,14 @@ class ChunkIndex:
         # A private immutable copy: the arrays below are views into it.
         data = data if isinstance(data, bytes) else bytes(data)
         pre = f"{where}: index of {file}"
-        if len(data) < HEADER_SIZE:
-            raise FormatError(f"{pre}: {len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
-        magic = data[:8]
-        if magic[:6] != _MAGIC_PREFIX:
-            raise FormatError(f"{pre}: bad magic {magic!r}, not a shardpoint chunk index")
-        version = int.from_bytes(magic[6:], "little")
-        if version not in READ_INDEX_VERSIONS:
-            raise FormatError(f"{pre}: index format version {version} is not supported (reads versions 2 and 3)")
-        if version >= 3:
-            if len(data) < HEADER_SIZE + TRAILER_SIZE or xxhash.xxh3_128_digest(data[:-TRAILER_SIZE]) != data[-TRAILER_SIZE:]:
-                raise FormatError(f"{pre}: the index does not match its own digest; the file is damaged")
-            data = data[:-TRAILER_SIZE]
-        # Python ints: a lying count cannot overflow the size check or allocate.
-        n, nd, ns = (int.from_bytes(data[i : i + 8], "little") for i in (8, 16, 24))
-        want = HEADER_SIZE + ROW_DTYPE.itemsize * n + 8 * nd + 8 * ns
-        if want != len(data):
-            raise FormatError(
-                f"{pre}: header claims {n} rows, {nd} dims and {ns} checksums ({want} bytes) "
-                f"but the index is {len(data)} bytes"
-            )
+        data, version, n, nd, ns = _header(data, pre)
         rows = np.frombuffer(data, ROW_DTYPE, n, HEADER_SIZE)
         dims = np.frombuffer(data, "<u8", nd, HEADER_SIZE + ROW_DTYPE.itemsize * n)
         sums = np.frombuffer(data, "<u8", ns, HEADER_SIZE + ROW_DTYPE.itemsize * n + 8 * nd)
-
-        def bad(mask: np.ndarray, msg) -> None:
-            if mask.any():
-                i = int(np.flatnonzero(mask)[0])
-                raise FormatError(f"{pre}: row {i}: {msg(i)}")
-
         keys = rows["key"]
-        unsorted = np.r_[False, keys[1:] < keys[:-1]]
-        bad(unsorted, lambda i: f"key {keys[i]:#x} is out of order (rows must be sorted by key)")
-        ndim, flags = rows["ndim"], rows["flags"]
-        bad(ndim > MAX_NDIM, lambda i: f"ndim {ndim[i]} exceeds {MAX_NDIM}")
-        bad(flags & ~np.uint32(_FLAT) != 0, lambda i: f"unknown flags {int(flags[i]):#x}")
-        ndim64 = ndim.astype(np.int64)
-        dend = np.cumsum(2 * ndim64)  # ndim <= 16: cannot overflow int64
-        used = int(dend[-1]) if n else 0
-        if used != nd:
-            raise FormatError(f"{pre}: rows use {used} dims but the header says {nd}")
-
-        off, nb = rows["offset"], rows["nbytes"]
-        fs = _U64(file_size)
-        bad(
-            (nb > fs) | (off > fs - np.minimum(nb, fs)),
-            lambda i: f"chunk bytes [{off[i]}, {int(off[i]) + int(nb[i])}) "
-            f"run past the end of {file} ({file_size} bytes)",
-        )
-        blk = _U64(block)
-        expect = np.maximum(nb // blk + (nb % blk != 0).astype(_U64), _U64(1))
-        nsum = rows["nsum"]
-        bad(
-            nsum != expect,
-            lambda i: f"{nsum[i]} block checksums, expected {expect[i]} for {nb[i]} bytes in blocks of {block}",
-        )
-        send = np.cumsum(nsum, dtype=_U64)
-        # A u64 wrap leaves a running sum below its own last term.
-        wrapped = bool((send < nsum).any())
-        if wrapped or (int(send[-1]) if n else 0) != ns:
-            raise FormatError(f"{pre}: rows use more or fewer block checksums than the header's {ns}")
-
-        bad_dim = dims > _U64(_MAX_DIM)
-        if bad_dim.any():
-            j = int(np.flatnonzero(bad_dim)[0])
-            i = int(np.searchsorted(dend, j, "right"))
-            raise FormatError(f"{pre}: row {i}: box offset or size {dims[j]} exceeds 2**62")
-        # Box numels, one pass per dim position. float64 is exact up to 2**53 > MAX_ELEMENTS,
-        # and a product of 16 sizes <= 2**62 stays finite, so the bound check below is exact.
-        dstart = dend - 2 * ndim64
-        numel_f = np.ones(n)
-        for d in range(int(ndim64.max()) if n else 0):
-            has = ndim64 > d
-            numel_f[has] *= dims[dstart[has] + ndim64[has] + d]
-        bad(numel_f > MAX_ELEMENTS, lambda i: f"box of more than {MAX_ELEMENTS} elements")
-        numel = numel_f.astype(_U64)
-        fa, fb = rows["flat_start"], rows["flat_stop"]
-        has_flat = (flags & np.uint32(_FLAT)) != 0
-        bad(~has_flat & ((fa != 0) | (fb != 0)), lambda i: "flat range fields set without the flat flag")
-        bad(
-            has_flat & ((fa > fb) | (fb > numel)),
-            lambda i: f"flat range [{fa[i]}, {fb[i]}) outside its box of {numel[i]} elements",
-        )
+        dend, ndim64 = _check_layout(rows, nd, pre)
+        send, nsum = _check_bytes(rows, ns, pre, file, file_size, block)
+        dstart = _check_boxes(rows, dims, dend, ndim64, pre)
 
         self = object.__new__(ChunkIndex)
         self.file, self.rank, self.version = file, rank, version
