@@ -170,7 +170,7 @@ def test_read_tensor_whole_and_box(version, expected):
 
 # A stand-alone reader: json + numpy (+ xxhash for checksums). It runs in a fresh
 # interpreter where importing shardpoint or torch fails, to prove it needs neither.
-# Version 2 follows docs/format.md section 14: grid arithmetic, index files.
+# Version 2 follows docs/format.md (its appendix lists what differs from version 3): grid arithmetic, index files.
 READER = textwrap.dedent(
     """
     import itertools, json, os, sys
