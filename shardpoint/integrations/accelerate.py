@@ -48,10 +48,10 @@ import re
 from typing import Any, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..api import LoadResult, SaveResult, load, read_manifest, save
 from ..errors import CheckpointConflictError, CheckpointError, CheckpointNotFoundError, UnsupportedStateError
+from ..dist import Comm
 from ..extras import require
 from ..rng import RNGState
 from .common import remove_path
@@ -190,11 +190,9 @@ def _hook_models(accelerator: Accelerator) -> list[Any]:
 
 def _main_decides(plan: list[Any], accelerator: Accelerator) -> list[Any]:
     """The main process's plan on every process: Accelerate writes model weights from it alone."""
-    if accelerator.num_processes <= 1 or not (dist.is_available() and dist.is_initialized()):
+    if accelerator.num_processes <= 1:
         return plan
-    box = [plan if accelerator.is_main_process else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return Comm.resolve().broadcast(plan, src=0)
 
 
 def _saved_models(accelerator: Accelerator, output_dir: str) -> list[Any]:
@@ -255,8 +253,10 @@ def save_state(
     """
     del safe_serialization  # the format is safe in every case
     path = _save_folder(accelerator, output_dir)
-    if _automatic(accelerator) and accelerator.is_main_process:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+    if _automatic(accelerator):
+        accelerator.wait_for_everyone()  # every process checked the folder is new before any creates it
+    if "://" not in path:  # as Accelerate does, the hooks may write into the folder
+        os.makedirs(path, exist_ok=True)
     models = _saved_models(accelerator, path)
     result = save(path, accelerator_state(accelerator, extra, models=models), **kwargs)
     _rotate(accelerator)
