@@ -233,3 +233,17 @@ def test_resume_is_bit_exact_with_registered_objects(tmp_path):
     assert resumed[3].state_dict() == run[3].state_dict()
     for a, b in zip(resumed[2].optimizer.state.values(), run[2].optimizer.state.values()):
         assert_equal(a, b)
+
+
+@pytest.mark.dist
+def test_two_processes_hooks_on_the_main_process_and_automatic_naming(tmp_path):
+    from shardpoint.testing import launch
+
+    project = str(tmp_path / "project")
+    ranks = launch(2, "tests.clients.accelerate_cases:hooks_and_naming", {"project": project}, timeout=240)
+    for r in ranks:
+        assert r == {"folders": ["checkpoint_1", "checkpoint_2"], "loaded": "checkpoint_2", "model_equal": True, "counter": 6}
+    manifest = sp.read_manifest(os.path.join(project, "checkpoints", "checkpoint_2"))
+    # The main process's hook took the model over, so no process saved it.
+    assert not [n for n in manifest.tensors if n.startswith("model_")]
+    assert "optimizer_0" in {n.split(".")[0] for n in manifest.tensors}
