@@ -298,8 +298,8 @@ def load_state(
     objects) first. With automatic checkpoint naming and no ``input_dir`` the
     newest committed ``checkpoint_<n>`` is loaded. The load-state hooks run
     first; a model they remove from ``models`` is left to them. The state
-    lands in place on the devices it lives on, so ``map_location`` is
-    accepted and changes nothing. ``load_kwargs`` may hold ``strict``.
+    lands in place on the devices it lives on, so ``map_location`` (``None``,
+    ``"cpu"`` or ``"on_device"``, as Accelerate accepts) changes nothing. ``load_kwargs`` may hold ``strict``.
     Other keyword arguments go to :func:`shardpoint.load`; with the default
     ``strict=True`` anything missing on either side raises
     :class:`~shardpoint.errors.KeyMismatchError`. The returned
@@ -311,7 +311,11 @@ def load_state(
         load_state(accelerator, "ckpt/step_100")
         load_state(accelerator)  # the newest, with automatic_checkpoint_naming=True
     """
-    del map_location  # tensors are restored into the live ones, on their own devices
+    if map_location not in (None, "cpu", "on_device"):
+        raise TypeError(
+            f"Unsupported optimizer map location passed: {map_location!r}; use None, 'cpu' or 'on_device' "
+            "(the state is restored into the live tensors, on their own devices, either way)"
+        )
     options = dict(load_kwargs or {})
     if "strict" in options:
         kwargs.setdefault("strict", bool(options.pop("strict")))

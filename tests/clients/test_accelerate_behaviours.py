@@ -213,6 +213,8 @@ def test_accelerate_keywords_are_accepted_and_unknown_ones_refused(tmp_path):
         save_state(run[0], path, bogus=1)
     with pytest.raises(TypeError, match="bogus"):
         load_state(fresh[0], path, bogus=1)
+    with pytest.raises(TypeError, match="Unsupported optimizer map location passed: 'invalid'"):
+        load_state(fresh[0], path, map_location="invalid")
     with pytest.raises(TypeError, match="assign"):
         load_state(fresh[0], path, load_kwargs={"assign": True})
 

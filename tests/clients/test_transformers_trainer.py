@@ -21,7 +21,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import shardpoint as sp  # noqa: E402
 from shardpoint.integrations.transformers import ShardpointTrainer, is_shardpoint_checkpoint, latest_checkpoint  # noqa: E402
@@ -148,6 +148,20 @@ def test_latest_skips_an_unfinished_save(runs, tmp_path):
     with pytest.raises(sp.IncompleteCheckpointError):
         trainer(str(out)).train(resume_from_checkpoint=str(out / "checkpoint-12"))
     assert latest_checkpoint(runs["out"]) == os.path.join(runs["out"], "checkpoint-8")
+
+
+def test_a_checkpoint_written_by_trainer_resumes(tmp_path):
+    # A run switched over from transformers.Trainer continues from Trainer's own files.
+    plain = trainer(str(tmp_path / "plain"), max_steps=4, save_steps=2)
+    plain = Trainer(model=plain.model, args=plain.args, train_dataset=Tokens())
+    plain.train()
+    assert "optimizer.pt" in os.listdir(tmp_path / "plain" / "checkpoint-2")
+    switched = trainer(str(tmp_path / "switched"), max_steps=4, save_steps=2)
+    switched.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-2"))
+    for k, v in weights(plain).items():
+        assert torch.equal(v, switched.model.state_dict()[k]), f"{k} differs from Trainer's own resume"
+    assert os.listdir(tmp_path / "switched") == ["checkpoint-4"]
+    assert is_shardpoint_checkpoint(str(tmp_path / "switched" / "checkpoint-4"))
 
 
 def test_hf_model_files_only_when_asked(tmp_path):
