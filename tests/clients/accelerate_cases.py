@@ -93,3 +93,46 @@ def run(rank: int, world: int, *, path: str, out: str, phase: str, steps: int = 
         torch.save({"mid": mid, "end": end}, out)
     accelerator.end_training()
     return {"losses": losses, "distributed": str(accelerator.distributed_type)}
+
+
+def hooks_and_naming(rank: int, world: int, *, project: str) -> dict[str, Any]:
+    """Automatic naming with total_limit=2 and a diffusers-style hook that only the main process runs.
+
+    The main process saves model 0 itself and pops its weights; the other
+    processes leave theirs, as in scripts that guard the hook with
+    ``is_main_process``. Then a fresh accelerator loads the newest checkpoint.
+    """
+    import os
+
+    from accelerate.utils import ProjectConfiguration
+
+    from shardpoint.integrations.accelerate import checkpoint_folders
+
+    def config(iteration: int = 0) -> ProjectConfiguration:
+        return ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True, total_limit=2, iteration=iteration)
+
+    def save_hook(models, weights, output_dir):
+        if accelerator.is_main_process:
+            torch.save(accelerator.unwrap_model(models[0]).state_dict(), os.path.join(output_dir, "own.pt"))
+            weights.pop(0)
+
+    def load_hook(models, input_dir):
+        accelerator2.unwrap_model(models.pop(0)).load_state_dict(torch.load(os.path.join(input_dir, "own.pt")))
+
+    accelerator = Accelerator(cpu=True, project_config=config())
+    objs = build(accelerator, seed=0)
+    accelerator.register_save_state_pre_hook(save_hook)
+    for i in range(3):
+        train(accelerator, *objs, range(2 * i, 2 * i + 2))
+        save_state(accelerator)
+    saved = snapshot(accelerator, *objs)
+    folders = [os.path.basename(p) for p in checkpoint_folders(accelerator)]
+
+    accelerator2 = Accelerator(cpu=True, project_config=config(iteration=3))
+    objs2 = build(accelerator2, seed=5)
+    accelerator2.register_load_state_pre_hook(load_hook)
+    path = load_state(accelerator2).path
+    loaded = snapshot(accelerator2, *objs2)
+    same = all(torch.equal(v, loaded["model"][k]) for k, v in saved["model"].items())
+    accelerator2.end_training()
+    return {"folders": folders, "loaded": os.path.basename(path), "model_equal": same, "counter": loaded["counter"]}
