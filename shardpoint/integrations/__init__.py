@@ -1,4 +1,4 @@
-"""Plug shardpoint into training frameworks: Lightning, torchtitan, Accelerate.
+"""Plug shardpoint into training frameworks: Lightning, torchtitan, Accelerate and the HF Trainer.
 
 Each framework has one small module here. None of them is imported by
 ``import shardpoint``; importing a module whose framework is not installed
