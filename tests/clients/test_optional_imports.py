@@ -11,6 +11,7 @@ import pytest
 FRAMEWORKS = {
     "lightning": "pip install 'shardpoint[lightning]'",
     "accelerate": "pip install 'shardpoint[accelerate]'",
+    "transformers": "pip install 'shardpoint[transformers]'",
     "torchtitan": "pip install --no-deps torchtitan, then its requirements (see the torchtitan integration guide)",
 }
 
