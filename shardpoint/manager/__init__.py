@@ -37,7 +37,7 @@ Guarantees:
   with the storage's exclusive create (a hard link on a filesystem, an atomic
   insert in memory, a conditional PUT with ``If-None-Match: *`` on S3). A
   second save to the same step finds the lock and raises
-  :class:`CheckpointConflictError` instead of interleaving its files. A lock
+  :class:`~shardpoint.ConcurrentSaveError` instead of interleaving its files. A lock
   left by a crashed save is broken when its owner process is gone (same host)
   or the lock is older than ``stale_lock_s``. Object stores without a
   conditional put only get a best-effort check-then-put: there, two jobs
@@ -59,7 +59,7 @@ timeouts), ``pending`` (the save in flight), ``faults`` (test-only fault
 injection), ``bootstrap`` (``init_distributed``) and ``core`` (the manager).
 """
 
-from ..errors import CheckpointConflictError, CheckpointTimeoutError
+from ..errors import CheckpointTimeoutError, ConcurrentSaveError, deprecated_error
 from .bootstrap import init_distributed
 from .core import CheckpointManager
 from .faults import FAULT_ENV, fault_from_env
@@ -75,7 +75,7 @@ __all__ = [
     "OnDemand",
     "HangReport",
     "CheckpointTimeoutError",
-    "CheckpointConflictError",
+    "ConcurrentSaveError",
     "step_folder",
     "LOCK_NAME",
     "HINT_NAME",
@@ -84,3 +84,11 @@ __all__ = [
     "fault_from_env",
     "init_distributed",
 ]
+
+
+def __getattr__(name: str):
+    # Deprecated names (CheckpointConflictError) still import, with a DeprecationWarning.
+    try:
+        return deprecated_error(name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
