@@ -18,13 +18,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
-from typing import Any, Iterable, TextIO
+from typing import Any, Iterable, Iterator, TextIO
 
-__all__ = ["Activity", "ACTIVITY", "Progress", "progress_for", "human_bytes", "LOAD_PHASES", "SAVE_PHASES"]
+__all__ = ["Activity", "ACTIVITY", "Progress", "progress_for", "follow", "human_bytes", "LOAD_PHASES", "SAVE_PHASES"]
 
 SAVE_PHASES = frozenset({"write"})
 """Recorder phases whose bytes count as a save's progress (bytes written to storage)."""
@@ -192,3 +193,30 @@ def progress_for(progress: bool, rank: int, desc: str, phases: Iterable[str], re
     if recorder is not None:
         recorder.listen(bar.on_span)
     return bar
+
+
+@contextlib.contextmanager
+def follow(progress: bool, recorder: Any, desc: str, phases: Iterable[str] = SAVE_PHASES) -> Iterator[Progress | None]:
+    """While the block runs, show the bytes ``recorder`` records (rank 0, when ``progress``).
+
+    For work already under way (a background save): the bar starts from the
+    bytes recorded so far.
+
+    Example::
+
+        with follow(True, handle.result.recorder, f"save {handle.path}"):
+            handle.wait()
+    """
+    bar = progress_for(progress, getattr(recorder, "rank", 0), desc, phases) if recorder is not None else None
+    if bar is not None:
+        done = recorder.bytes()
+        bar.update(sum(done.get(p, 0) for p in bar.phases))
+        recorder.listen(bar.on_span)
+    ok = False
+    try:
+        yield bar
+        ok = True
+    finally:
+        if bar is not None:
+            recorder.listeners.remove(bar.on_span)
+            bar.close(ok=ok)
