@@ -123,6 +123,5 @@ def load_state(accelerator: Accelerator, path: str, *, extra: Mapping[str, Any] 
         model, opt, sched = accelerator.prepare(model, opt, sched)
         load_state(accelerator, "ckpt/step_100")
     """
-    report = kwargs.pop("report", None) or LoadResult()
-    load(path, accelerator_state(accelerator, extra), report=report, **kwargs)
-    return report
+    kwargs.pop("return_result", None)
+    return load(path, accelerator_state(accelerator, extra), return_result=True, **kwargs)
