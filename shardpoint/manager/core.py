@@ -116,7 +116,7 @@ class CheckpointManager:
     ):
         check_arguments(keep_last, keep_every, timeout, on_hang)
         self.mode = resolve_mode(mode, async_mode)
-        self.policies: list[SavePolicy] = save_policies(interval, policies)
+        self.policies: list[SavePolicy] = save_policies(interval, policies, memory)
         self.storage: Storage = storage_for(root, **(storage_options or {}))
         self.keep_last = None if keep_last is None else int(keep_last)
         self.keep_every = None if keep_every is None else int(keep_every)

@@ -39,8 +39,11 @@ def resolve_mode(mode: Any, async_mode: Any) -> str | None:
     return mode
 
 
-def save_policies(interval: int | None, policies: Sequence[SavePolicy]) -> list[SavePolicy]:
+def save_policies(interval: int | None, policies: Sequence[SavePolicy], memory: Any = None) -> list[SavePolicy]:
     """The manager's save policies; a manager with none would never save, so that is refused.
+
+    A :class:`~shardpoint.PeerMemory` tier saves at its own interval, so with
+    ``memory`` no storage policy is needed.
 
     Example::
 
@@ -53,7 +56,7 @@ def save_policies(interval: int | None, policies: Sequence[SavePolicy]) -> list[
             "only when you call save() or request_save())"
         )
     out = ([EveryNSteps(int(interval))] if interval is not None else []) + list(policies)
-    if not out:
+    if not out and memory is None:
         raise ValueError(
             "CheckpointManager needs a save policy, or it would never save: give interval=N (save every N "
             "steps), or policies=[EveryTSeconds(seconds)], or policies=[OnDemand()] to save only when you "
