@@ -8,9 +8,9 @@ process group is initialised, so the same path runs everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import sys
 import time
 import uuid
 import warnings
@@ -216,11 +216,8 @@ def save(
         if bar is not None:
             bar.close(ok=False)
         raise out.exc
-    try:
+    with bar or contextlib.nullcontext():  # a failed commit closes the bar without a "done" line
         finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
-    finally:
-        if bar is not None:
-            bar.close(ok=out.ok)
     mark_phase(result, "total", t0)
     result.timings = result.recorder.summary()
     result.recorder.emit(trace_dir, on_metrics)
@@ -369,7 +366,6 @@ def load(
         fill, state = state, {k: WholeEntry() for k in entry_keys(manifest)}
     result = LoadResult(where, recorder=Recorder("load", where, comm.rank))
     mark_phase(result, "manifest", t0)
-    bar = progress_for(progress, comm.rank, f"load {where}", LOAD_PHASES, result.recorder)
 
     def prepare() -> dict:
         ctx = build_context(state, comm.rank, comm.world, allow_pickle)
@@ -472,11 +468,9 @@ def load(
             not_restored(where, comm.rank, result.not_restored, strict)
         return values
 
-    try:
+    bar = progress_for(progress, comm.rank, f"load {where}", LOAD_PHASES, result.recorder)
+    with bar or contextlib.nullcontext():
         new = comm.check(run_guarded(read), f"load of {where}")
-    finally:
-        if bar is not None:
-            bar.close(ok=sys.exc_info()[0] is None)
     for key, value in new.items():
         state[key] = value
     if fill is not None:  # entries that keys= left out stay out
