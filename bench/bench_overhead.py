@@ -79,7 +79,7 @@ def run_mode(mode: str, rep: int, model, opt, c, root: str, shm: str, window: in
         saver = sp.AsyncSaver(prewarm_state=state)
     elif mode == "sp-peer":
         mem = sp.PeerMemory(dir=os.path.join(shm, f"{rep}", os.environ["SHARDPOINT_HOST"]), replicas=1, interval=1)
-        mgr = sp.CheckpointManager(run_root, interval=None, memory=mem, async_mode=None, prewarm_state=state)
+        mgr = sp.CheckpointManager(run_root, interval=None, memory=mem, mode=None, prewarm_state=state)
     setup = time.monotonic() - t
     pending: dict = {"handle": None, "future": None}
     stalls: list[float] = []

@@ -86,7 +86,7 @@ def job(rank: int, world: int, root: str, mem_root: str, cfg: dict, repeat: int 
     ref = C.local_hashes(model, opt)
     state_bytes = C.local_state_bytes(model, opt)
     mem = sp.PeerMemory(dir=mem_dir, replicas=1, interval=1)
-    mgr = sp.CheckpointManager(root, interval=1, memory=mem, async_mode=None, timeout=600)
+    mgr = sp.CheckpointManager(root, interval=1, memory=mem, mode=None, timeout=600)
     peak = C.PeakRss()
     rss0 = peak.rss()
     t0 = time.monotonic()
@@ -96,7 +96,7 @@ def job(rank: int, world: int, root: str, mem_root: str, cfg: dict, repeat: int 
     rss_growth = peak.peak() - rss0 if peak.available else None
     mgr.close()
     if s3 is not None:  # the same step on S3 (moto on loopback), for the third anchor
-        ms3 = sp.CheckpointManager(s3["url"], interval=1, async_mode=None, timeout=600, storage_options=s3["options"])
+        ms3 = sp.CheckpointManager(s3["url"], interval=1, mode=None, timeout=600, storage_options=s3["options"])
         ms3.maybe_save(1, {"model": model, "optimizer": opt})
         ms3.close()
     used = C.dir_bytes(mem_dir)
@@ -131,7 +131,7 @@ def overhead_job(rank: int, world: int, root: str, mem_root: str, cfg: dict, ste
     out = {}
     for system in ("none", "peer", "dcp", "none2"):
         mem = sp.PeerMemory(dir=os.path.join(mem_root, system, os.environ["SHARDPOINT_HOST"]), replicas=1, interval=1)
-        mgr = sp.CheckpointManager(os.path.join(root, system), interval=None, memory=mem, async_mode=None) if system == "peer" else None
+        mgr = sp.CheckpointManager(os.path.join(root, system), interval=None, memory=mem, mode=None) if system == "peer" else None
         fut = None
         if mgr is not None:
             mgr.maybe_save(0, {"model": model, "optimizer": opt})  # warm-up: groups, staging, plans

@@ -83,8 +83,7 @@ def resume(rank: int, world: int, ckpt: str, steps: int, more: int) -> dict:
     state = {"model": model, "optimizer": opt, "extra": {}}
     with torch.no_grad():  # next-batch loss of the fresh weights, to show the load replaces them
         fresh = float(loss_of(model, *batch(steps)))
-    report = sp.LoadResult()
-    sp.load(ckpt, state, report=report)
+    report = sp.load(ckpt, state, return_result=True)
     start = state["extra"]["step"]
     with torch.no_grad():  # ... and of the loaded weights, before any step
         check = float(loss_of(model, *batch(start)))

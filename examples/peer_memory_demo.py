@@ -48,7 +48,7 @@ def worker(out: str, steps: int, kill_at: int) -> None:
     model, opt = build("fsdp2", cfg, seed=0)
     state = {"model": model, "optimizer": opt}
     mem = sp.PeerMemory(dir=os.path.join(out, "mem", host), replicas=1, interval=1)
-    mgr = CheckpointManager(os.path.join(out, "run"), interval=5, memory=mem, async_mode=None, timeout=120)
+    mgr = CheckpointManager(os.path.join(out, "run"), interval=5, memory=mem, mode=None, timeout=120)
     t0 = time.monotonic()
     start = mgr.restore(state) or 0
     rep = mgr.last_restore

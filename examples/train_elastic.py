@@ -190,7 +190,7 @@ def main() -> None:
         args.root,
         interval=args.interval,
         keep_last=args.keep_last,
-        async_mode=None if args.async_mode == "none" else args.async_mode,
+        mode=None if args.async_mode == "none" else args.async_mode,
         policies=[OnDemand(signals=[signal.SIGTERM])],  # a preemption notice saves first
         timeout=args.timeout,
     )

@@ -22,7 +22,6 @@ from .async_handle import AsyncSaveHandle
 from .async_save import AsyncSaver, Prewarmed, async_save, default_saver
 from .dist import LOCAL
 from .errors import (
-    CheckpointConflictError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
@@ -30,6 +29,7 @@ from .errors import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
     DistributedError,
+    DtypeMismatchError,
     FormatError,
     IncompleteCheckpointError,
     IncompleteStateError,
@@ -40,6 +40,7 @@ from .errors import (
     StorageError,
     TornSnapshotError,
     UnsupportedStateError,
+    deprecated_error,
 )
 from .format.manifest import FORMAT_VERSION
 from .data import ResumableLoader, ResumableSampler
@@ -51,6 +52,7 @@ from .storage import LocalStorage, MemoryStorage, Storage
 from .storage.tiers import TieredStorage
 
 __version__ = "0.1.0"
+"""The package version; ``pyproject.toml`` reads it from here, so it is written in one place."""
 
 __all__ = [
     "save",
@@ -80,7 +82,6 @@ __all__ = [
     "EveryNSteps",
     "EveryTSeconds",
     "OnDemand",
-    "CheckpointConflictError",
     "CheckpointTimeoutError",
     "ResumableSampler",
     "ResumableLoader",
@@ -93,6 +94,7 @@ __all__ = [
     "FormatError",
     "KeyMismatchError",
     "ShapeMismatchError",
+    "DtypeMismatchError",
     "StorageError",
     "UnsupportedStateError",
     "TornSnapshotError",
@@ -101,3 +103,11 @@ __all__ = [
     "StateNotRestoredError",
     "IncompleteStateError",
 ]
+
+
+def __getattr__(name: str):
+    # Deprecated names (CheckpointConflictError) still import, with a DeprecationWarning.
+    try:
+        return deprecated_error(name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

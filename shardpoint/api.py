@@ -8,9 +8,12 @@ process group is initialised, so the same path runs everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, MutableMapping, Sequence
 
@@ -27,20 +30,28 @@ from .engine.indexes import IndexReader, resolve, resolve_all, wanted_box
 from .engine.io import write_chunks
 from .format.datafile import DEFAULT_BLOCK_SIZE
 from .engine.load import execute_reads
-from .errors import (
-    CheckpointNotFoundError,
-    IncompleteCheckpointError,
-    KeyMismatchError,
-    StateNotRestoredError,
-    UnsupportedStateError,
-)
+from .errors import KeyMismatchError, UnsupportedStateError
 from .format.manifest import MANIFEST_NAME, Manifest
 from .format.strict import Limits
 from .format.values import check_optimizer_doc
 from .geometry import Box
-from .load_steps import check_provided, entry_keys, entry_selected, materialize_meta, name_selected, param_names, physical_shapes
+from .load_steps import (
+    check_provided,
+    close_names,
+    entry_keys,
+    entry_selected,
+    key_mismatch,
+    materialize_meta,
+    missing_manifest_error,
+    name_selected,
+    not_restored,
+    param_names,
+    physical_shapes,
+    check_patterns,
+)
 from .layouts import LayoutView, Rule, apply_load, optimizer_doc_to_physical
 from .monitor import Recorder, format_summary
+from .progress import LOAD_PHASES, SAVE_PHASES, progress_for
 from .save_steps import SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
 from .storage import Storage, storage_for
 
@@ -63,6 +74,12 @@ class LoadResult:
     state landed, after the objects installed it), and within ``read`` ``verify``,
     ``copy``, ``wait`` (the loading thread idle until a read lands) and
     ``communicate``; phases that run in reader threads add up over threads.
+    ``state`` is the loaded state (what :func:`load` returns).
+
+    Example::
+
+        res = sp.load("ckpt/step_100", state, return_result=True)
+        print(res.bytes_read, res.timings["read"], res.state is state)
     """
 
     path: str = ""
@@ -75,15 +92,24 @@ class LoadResult:
     not_restored: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     recorder: Recorder | None = field(default=None, repr=False)
+    state: Any = field(default=None, repr=False)
 
 
-def check_state(state: Any) -> None:
+def check_state(state: Any, op: str = "save") -> None:
     """Refuse a state that is not a dict of plain top-level names, before any collective.
+
+    A path where the state belongs (DCP's order, ``save(state, path)``) gets
+    the hint that the path comes first; ``op`` names the call in it.
 
     Example::
 
         check_state({"model": model, "optimizer": opt})
     """
+    if isinstance(state, (str, os.PathLike, Storage)):
+        raise UnsupportedStateError(
+            f"sp.{op}(path, state): the path comes first (got {type(state).__name__} {str(state)!r} where the "
+            f"state belongs; torch.distributed.checkpoint's order is the other way round)"
+        )
     if not isinstance(state, MutableMapping):
         raise UnsupportedStateError(f"state must be a dict of name -> object, got {type(state).__name__}")
     for k in state:
@@ -104,6 +130,7 @@ def save(
     replicated_over: Any = None,
     collective_timeout: float | None = None,
     commit: CommitPolicy | None = None,
+    progress: bool = False,
 ) -> SaveResult:
     """Save ``state`` to ``path``; a collective when a process group is initialised.
 
@@ -139,6 +166,8 @@ def save(
     once no committed manifest lists them and they are older than a grace
     period. ``commit`` (a :class:`CommitPolicy`) sets the claim's lease and
     that grace period; :mod:`shardpoint.engine.claim` states the guarantee.
+    ``progress=True`` shows the bytes written and the rate on stderr, on
+    rank 0 (see :mod:`shardpoint.progress`).
 
     Example::
 
@@ -160,6 +189,7 @@ def save(
     result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
     policy = commit or CommitPolicy()
     claims: list[SaveClaim] = []
+    bar = progress_for(progress, comm.rank, f"save {where}", SAVE_PHASES, result.recorder)
 
     def local():
         prep = prepare_save(state, comm, allow_pickle, where, result, layouts, replicated_over=replicated_over, rank_local=comm.local)
@@ -167,6 +197,8 @@ def save(
             claims.append(SaveClaim.acquire(storage.primary, policy, where))
         tb = time.monotonic()
         records, files = [], {}
+        if bar is not None:
+            bar.set_total(sum(it.nbytes for it in prep.mine))
         if prep.mine:
             name = data_file_name(save_id, comm.rank)
             records, size = write_chunks(storage, name, prep.mine, comm.rank, block_size, result.recorder)
@@ -181,8 +213,11 @@ def save(
     if comm.world == 1 and not out.ok:
         for c in claims:
             c.release()
+        if bar is not None:
+            bar.close(ok=False)
         raise out.exc
-    finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
+    with bar or contextlib.nullcontext():  # a failed commit closes the bar without a "done" line
+        finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
     mark_phase(result, "total", t0)
     result.timings = result.recorder.summary()
     result.recorder.emit(trace_dir, on_metrics)
@@ -206,8 +241,9 @@ def read_tensor(path: str | Storage, name: str, index: tuple | None = None, *, v
     manifest = Manifest.from_json(_manifest_bytes(storage), storage.url)
     meta = manifest.tensors.get(name)
     if meta is None:
-        close = [k for k in manifest.tensors if name.split(".")[-1] in k][:5]
-        raise KeyMismatchError(f"{storage.url}: no tensor {name!r} in the checkpoint (similar: {close})", [name], [])
+        close = close_names(name, manifest.tensors) or [k for k in manifest.tensors if name.split(".")[-1] in k][:3]
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else " (sp.read_manifest(path).tensors lists them)"
+        raise KeyMismatchError(f"{storage.url}: no tensor {name!r} in the checkpoint{hint}", [name], [])
     box = Box.full(meta.shape)
     if index is not None:
         if not isinstance(index, tuple):
@@ -246,37 +282,8 @@ def read_manifest(path: str | Storage, *, chunks: bool = True) -> Manifest:
 def _manifest_bytes(storage: Storage) -> bytes:
     try:
         return storage.get_limited(MANIFEST_NAME, Limits.from_env().manifest_bytes)
-    except FileNotFoundError:
-        if not storage.location_exists():
-            raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: the path does not exist") from None
-        raise IncompleteCheckpointError(
-            f"{storage.url} holds no committed manifest: the save that wrote it was interrupted or is "
-            "still running; load an earlier checkpoint"
-        ) from None
-
-
-def _key_mismatch(where: str, missing: list[str], unexpected: list[str], strict: bool) -> None:
-    msg = (
-        f"{where}: state and checkpoint differ: missing from the checkpoint "
-        f"{sorted(missing)[:20]}{' ...' if len(missing) > 20 else ''}; unexpected in the checkpoint "
-        f"{sorted(unexpected)[:20]}{' ...' if len(unexpected) > 20 else ''}"
-    )
-    if strict:
-        raise KeyMismatchError(msg + " (pass strict=False to load the intersection)", missing, unexpected)
-    log.warning("%s", msg)
-
-
-def _not_restored(where: str, rank: int, names: list[str], strict: bool) -> None:
-    """Report tensors that a load read but that did not reach the live state."""
-    msg = (
-        f"{where}: rank {rank}: {len(names)} tensor(s) read from the checkpoint did not reach the live state: "
-        f"{names[:20]}{' ...' if len(names) > 20 else ''}. The object's load_state_dict (its hooks or a "
-        "_load_from_state_dict override) did not install them, so training would resume from other values; "
-        "fix how that object loads its state"
-    )
-    if strict:
-        raise StateNotRestoredError(msg + " (pass strict=False to load anyway, keeping their current values)", names)
-    log.warning("%s", msg)
+    except (FileNotFoundError, NotADirectoryError):
+        raise missing_manifest_error(storage) from None
 
 
 def load(
@@ -294,7 +301,9 @@ def load(
     trace_dir: str | None = None,
     on_metrics: Any = None,
     collective_timeout: float | None = None,
-) -> MutableMapping[str, Any]:
+    progress: bool = False,
+    return_result: bool = False,
+) -> Any:
     """Load a checkpoint into ``state``, resharding to the current layout.
 
     Modules, optimizers and ``Stateful`` objects are restored in place (a fresh,
@@ -313,8 +322,11 @@ def load(
     their values and are never reported missing. Modules on the ``meta``
     device are materialised on the CPU first (create the optimizer after
     loading in that case). ``layouts`` describes fused or padded tensors of
-    the *target* (see :mod:`shardpoint.layouts`). Pass a
-    :class:`LoadResult` as ``report`` to receive timings, bytes and key lists.
+    the *target* (see :mod:`shardpoint.layouts`). With ``return_result=True``
+    the load returns a :class:`LoadResult` (timings, bytes, key lists, and
+    the loaded mapping as ``.state``) instead of the state; ``report=``, an
+    out-parameter filled the same way, is deprecated. ``progress=True`` shows
+    the bytes read and the rate on stderr, on rank 0.
     An optimizer saved the way ``get_optimizer_state_dict`` keys it (state by
     the model's parameter names, ``param_groups``) loads too: its entries are
     matched to the optimizer's parameters by name (:mod:`shardpoint.dcp_names`).
@@ -330,8 +342,14 @@ def load(
         state = {"model": model, "optimizer": opt, "extra": {}}
         sp.load("ckpt/step_100", state); step = state["extra"]["step"]
         everything = sp.load("ckpt/step_100", {}, strict=False)
+        res = sp.load("ckpt/step_100", state, return_result=True); print(res.bytes_read)
     """
-    check_state(state)
+    check_state(state, "load")
+    if report is not None:
+        warnings.warn(
+            "sp.load(report=...) is deprecated; use res = sp.load(..., return_result=True) and read res.bytes_read, "
+            "res.timings, ...", DeprecationWarning, stacklevel=2,
+        )
     comm = Comm.resolve(process_group)
     storage = storage_for(path)
     where = storage.url
@@ -401,10 +419,12 @@ def load(
                 p.targets = [t for t in p.targets if name_selected(t.fqn, selected)]
         result.missing, result.unexpected = sorted(missing), sorted(unexpected)
         if missing and strict:
-            _key_mismatch(where, missing, unexpected, strict)
+            key_mismatch(where, missing, unexpected, strict)
         return parts
 
     selected = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
+    if selected is not None:
+        check_patterns(where, selected, manifest, strict)
     materialize_meta(state)
 
     # Phase 1 (local): targets and plans. Checked collectively, so that the shared read
@@ -415,11 +435,13 @@ def load(
     # Unexpected means no rank loads it (each pipeline stage loads only its own layers).
     result.unexpected = sorted(set.intersection(*(set(u) for u in comm.all_gather(result.unexpected))))
     if result.missing or result.unexpected:
-        _key_mismatch(where, result.missing, result.unexpected, strict)
+        key_mismatch(where, result.missing, result.unexpected, strict)
 
     def read() -> dict:
         tr = time.monotonic()
         targets = [t for p in parts.values() for t in p.targets]
+        if bar is not None:
+            bar.set_total(sum(t.dest.numel() * t.dest.element_size() for t in targets))
         wants: dict[str, list[Box]] = {}
         for t in targets:
             wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
@@ -443,10 +465,12 @@ def load(
         mark_phase(result, "landing", tl)
         result.not_restored = sorted(set(bad))
         if bad:
-            _not_restored(where, comm.rank, result.not_restored, strict)
+            not_restored(where, comm.rank, result.not_restored, strict)
         return values
 
-    new = comm.check(run_guarded(read), f"load of {where}")
+    bar = progress_for(progress, comm.rank, f"load {where}", LOAD_PHASES, result.recorder)
+    with bar or contextlib.nullcontext():
+        new = comm.check(run_guarded(read), f"load of {where}")
     for key, value in new.items():
         state[key] = value
     if fill is not None:  # entries that keys= left out stay out
@@ -455,8 +479,9 @@ def load(
     mark_phase(result, "total", t0)
     result.timings = result.recorder.summary()
     result.recorder.emit(trace_dir, on_metrics)
+    result.state = state
     if report is not None:
-        for f in ("path", "bytes_read", "index_bytes", "bytes_needed", "bytes_received", "missing", "unexpected", "not_restored", "timings", "recorder"):
+        for f in ("path", "bytes_read", "index_bytes", "bytes_needed", "bytes_received", "missing", "unexpected", "not_restored", "timings", "recorder", "state"):
             setattr(report, f, getattr(result, f))
     log.info("rank %s read %s bytes from %s: %s", comm.rank, result.bytes_read, where, format_summary(result.timings))
-    return state
+    return result if return_result else state

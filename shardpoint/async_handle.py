@@ -20,6 +20,7 @@ from typing import Any
 from .save_steps import SaveResult
 from .engine.snapshot_guard import SnapshotGuard
 from .errors import DistributedError, TornSnapshotError
+from .progress import follow
 
 __all__ = ["AsyncSaveHandle", "EXIT_FENCE_POLL_S"]
 
@@ -138,12 +139,17 @@ class AsyncSaveHandle:
             raise TimeoutError(f"snapshot of {self.path} not finished within {timeout}s")
         self._check_fence()
 
-    def wait(self, timeout: float | None = None, tier: str | int | None = None) -> SaveResult:
+    def wait(self, timeout: float | None = None, tier: str | int | None = None, progress: bool = False) -> SaveResult:
         """Block until durable and committed; raise the background failure if any.
 
         With a :class:`~shardpoint.storage.tiers.TieredStorage`, ``tier`` also
         waits until the checkpoint is committed on that (slower) tier.
+        ``progress=True`` shows the bytes written while it waits (rank 0).
         """
+        with follow(progress, self.result.recorder, f"save {self.path}"):
+            return self._wait(timeout, tier)
+
+    def _wait(self, timeout: float | None, tier: str | int | None) -> SaveResult:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.fence(timeout)
         if self._futures_later is not None:  # the writer, submitted by the copier's thread

@@ -279,7 +279,7 @@ class AsyncSaver:
         """
         if mode not in ("eager", "lazy"):
             raise ValueError(f"mode must be 'eager' or 'lazy', got {mode!r}")
-        check_state(state)
+        check_state(state, "async_save")
         check_block_size(block_size)
         self.wait()
         base = Comm.resolve(self._pg_arg if process_group is None else process_group)

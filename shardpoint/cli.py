@@ -1,32 +1,9 @@
 """The ``shardpoint`` command: inspect, verify, convert, reshard and compare checkpoints.
 
-Commands (each has ``--help`` with examples)::
+Run it as ``shardpoint ...`` or ``python -m shardpoint ...``; :data:`HELP` is
+its plain-text help. Example::
 
-    shardpoint inspect ckpt/step_100                     # table of tensors, totals, layout
-    shardpoint inspect ckpt/step_100 --tensor model.tok.weight   # its chunks and writers
-    shardpoint inspect ckpt/step_100 --plot shards.png   # shard map picture
-    shardpoint verify ckpt/step_100                      # every checksum, in parallel
-    shardpoint export ckpt/step_100 --to hf hf_out --dtype bf16 --config config.json
-    shardpoint export ckpt/step_100 --to dcp dcp_out
-    shardpoint export ckpt/step_100 --to torch model.pt
-    shardpoint import hf hf_model_dir ckpt/pretrained
-    shardpoint import dcp dcp_ckpt ckpt/from_dcp --trust-pickle
-    shardpoint import torch model.pt ckpt/from_pt --trust-pickle
-    shardpoint import deepspeed ds_ckpt ckpt/from_ds --trust-pickle   # engine.save_checkpoint folders (ZeRO 1-3)
-    shardpoint reshard ckpt/step_100 --to-layout fsdp:8 ckpt/step_100-fsdp8
-    shardpoint diff ckpt/step_100 resumed/step_100 --atol 1e-6
-    shardpoint trace traces/step_100                     # slowest phases and ranks
-
-Exit status:
-  0  success
-  1  ``verify`` found damage (a missing, truncated, unsafe or corrupt data file or
-     chunk), or ``diff`` found a difference
-  2  any error: bad arguments, or a checkpoint that cannot be read (missing,
-     malformed or unsafe metadata); one line on stderr names the problem
-
-Outputs of ``export``, ``import`` and ``reshard`` to a local path are written
-under a temporary name next to it and renamed into place only on success; a
-failed run leaves nothing behind.
+    main(["verify", "ckpt/step_100"])  # 0 when intact
 """
 
 from __future__ import annotations
@@ -45,7 +22,42 @@ from .extras import require
 from .storage import storage_for
 from .verify import verify_checkpoint
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "HELP"]
+
+HELP = """\
+Inspect, verify, convert, reshard and compare shardpoint checkpoints.
+
+Commands (each has --help with examples):
+  shardpoint inspect ckpt/step_100                     # table of tensors, totals, layout
+  shardpoint inspect ckpt/step_100 --tensor model.tok.weight   # its chunks and writers
+  shardpoint inspect ckpt/step_100 --plot shards.png   # shard map picture
+  shardpoint verify ckpt/step_100                      # every checksum, in parallel
+  shardpoint export ckpt/step_100 --to hf hf_out --dtype bf16 --config config.json
+  shardpoint export ckpt/step_100 --to dcp dcp_out
+  shardpoint export ckpt/step_100 --to torch model.pt
+  shardpoint import hf hf_model_dir ckpt/pretrained
+  shardpoint import dcp dcp_ckpt ckpt/from_dcp --allow-pickle
+  shardpoint import torch model.pt ckpt/from_pt --allow-pickle
+  shardpoint import deepspeed ds_ckpt ckpt/from_ds --allow-pickle   # engine.save_checkpoint folders (ZeRO 1-3)
+  shardpoint reshard ckpt/step_100 --to-layout fsdp:8 ckpt/step_100-fsdp8
+  shardpoint diff ckpt/step_100 resumed/step_100 --atol 1e-6
+  shardpoint trace traces/step_100                     # slowest phases and ranks
+
+Long commands show a progress bar on stderr; --no-progress turns it off,
+--quiet (-q) turns off the bar and the summary line.
+
+Exit status:
+  0  success
+  1  verify found damage (a missing, truncated, unsafe or corrupt data file or
+     chunk), or diff found a difference
+  2  any error: bad arguments, or a checkpoint that cannot be read (missing,
+     malformed or unsafe metadata); one line on stderr names the problem
+
+Outputs of export, import and reshard to a local path are written under a
+temporary name next to it and renamed into place only on success; a failed
+run leaves nothing behind.
+"""
+"""The command's ``--help`` text: plain text, no markup."""
 
 
 def _human(n: float) -> str:
@@ -131,7 +143,7 @@ def _inspect(args) -> int:
 
 # ------------------------------------------------------------------ verify
 def _verify(args) -> int:
-    n, problems = verify_checkpoint(args.path, args.jobs, args.quiet)
+    n, problems = verify_checkpoint(args.path, args.jobs, args.quiet or args.no_progress)
     if args.json:
         _dump({"path": args.path, "chunks": n, "ok": not problems, "problems": problems})
         return 1 if problems else 0
@@ -204,7 +216,8 @@ def _export(args) -> int:
 
     dtype = parse_dtype(args.dtype)
     prefix = _DEFAULT_PREFIX[args.to] if args.prefix is None else args.prefix
-    kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype, force=args.force, quiet=args.quiet, verify=not args.no_verify)
+    kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype, force=args.force,
+              quiet=args.quiet or args.no_progress, verify=not args.no_verify)
     if args.to != "hf" and (args.config or args.shard_size != "5GB" or args.config_key != HF_CONFIG_KEY):
         raise ConversionError("--config, --config-key and --shard-size apply to --to hf only")
     with _staged(args.out, args.force, folder=args.to != "torch") as out:
@@ -232,20 +245,25 @@ def _import(args) -> int:
 
     dtype = parse_dtype(args.dtype)
     prefix = _DEFAULT_PREFIX[args.fmt] if args.prefix is None else args.prefix
-    kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype, block_size=args.block_size, force=args.force, quiet=args.quiet)
+    kw = dict(prefix=prefix, rename=args.rename, keys=args.keys, exclude=args.exclude, dtype=dtype,
+              block_size=args.block_size, force=args.force, quiet=args.quiet or args.no_progress)
+    if args.trust_pickle:
+        print("warning: --trust-pickle is deprecated and goes away in the next release; use --allow-pickle",
+              file=sys.stderr)
+    allow = args.allow_pickle or args.trust_pickle
     with _staged(args.path, args.force) as path:
         force = True if path != args.path else args.force
         kw["force"] = force
         if args.fmt == "deepspeed":
             from .convert.deepspeed_native import import_deepspeed
 
-            r = import_deepspeed(args.src, path, trust_pickle=args.trust_pickle, block_size=args.block_size, force=force)
+            r = import_deepspeed(args.src, path, allow_pickle=allow, block_size=args.block_size, force=force)
         elif args.fmt == "hf":
             r = import_hf(args.src, path, **kw)
         elif args.fmt == "dcp":
-            r = import_dcp(args.src, path, trust_pickle=args.trust_pickle, **kw)
+            r = import_dcp(args.src, path, allow_pickle=allow, **kw)
         else:
-            r = import_torch(args.src, path, trust_pickle=args.trust_pickle, **kw)
+            r = import_torch(args.src, path, allow_pickle=allow, **kw)
     if not args.quiet:
         print(f"imported {r.tensors} tensors ({_human(r.bytes)}) from {args.src} into {args.path}")
         if r.skipped:
@@ -259,7 +277,8 @@ def _reshard(args) -> int:
 
     with _staged(args.out, args.force) as out:
         r = reshard(args.path, out, args.to_layout, tp_rules=args.tp_rule, block_size=args.block_size,
-                    force=True if out != args.out else args.force, quiet=args.quiet, verify=not args.no_verify)
+                    force=True if out != args.out else args.force, quiet=args.quiet or args.no_progress,
+                    verify=not args.no_verify)
     if not args.quiet:
         spread = ", ".join(f"r{k}={_human(v)}" for k, v in list(r.per_rank_bytes.items())[:16])
         print(f"wrote {r.chunks} chunks ({_human(r.bytes)}) for {r.spec} ({r.world} ranks) to {args.out}: {spread}"
@@ -270,7 +289,8 @@ def _reshard(args) -> int:
 def _diff(args) -> int:
     from .convert import diff
 
-    d = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, keys=args.keys, values=not args.no_values, quiet=args.quiet)
+    d = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, keys=args.keys, values=not args.no_values,
+             quiet=args.quiet or args.no_progress)
     if args.json:
         _dump(d.to_json())
         return 0 if d.same else 1
@@ -317,12 +337,22 @@ def _naming(p, default_note: str) -> None:
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="skip tensors whose name matches (repeatable)")
     p.add_argument("--dtype", default=None, help="cast floating-point tensors: bf16, fp16, fp32 (default: keep)")
     p.add_argument("--force", action="store_true", help="write into an existing, non-empty output")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary")
+    _quiet(p)
+
+
+def _quiet(p) -> None:
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the summary line stays)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``shardpoint`` command."""
-    p = argparse.ArgumentParser(prog="shardpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The argument parser of the ``shardpoint`` command.
+
+    Example::
+
+        build_parser().parse_args(["verify", "ckpt/step_100"]).jobs  # 4
+    """
+    p = argparse.ArgumentParser(prog="shardpoint", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     pi = _cmd(sub, "inspect", "list the tensors of a checkpoint, one tensor's chunks, or draw a shard map", (
@@ -344,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     pv.add_argument("path")
     pv.add_argument("--jobs", type=int, default=4, help="parallel readers")
     pv.add_argument("--json", action="store_true", help="machine-readable output")
-    pv.add_argument("--quiet", "-q", action="store_true")
+    _quiet(pv)
     pv.set_defaults(fn=_verify)
 
     pe = _cmd(sub, "export", "write a checkpoint's tensors as Hugging Face safetensors, a DCP folder or a torch.save file", (
@@ -368,17 +398,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     pm = _cmd(sub, "import", "make a shardpoint checkpoint from safetensors, a DCP folder or a torch.save file", (
         "  shardpoint import hf path/to/hf_model ckpt/pretrained     # folder, index json or one .safetensors\n"
-        "  shardpoint import dcp dcp_ckpt ckpt/from_dcp --trust-pickle\n"
-        "  shardpoint import torch model.pt ckpt/from_pt --trust-pickle\n"
+        "  shardpoint import dcp dcp_ckpt ckpt/from_dcp --allow-pickle\n"
+        "  shardpoint import torch model.pt ckpt/from_pt --allow-pickle\n"
         "then: sp.load('ckpt/pretrained', {'model': fsdp_model})\n\n"
-        "--trust-pickle: DCP's .metadata file and a torch.save file are Python pickles, and\n"
+        "--allow-pickle: DCP's .metadata file and a torch.save file are Python pickles, and\n"
         "unpickling runs whatever code the file's author put in it. Only import files you\n"
         "trust; safetensors (hf) holds no code and needs no flag."))
     pm.add_argument("fmt", choices=("hf", "dcp", "torch", "deepspeed"), metavar="{hf,dcp,torch,deepspeed}")
     pm.add_argument("src", metavar="IN")
     pm.add_argument("path", metavar="PATH", help="the new checkpoint")
-    pm.add_argument("--trust-pickle", action="store_true",
-                    help="allow unpickling (dcp, torch): it can run arbitrary code, so only for trusted files")
+    pm.add_argument("--allow-pickle", action="store_true",
+                    help="allow unpickling (dcp, torch, deepspeed): it can run arbitrary code, so only for trusted files")
+    pm.add_argument("--trust-pickle", action="store_true", help=argparse.SUPPRESS)  # deprecated spelling
     pm.add_argument("--block-size", type=int, default=4 << 20, help="checksum block size in bytes")
     _naming(pm, "prepended to imported names; default 'model.' for hf and torch, '' for dcp")
     pm.set_defaults(fn=_import)
@@ -398,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--block-size", type=int, default=None, help="checksum block size (default: the source's)")
     pr.add_argument("--no-verify", action="store_true")
     pr.add_argument("--force", action="store_true")
-    pr.add_argument("--quiet", "-q", action="store_true")
+    _quiet(pr)
     pr.set_defaults(fn=_reshard)
 
     pd = _cmd(sub, "diff", "which tensors differ between two checkpoints, and by how much (exit 1 if any)", (
@@ -412,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--keys", action="append", default=[], metavar="GLOB", help="only tensors matching (repeatable)")
     pd.add_argument("--no-values", action="store_true", help="compare tensors only, not plain values")
     pd.add_argument("--json", action="store_true")
-    pd.add_argument("--quiet", "-q", action="store_true")
+    _quiet(pd)
     pd.set_defaults(fn=_diff)
 
     pt = _cmd(sub, "trace", "print the slowest phases and ranks of a trace folder (save/load trace_dir=...)", (
@@ -426,7 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``shardpoint`` command; returns the exit status."""
+    """Run the ``shardpoint`` command; returns the exit status.
+
+    Example::
+
+        sys.exit(main(["inspect", "ckpt/step_100", "--json"]))
+    """
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

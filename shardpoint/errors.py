@@ -7,6 +7,7 @@ Messages name the checkpoint, the tensor and, where it helps, what to do.
 
 from __future__ import annotations
 
+import warnings
 from typing import Mapping
 
 __all__ = [
@@ -18,17 +19,19 @@ __all__ = [
     "FormatError",
     "KeyMismatchError",
     "ShapeMismatchError",
+    "DtypeMismatchError",
+    "mismatch_error",
     "UnsupportedStateError",
     "StorageError",
     "DistributedError",
     "CheckpointTimeoutError",
-    "CheckpointConflictError",
     "MissingDependencyError",
     "StateNotRestoredError",
     "IncompleteStateError",
     "ConcurrentSaveError",
     "ConversionError",
     "TornSnapshotError",
+    "deprecated_error",
 ]
 
 
@@ -71,7 +74,50 @@ class KeyMismatchError(CheckpointError):
 
 
 class ShapeMismatchError(CheckpointError):
-    """A tensor's global shape or dtype differs between checkpoint and target."""
+    """A tensor's global shape (or dtype) differs between checkpoint and target.
+
+    Example::
+
+        try:
+            sp.load("ckpt/step_100", {"model": model})
+        except sp.ShapeMismatchError as e:
+            print(e)  # names the tensor, the saved and the target shape
+    """
+
+
+class DtypeMismatchError(ShapeMismatchError):
+    """A tensor has the same shape in checkpoint and target, but another dtype.
+
+    Loading never casts: create the target in the saved dtype, load, then
+    cast (``model.to(torch.bfloat16)``). It is a :class:`ShapeMismatchError`,
+    so code that already catches that one keeps working.
+
+    Example::
+
+        try:
+            sp.load("ckpt/step_100", {"model": model.bfloat16()})
+        except sp.DtypeMismatchError as e:
+            print(e)  # "... checkpoint has float32[4, 4], target has bfloat16[4, 4] ..."
+    """
+
+
+def mismatch_error(where: str, fqn: str, saved: tuple[str, list], target: tuple[str, list]) -> ShapeMismatchError:
+    """The error for a tensor whose saved (dtype, shape) differs from the target's.
+
+    A :class:`DtypeMismatchError` when only the dtype differs, else a
+    :class:`ShapeMismatchError`; the message names both sides.
+
+    Example::
+
+        raise mismatch_error("ckpt", "model.w", ("float32", [4]), ("bfloat16", [4]))
+    """
+    (sd, ss), (td, ts) = saved, target
+    msg = f"{where}: tensor {fqn!r}: checkpoint has {sd}{list(ss)}, target has {td}{list(ts)}"
+    if list(ss) == list(ts):
+        return DtypeMismatchError(
+            msg + f"; loading does not cast: load into a {sd} tensor, then cast it to {td}"
+        )
+    return ShapeMismatchError(msg)
 
 
 class UnsupportedStateError(CheckpointError):
@@ -107,9 +153,6 @@ class CheckpointTimeoutError(CheckpointError):
         super().__init__(message)
         self.rank, self.phase, self.step, self.seconds = rank, phase, step, seconds
 
-
-class CheckpointConflictError(CheckpointError):
-    """Another save holds the step folder's lock: two saves raced to the same step."""
 
 
 class MissingDependencyError(CheckpointError, ImportError):
@@ -153,14 +196,41 @@ class IncompleteStateError(CheckpointError):
     """
 
 
-class ConcurrentSaveError(CheckpointError):
-    """Another save is writing the same checkpoint path, so this one stopped without committing.
+class _ConflictBase(CheckpointError):
+    """Deprecated: use :class:`ConcurrentSaveError`, which every concurrent save raises.
+
+    ``CheckpointConflictError`` was the manager's error for two saves racing
+    to one step folder. It is kept for one release as a base class of
+    :class:`ConcurrentSaveError`, so ``except CheckpointConflictError``
+    still catches every concurrent save; reading the name warns.
+    """
+
+
+_ConflictBase.__name__ = _ConflictBase.__qualname__ = "CheckpointConflictError"
+
+
+class ConcurrentSaveError(_ConflictBase):
+    """Another save is writing the same checkpoint path or step, so this one stopped without committing.
 
     Saves claim their path before writing (see :class:`shardpoint.CommitPolicy`):
     the second of two overlapping saves to one path raises this error, and a
     save whose claim was taken over after its lease ran out raises it before
     its commit. Whatever the path held stays loadable. ``path`` names the
     checkpoint and ``holder`` describes the other save (host, process, since when).
+    The :class:`~shardpoint.CheckpointManager` raises it too when two saves
+    race to one step folder (its step lock is held).
+
+    It replaces ``CheckpointConflictError`` (deprecated, removed in the next
+    release): that name still imports, with a ``DeprecationWarning``, and is
+    a base class of this one, so ``except CheckpointConflictError`` clauses
+    keep catching every concurrent save.
+
+    Example::
+
+        try:
+            mgr.save(step, state)
+        except sp.ConcurrentSaveError as e:
+            print(e.path, e.holder)
     """
 
     def __init__(self, message: str, path: str = "", holder: str = ""):
@@ -196,3 +266,29 @@ class TornSnapshotError(CheckpointError):
     def __init__(self, message: str, tensors: list[str] | None = None):
         super().__init__(message)
         self.tensors = list(tensors or [])
+
+
+_DEPRECATED = {"CheckpointConflictError": (_ConflictBase, "ConcurrentSaveError")}
+
+
+def deprecated_error(name: str) -> type:
+    """A deprecated error class by its old name, with a ``DeprecationWarning`` naming the new one.
+
+    Raises ``AttributeError`` for any other name (modules use it in ``__getattr__``).
+
+    Example::
+
+        deprecated_error("CheckpointConflictError")  # warns; a base of ConcurrentSaveError
+    """
+    if name not in _DEPRECATED:
+        raise AttributeError(name)
+    cls, new = _DEPRECATED[name]
+    warnings.warn(f"shardpoint.{name} is deprecated; catch shardpoint.{new} instead", DeprecationWarning, stacklevel=3)
+    return cls
+
+
+def __getattr__(name: str):
+    try:
+        return deprecated_error(name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

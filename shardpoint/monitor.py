@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from .progress import ACTIVITY
+
 __all__ = ["Span", "Recorder", "merge_traces", "slowest", "trace_report", "format_summary", "PHASES"]
 
 PHASES = (
@@ -58,6 +60,7 @@ class Recorder:
     path: str
     rank: int = 0
     spans: list[Span] = field(default_factory=list)
+    listeners: list[Callable[[str, int], None]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _mono0: float = field(default_factory=time.monotonic, repr=False)
     _wall0: float = field(default_factory=time.time, repr=False)
@@ -73,6 +76,13 @@ class Recorder:
     def add(self, name: str, start: float, end: float, nbytes: int = 0) -> None:
         with self._lock:
             self.spans.append(Span(name, start, end, nbytes, threading.current_thread().name))
+        ACTIVITY.note(nbytes)  # what the hang watchdog judges progress by
+        for fn in self.listeners:
+            fn(name, nbytes)
+
+    def listen(self, fn: Callable[[str, int], None]) -> None:
+        """Call ``fn(phase, nbytes)`` for every span recorded from now on (a progress bar, say)."""
+        self.listeners.append(fn)
 
     def summary(self) -> dict[str, float]:
         """Total seconds per phase (spans of the same phase add up)."""

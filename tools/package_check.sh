@@ -22,6 +22,11 @@ tar tzf "$SDIST" >"$OUT/sdist.txt"
 grep -q '/pyproject.toml$' "$OUT/sdist.txt"
 grep -q '/shardpoint/format/manifest.py$' "$OUT/sdist.txt"
 if grep -qE '/(\.venv|build|site)/' "$OUT/sdist.txt"; then echo "the sdist holds build output"; exit 1; fi
+grep -q '/LICENSE$' "$OUT/sdist.txt" || { echo "the sdist lacks LICENSE"; exit 1; }
+# the wheel ships the typing marker and the license text
+"$BUILD_PY" -m zipfile -l "$WHEEL" >"$OUT/wheel.txt"
+grep -q 'shardpoint/py.typed' "$OUT/wheel.txt" || { echo "the wheel lacks shardpoint/py.typed"; exit 1; }
+grep -qE '\.dist-info/(licenses/)?LICENSE' "$OUT/wheel.txt" || { echo "the wheel lacks LICENSE"; exit 1; }
 
 $PY -m venv "$OUT/venv"
 PIP="$OUT/venv/bin/pip"

@@ -8,6 +8,7 @@ missing extra gives the typed install hint.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -21,6 +22,8 @@ import shardpoint as sp
 here = os.path.dirname(sp.__file__)
 assert "site-packages" in here, f"shardpoint imported from {here}, not from the installed package"
 assert os.path.exists(os.path.join(here, "format", "manifest.py")), "the package lacks its subpackages"
+assert os.path.exists(os.path.join(here, "py.typed")), "the package lacks its py.typed marker"
+assert importlib.metadata.version("shardpoint") == sp.__version__, "the metadata and the package disagree on the version"
 
 with tempfile.TemporaryDirectory() as root:
     torch.manual_seed(0)
@@ -49,6 +52,8 @@ with tempfile.TemporaryDirectory() as root:
     exe = os.path.join(os.path.dirname(sys.executable), "shardpoint")  # the console script of this venv
     cli = subprocess.run([exe, "inspect", os.path.join(root, "a"), "--json"], capture_output=True, text=True)
     assert cli.returncode == 0 and '"format_version"' in cli.stdout, cli.stderr
+    cli = subprocess.run([sys.executable, "-m", "shardpoint", "--help"], capture_output=True, text=True)
+    assert cli.returncode == 0 and "usage: shardpoint" in cli.stdout and "``" not in cli.stdout, cli.stderr
     if importlib.util.find_spec("rich") is None:
         cli = subprocess.run([exe, "inspect", os.path.join(root, "a")], capture_output=True, text=True)
         assert cli.returncode == 2 and "pip install 'shardpoint[cli]'" in cli.stderr, cli.stderr

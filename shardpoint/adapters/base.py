@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from ..errors import ShapeMismatchError
+from ..errors import mismatch_error
 from ..geometry import Box
 from ..items import LoadTarget, SaveTensor, dtype_name, torch_dtype
 
@@ -68,7 +68,7 @@ class LoadPart:
         """The checkpoint's entry for ``fqn``, checked against the target's global shape and dtype.
 
         Records ``fqn`` as missing (returns ``None``) or consumed; a differing
-        shape or dtype raises :class:`ShapeMismatchError` naming both.
+        shape or dtype raises :class:`ShapeMismatchError` (:class:`DtypeMismatchError` for the dtype alone) naming both.
         """
         meta = tensors.get(fqn)
         if meta is None:
@@ -76,10 +76,7 @@ class LoadPart:
             return None
         self.consumed.add(fqn)
         if tuple(meta.shape) != tuple(shape) or torch_dtype(meta.dtype) != dtype:
-            raise ShapeMismatchError(
-                f"{where}: tensor {fqn!r}: checkpoint has {meta.dtype}{list(meta.shape)}, "
-                f"target has {dtype_name(dtype)}{list(shape)}"
-            )
+            raise mismatch_error(where, fqn, (meta.dtype, meta.shape), (dtype_name(dtype), shape))
         return meta
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Iterator, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -89,6 +90,8 @@ def tree_tensors(value: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
     """Tensors inside nested dicts, lists and tuples."""
     if isinstance(value, torch.Tensor):
         yield value
+    elif isinstance(value, np.ndarray) and value.dtype.kind in "biufc" and value.dtype.isnative:
+        yield torch.from_numpy(value)  # a restored array shares the memory the load filled
     elif _depth < 64 and isinstance(value, Mapping):
         for v in value.values():
             yield from tree_tensors(v, _depth + 1)

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..errors import CheckpointError, FormatError, IncompleteStateError, ShapeMismatchError, UnsupportedStateError
+from ..errors import CheckpointError, FormatError, IncompleteStateError, UnsupportedStateError, mismatch_error
 from ..format.values import decode_value, encode_value
 from .base import AdapterContext, LoadPart, SavePart, dtype_name, torch_dtype
 from .landing import alias_key, live_storages, local_of, same_bits, storage_of, tree_tensors, unlanded
@@ -79,10 +79,7 @@ def decode_tree(
         dt = torch_dtype(meta.dtype)
         if like is not None and is_dtensor(like):
             if tuple(like.shape) != tuple(meta.shape) or like.dtype != dt:
-                raise ShapeMismatchError(
-                    f"{where}: tensor {fqn!r}: checkpoint has {meta.dtype}{list(meta.shape)}, "
-                    f"target has {dtype_name(like.dtype)}{list(like.shape)}"
-                )
+                raise mismatch_error(where, fqn, (meta.dtype, meta.shape), (dtype_name(like.dtype), like.shape))
             dest = like
         else:
             dest = empty_like_target(None, tuple(meta.shape), dt, like.device if like is not None else None)

@@ -19,13 +19,13 @@ optimizer is written the way ``get_optimizer_state_dict`` lays it out
 and keeps its sharding: each saved DCP chunk becomes one shardpoint chunk,
 written by the rank whose file held it. DCP's ``.metadata`` file and its
 non-tensor objects are pickles, and unpickling runs code chosen by whoever
-wrote the file: importing therefore needs ``trust_pickle=True``
-(``--trust-pickle``).
+wrote the file: importing therefore needs ``allow_pickle=True``
+(``--allow-pickle``).
 
 Example::
 
     export_dcp("ckpt/step_100", "dcp_out")
-    import_dcp("dcp_ckpt", "ckpt/from_dcp", trust_pickle=True)
+    import_dcp("dcp_ckpt", "ckpt/from_dcp", allow_pickle=True)
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from ..format.values import decode_value
 from ..geometry import Box
 from ..items import torch_dtype
 from .common import CheckpointReader, CheckpointWriter, encodable, encode_entries
-from .options import NameMap, cast, parse_rename, prepare_output_dir, progress, top_key
+from .options import NameMap, cast, parse_rename, pickle_allowed, prepare_output_dir, progress, top_key
 from .hf import ImportResult
 
 __all__ = ["export_dcp", "import_dcp", "DCPExportResult", "TRUST_PICKLE_HELP"]
@@ -53,7 +53,7 @@ __all__ = ["export_dcp", "import_dcp", "DCPExportResult", "TRUST_PICKLE_HELP"]
 TRUST_PICKLE_HELP = (
     "DCP stores its .metadata file and every non-tensor object as Python pickles, and "
     "unpickling runs whatever code the file's author put there. Import only DCP folders you "
-    "trust, and say so with --trust-pickle (trust_pickle=True)."
+    "trust, and say so with --allow-pickle (allow_pickle=True)."
 )
 
 
@@ -199,7 +199,8 @@ def import_dcp(
     src: str,
     path: str,
     *,
-    trust_pickle: bool = False,
+    allow_pickle: bool = False,
+    trust_pickle: bool | None = None,
     prefix: str = "",
     rename: Sequence[str] = (),
     keys: Sequence[str] = (),
@@ -211,7 +212,7 @@ def import_dcp(
 ) -> ImportResult:
     """Write the DCP folder ``src`` as a shardpoint checkpoint at ``path``, chunk by chunk.
 
-    Needs ``trust_pickle=True`` (see :data:`TRUST_PICKLE_HELP`). Each DCP key
+    Needs ``allow_pickle=True`` (``trust_pickle`` is its deprecated old name) (see :data:`TRUST_PICKLE_HELP`). Each DCP key
     keeps its name (after ``rename``, with ``prefix`` in front); a DCP folder
     saved from ``{"model": sd, "optimizer": osd}`` therefore loads with
     ``sp.load(path, {"model": model, "optimizer": opt})`` (an optimizer keyed
@@ -221,8 +222,7 @@ def import_dcp(
     the manifest can store (numbers, strings, lists, dicts) become values;
     others are skipped and listed in the result.
     """
-    if not trust_pickle:
-        raise ConversionError(f"refusing to import {src} without trust_pickle: {TRUST_PICKLE_HELP}")
+    pickle_allowed(allow_pickle, trust_pickle, src, TRUST_PICKLE_HELP)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner

@@ -23,7 +23,7 @@ Reading these files unpickles them: they hold DeepSpeed objects (stage enums,
 loss scalers, fragment addresses), so ``torch.load(weights_only=True)``
 cannot read them, and unpickling runs whatever code the file's author put
 there. :func:`import_deepspeed` therefore refuses unless called with
-``trust_pickle=True`` (see :data:`DEEPSPEED_TRUST_HELP`).
+``allow_pickle=True`` (see :data:`DEEPSPEED_TRUST_HELP`).
 
 Supported: ZeRO stages 1, 2 and 3 without model parallelism (``mp_rank_00``
 only), non-elastic optimizer state, fp32 master weights in memory (not
@@ -33,7 +33,7 @@ swapped to NVMe). Learning-rate scheduler and client state are listed in
 Example::
 
     from shardpoint.convert.deepspeed_native import import_deepspeed
-    import_deepspeed("ds_ckpt", "ckpt/from_ds", trust_pickle=True)   # reads ds_ckpt/latest
+    import_deepspeed("ds_ckpt", "ckpt/from_ds", allow_pickle=True)   # reads ds_ckpt/latest
     sp.load("ckpt/from_ds", {"model": fsdp2_model, "optimizer": opt})
 """
 
@@ -52,7 +52,7 @@ from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..format.values import encode_value
 from ..geometry import Box, flat_range_pieces
 from .common import CheckpointWriter
-from .options import prepare_output_dir
+from .options import pickle_allowed, prepare_output_dir
 from .hf import ImportResult
 
 __all__ = ["import_deepspeed", "deepspeed_files", "DEEPSPEED_TRUST_HELP"]
@@ -61,7 +61,7 @@ DEEPSPEED_TRUST_HELP = (
     "DeepSpeed checkpoint files (*_model_states.pt, *_optim_states.pt) are Python pickles written by "
     "torch.save that hold DeepSpeed's own objects, so they can only be read with "
     "torch.load(weights_only=False), which runs whatever code the files' author put there. Import only "
-    "folders you trust, and say so with trust_pickle=True."
+    "folders you trust, and say so with allow_pickle=True."
 )
 
 _OPTIM = re.compile(r"^(?:[a-z0-9]+_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -169,7 +169,8 @@ def import_deepspeed(
     src: str,
     path: str,
     *,
-    trust_pickle: bool = False,
+    allow_pickle: bool = False,
+    trust_pickle: bool | None = None,
     tag: str | None = None,
     model_key: str = "model",
     optimizer_key: str | None = "optimizer",
@@ -178,7 +179,7 @@ def import_deepspeed(
 ) -> ImportResult:
     """Write the DeepSpeed ZeRO checkpoint folder ``src`` as the shardpoint checkpoint ``path``.
 
-    Refuses unless ``trust_pickle`` (see :data:`DEEPSPEED_TRUST_HELP`).
+    Refuses unless ``allow_pickle`` (``trust_pickle`` is its deprecated old name) (see :data:`DEEPSPEED_TRUST_HELP`).
     Parameters and buffers go under ``model_key`` and the optimizer under
     ``optimizer_key`` (``None`` skips it), keyed by parameter name exactly as
     :func:`shardpoint.save` writes them for FSDP2 or DeepSpeed, so
@@ -188,10 +189,9 @@ def import_deepspeed(
 
     Example::
 
-        import_deepspeed("runs/ds/ckpt", "runs/sp/step_2", trust_pickle=True)
+        import_deepspeed("runs/ds/ckpt", "runs/sp/step_2", allow_pickle=True)
     """
-    if not trust_pickle:
-        raise ConversionError(f"refusing to import {src} without trust_pickle: {DEEPSPEED_TRUST_HELP}")
+    pickle_allowed(allow_pickle, trust_pickle, src, DEEPSPEED_TRUST_HELP)
     folder, optim_files, model_files = deepspeed_files(src, tag)
     prepare_output_dir(path, force)
     msd = _load(model_files[0])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -33,6 +34,7 @@ __all__ = [
     "prepare_output_dir",
     "cast",
     "top_key",
+    "pickle_allowed",
 ]
 
 
@@ -197,3 +199,23 @@ def top_key(prefix: str) -> str:
     if not prefix.endswith(".") or "." in prefix[:-1] or len(prefix) < 2:
         raise ConversionError(f"an import prefix must be one state key followed by '.', like 'model.'; got {prefix!r}")
     return prefix[:-1]
+
+
+def pickle_allowed(allow_pickle: bool, trust_pickle: bool | None, src: str, why: str) -> None:
+    """Refuse to unpickle ``src`` unless ``allow_pickle``; ``trust_pickle`` is its deprecated old name.
+
+    ``why`` says what in ``src`` is a pickle. Raises
+    :class:`~shardpoint.errors.ConversionError` without the opt-in.
+
+    Example::
+
+        pickle_allowed(True, None, "model.pt", TORCH_TRUST_HELP)
+    """
+    if trust_pickle is not None:
+        warnings.warn(
+            "trust_pickle= is deprecated; use allow_pickle= (the same meaning, the name sp.save and sp.load use)",
+            DeprecationWarning, stacklevel=3,
+        )
+        allow_pickle = allow_pickle or bool(trust_pickle)
+    if not allow_pickle:
+        raise ConversionError(f"refusing to import {src} without allow_pickle=True (--allow-pickle): {why}")

@@ -10,13 +10,13 @@ a shared memory map. Tensor data never piles up in anonymous memory.
 
 :func:`import_torch` reads a ``torch.save`` file. Loading one unpickles it,
 and unpickling runs whatever code the file's author chose: it needs
-``trust_pickle=True`` (``--trust-pickle``), and then uses
+``allow_pickle=True`` (``--allow-pickle``), and then uses
 ``torch.load(weights_only=False)``, memory-mapped where the file allows.
 
 Example::
 
     export_torch("ckpt/step_100", "model.pt")                     # {"layers.0.w": ...}
-    import_torch("model.pt", "ckpt/from_pt", trust_pickle=True)   # loads into {"model": model}
+    import_torch("model.pt", "ckpt/from_pt", allow_pickle=True)   # loads into {"model": model}
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from ..errors import ConversionError
 from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..items import torch_dtype
 from .common import CheckpointReader, CheckpointWriter, encodable, encode_entries, path_name, walk
-from .options import NameMap, cast, parse_rename, prepare_output_dir, progress, top_key
+from .options import NameMap, cast, parse_rename, pickle_allowed, prepare_output_dir, progress, top_key
 from .hf import ImportResult
 
 __all__ = ["export_torch", "import_torch", "TORCH_TRUST_HELP"]
 
 TORCH_TRUST_HELP = (
     "a torch.save file is a Python pickle, and unpickling runs whatever code the file's author "
-    "put there. Import only files you trust, and say so with --trust-pickle (trust_pickle=True)."
+    "put there. Import only files you trust, and say so with --allow-pickle (allow_pickle=True)."
 )
 
 
@@ -130,7 +130,8 @@ def import_torch(
     src: str,
     path: str,
     *,
-    trust_pickle: bool = False,
+    allow_pickle: bool = False,
+    trust_pickle: bool | None = None,
     prefix: str = "model.",
     rename: Sequence[str] = (),
     keys: Sequence[str] = (),
@@ -142,7 +143,7 @@ def import_torch(
 ) -> ImportResult:
     """Write the tensors (and storable plain values) of the ``torch.save`` file ``src`` as a checkpoint.
 
-    Refuses unless ``trust_pickle`` (see :data:`TORCH_TRUST_HELP`). The loaded
+    Refuses unless ``allow_pickle`` (``trust_pickle`` is its deprecated old name) (see :data:`TORCH_TRUST_HELP`). The loaded
     object goes under the state key of ``prefix`` (``"model."`` puts a state
     dict where ``sp.load(path, {"model": model})`` finds it); with
     ``prefix=""`` the object must be a dict whose keys become the state keys
@@ -151,8 +152,7 @@ def import_torch(
     act on the dotted leaf names; with them, every entry is stored flat.
     Values the manifest cannot store without pickle are skipped and listed.
     """
-    if not trust_pickle:
-        raise ConversionError(f"refusing to import {src} without trust_pickle: {TORCH_TRUST_HELP}")
+    pickle_allowed(allow_pickle, trust_pickle, src, TORCH_TRUST_HELP)
     if not os.path.isfile(src):
         raise ConversionError(f"{src}: no such file")
     top = top_key(prefix)

@@ -14,6 +14,9 @@ tag        meaning
 ``bytes``  ``{"b64": base64}``
 ``tensor`` a tensor stored as a logical tensor: ``{"key": fqn}``
 ``dtype``  a ``torch.dtype``: ``{"v": "float32"}``
+``ndarray`` a numpy array: ``{"dtype": "<f4", "key": fqn}`` (its data stored as
+           a logical tensor), or, for a dtype torch lacks (strings,
+           byte-swapped), ``{"dtype": "<U3", "shape": [2], "b64": raw bytes}``
 ``pickle`` opt-in only: ``{"b64": pickled}``; never decoded unless allowed
 ========== ===========================================================
 
@@ -31,9 +34,11 @@ import pickle
 import re
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ..errors import FormatError, UnsupportedStateError
+from .manifest import DTYPE_SIZES
 
 __all__ = ["encode_value", "decode_value", "check_optimizer_doc", "MAX_DEPTH", "MAX_INT_DIGITS"]
 
@@ -100,21 +105,60 @@ def encode_value(
                 raise UnsupportedStateError(f"dict key {k!r} at {path!r} is not a str/int/float/bool/tuple")
             items.append([encode_value(k, f"{path}.<key>", on_tensor, allow_pickle, d), encode_value(v, f"{path}.{k}", on_tensor, allow_pickle, d)])
         return {VALUE_TAG: "dict", "items": items}
-    try:
-        import numpy as np
-
-        if isinstance(value, np.generic):
-            return encode_value(value.item(), path, on_tensor, allow_pickle, d)
-        if isinstance(value, np.ndarray):
-            return encode_value(torch.from_numpy(np.ascontiguousarray(value)), path, on_tensor, allow_pickle, d)
-    except ImportError:  # pragma: no cover - numpy is a hard dependency
-        pass
+    if isinstance(value, np.generic):
+        return encode_value(value.item(), path, on_tensor, allow_pickle, d)
+    if isinstance(value, np.ndarray) and _NDARRAY_DTYPE.fullmatch(value.dtype.str):
+        return _encode_ndarray(value, path, on_tensor)
     if allow_pickle:
         return {VALUE_TAG: "pickle", "b64": base64.b64encode(pickle.dumps(value)).decode("ascii")}
     raise UnsupportedStateError(
         f"cannot encode {type(value).__qualname__} at {path!r} safely; convert it to plain "
         "data (numbers, strings, lists, dicts, tensors) or pass allow_pickle=True"
     )
+
+
+# Fixed-size numpy dtypes whose ``dtype.str`` names them completely (no object or structured dtypes):
+# bool, integers, floats, complex, bytes, unicode, timedelta and datetime, in either byte order.
+_NDARRAY_DTYPE = re.compile(r"[<>|=][biufcSUmM][0-9]{1,4}(\[[0-9]*[a-zA-Z]{1,3}\])?")
+
+
+def _encode_ndarray(value: np.ndarray, path: str, on_tensor: Callable[[str, torch.Tensor], None]) -> dict:
+    """A numpy array: its data as a logical tensor when torch has its dtype, else inline bytes."""
+    arr = value if value.flags.c_contiguous else np.ascontiguousarray(value).reshape(value.shape)
+    try:
+        t = torch.from_numpy(arr)
+    except (TypeError, ValueError):  # a dtype torch lacks: strings, datetimes, a non-native byte order
+        t = None
+    if t is None or str(t.dtype).removeprefix("torch.") not in DTYPE_SIZES:  # nor the format (uint32)
+        raw = arr.tobytes()
+        return {VALUE_TAG: "ndarray", "dtype": arr.dtype.str, "shape": list(arr.shape), "b64": base64.b64encode(raw).decode("ascii")}
+    on_tensor(path, t)
+    return {VALUE_TAG: "ndarray", "dtype": arr.dtype.str, "key": path}
+
+
+def _decode_ndarray(doc: dict, get_tensor: Callable[[str], Any], where: str) -> Any:
+    text = _field(doc, "dtype", str, "ndarray", where)
+    if not _NDARRAY_DTYPE.fullmatch(text):
+        raise FormatError(f"{where}: malformed 'ndarray' value: dtype {text[:40]!r} is not a fixed-size numpy dtype")
+    try:
+        dtype = np.dtype(text)
+    except TypeError:
+        raise FormatError(f"{where}: malformed 'ndarray' value: unknown dtype {text[:40]!r}") from None
+    if "key" in doc:
+        t = get_tensor(_field(doc, "key", str, "ndarray", where))
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or type(t) is not torch.Tensor:
+            return t  # missing, or loaded into a caller's tensor of another kind: left as it is
+        arr = t.numpy()  # shares the tensor's memory, which the load fills in afterwards
+        if arr.dtype != dtype:
+            raise FormatError(f"{where}: 'ndarray' value of dtype {text} is stored as a {arr.dtype} tensor")
+        return arr
+    shape = _field(doc, "shape", list, "ndarray", where)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise FormatError(f"{where}: malformed 'ndarray' value: shape {shape!r}")
+    raw = _b64(_field(doc, "b64", str, "ndarray", where), where)
+    if len(raw) != math.prod(shape) * dtype.itemsize:
+        raise FormatError(f"{where}: 'ndarray' value holds {len(raw)} bytes, its shape and dtype need {math.prod(shape) * dtype.itemsize}")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
 
 
 def decode_value(
@@ -164,6 +208,8 @@ def decode_value(
         return _b64(_field(doc, "b64", str, tag, where), where)
     if tag == "tensor":
         return get_tensor(_field(doc, "key", str, tag, where))
+    if tag == "ndarray":
+        return _decode_ndarray(doc, get_tensor, where)
     if tag == "dtype":
         name = _field(doc, "v", str, tag, where)
         dt = getattr(torch, name, None)

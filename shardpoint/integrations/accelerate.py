@@ -50,7 +50,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..api import LoadResult, SaveResult, load, read_manifest, save
-from ..errors import CheckpointConflictError, CheckpointError, CheckpointNotFoundError, UnsupportedStateError
+from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedStateError
 from ..dist import Comm
 from ..extras import require
 from ..rng import RNGState
@@ -163,7 +163,7 @@ def _save_folder(accelerator: Accelerator, output_dir: str | os.PathLike | None)
     iteration = accelerator.project_configuration.iteration
     path = os.path.join(_checkpoints_root(accelerator), f"checkpoint_{iteration}")
     if os.path.exists(path):
-        raise CheckpointConflictError(
+        raise ValueError(  # as Accelerate itself raises it
             f"{path} already exists: automatic checkpoint naming would overwrite iteration {iteration}; "
             "set accelerator.project_configuration.iteration to the next free number (for example "
             "after resuming) or remove that folder"
@@ -327,6 +327,5 @@ def load_state(
         hook(models, path)
     if accelerator.distributed_type == DistributedType.FSDP:
         models = list(accelerator._models)
-    report = kwargs.pop("report", None) or LoadResult()
-    load(path, accelerator_state(accelerator, extra, models=models), report=report, **kwargs)
-    return report
+    kwargs.pop("return_result", None)
+    return load(path, accelerator_state(accelerator, extra, models=models), return_result=True, **kwargs)

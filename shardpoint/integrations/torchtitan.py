@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import warnings
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -242,7 +243,9 @@ class ShardpointCheckpointManager(BaseCheckpointManager):
         return True
 
 
-def import_dcp(src: str, dst: str, *, trust_pickle: bool = False, force: bool = False, quiet: bool = True) -> Any:
+def import_dcp(
+    src: str, dst: str, *, allow_pickle: bool = False, trust_pickle: bool | None = None, force: bool = False, quiet: bool = True
+) -> Any:
     """Convert a checkpoint step written by torchtitan's DCP ``CheckpointManager`` into shardpoint's layout.
 
     torchtitan's DCP checkpoints keep the model's tensors at the top level
@@ -251,13 +254,17 @@ def import_dcp(src: str, dst: str, *, trust_pickle: bool = False, force: bool = 
     move under ``model.``, the rest keep theirs, and the sharding of every
     saved chunk is kept. DCP's metadata and plain objects are pickles, and
     unpickling runs code chosen by whoever wrote them: pass
-    ``trust_pickle=True`` only for checkpoints you trust (without it a
-    ``ConversionError`` is raised). Returns shardpoint's import report.
+    ``allow_pickle=True`` only for checkpoints you trust (without it a
+    ``ConversionError`` is raised; ``trust_pickle`` is its deprecated old
+    name). Returns shardpoint's import report.
 
     Example::
 
-        import_dcp("outputs/checkpoint/step-1000", "outputs/sp_checkpoint/step-1000", trust_pickle=True)
+        import_dcp("outputs/checkpoint/step-1000", "outputs/sp_checkpoint/step-1000", allow_pickle=True)
         # then resume with ShardpointCheckpointManager.Config(folder="sp_checkpoint", ...)
     """
     others = "|".join(re.escape(k) for k in (MODEL, *TORCHTITAN_KEYS))
-    return _convert_dcp(src, dst, trust_pickle=trust_pickle, rename=[f"^(?!(?:{others})(?:\\.|$))=model."], force=force, quiet=quiet)
+    if trust_pickle is not None:
+        warnings.warn("trust_pickle= is deprecated; use allow_pickle=", DeprecationWarning, stacklevel=2)
+        allow_pickle = allow_pickle or bool(trust_pickle)
+    return _convert_dcp(src, dst, allow_pickle=allow_pickle, rename=[f"^(?!(?:{others})(?:\\.|$))=model."], force=force, quiet=quiet)

@@ -7,7 +7,7 @@ manager writes is a hint for people and tools, never read back.
 
 ::
 
-    mgr = CheckpointManager("ckpt/run42", interval=100, keep_last=3, async_mode="lazy")
+    mgr = CheckpointManager("ckpt/run42", interval=100, keep_last=3, mode="lazy")
     step = mgr.restore(state) or 0            # newest complete checkpoint, resharded; None if none
     while step < total:
         step += 1
@@ -37,29 +37,33 @@ Guarantees:
   with the storage's exclusive create (a hard link on a filesystem, an atomic
   insert in memory, a conditional PUT with ``If-None-Match: *`` on S3). A
   second save to the same step finds the lock and raises
-  :class:`CheckpointConflictError` instead of interleaving its files. A lock
+  :class:`~shardpoint.ConcurrentSaveError` instead of interleaving its files. A lock
   left by a crashed save is broken when its owner process is gone (same host)
   or the lock is older than ``stale_lock_s``. Object stores without a
   conditional put only get a best-effort check-then-put: there, two jobs
   writing the same run root are not reliably detected.
-- **Hangs are reported, not waited on forever.** Manager collectives run on a
-  private gloo group whose timeout is ``timeout``; a background save is waited
-  on for at most ``timeout`` seconds from its start. Either raises
+- **Hangs are reported, not waited on forever; progress is never a hang.**
+  Manager collectives run on a private gloo group whose timeout is
+  ``timeout``; a background save is waited on until it has made no progress
+  (no bytes moved, no phase entered) for ``timeout`` seconds. Either raises
   :class:`CheckpointTimeoutError` naming the rank, step and phase. A watchdog
   thread backs this up for calls that cannot time out by themselves (a stuck
-  storage write inside a synchronous save or a restore): once a phase has run
-  ``timeout`` plus a grace period, it logs the rank, the phase and every
-  thread's stack and runs ``on_hang`` (by default it exits the process with
-  :data:`HANG_EXIT_CODE` so that torchrun's agent restarts the group).
+  storage write inside a synchronous save or a restore): once a phase has
+  made no progress for ``timeout`` plus a grace period, it logs the rank, the
+  phase and every thread's stack and runs ``on_hang``. The default,
+  ``"auto"``, exits the process with :data:`HANG_EXIT_CODE` under torchrun
+  (so that its agent restarts the group, the reason logged) and otherwise
+  makes the phase raise :class:`CheckpointTimeoutError`.
 
 The package has one module per concern: ``policies`` (when to save),
 ``layout`` (step folders and their listing), ``steplock``, ``retention``,
 ``restore``, ``watchdog``, ``collectives`` (the private group and typed
 timeouts), ``pending`` (the save in flight), ``faults`` (test-only fault
-injection), ``bootstrap`` (``init_distributed``) and ``core`` (the manager).
+injection), ``bootstrap`` (``init_distributed``), ``options`` (the
+constructor's checks) and ``core`` (the manager).
 """
 
-from ..errors import CheckpointConflictError, CheckpointTimeoutError
+from ..errors import CheckpointTimeoutError, ConcurrentSaveError, deprecated_error
 from .bootstrap import init_distributed
 from .core import CheckpointManager
 from .faults import FAULT_ENV, fault_from_env
@@ -75,7 +79,7 @@ __all__ = [
     "OnDemand",
     "HangReport",
     "CheckpointTimeoutError",
-    "CheckpointConflictError",
+    "ConcurrentSaveError",
     "step_folder",
     "LOCK_NAME",
     "HINT_NAME",
@@ -84,3 +88,11 @@ __all__ = [
     "fault_from_env",
     "init_distributed",
 ]
+
+
+def __getattr__(name: str):
+    # Deprecated names (CheckpointConflictError) still import, with a DeprecationWarning.
+    try:
+        return deprecated_error(name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

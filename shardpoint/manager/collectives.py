@@ -17,7 +17,7 @@ from ..dist import Comm, destroy_private_group, private_group
 from ..errors import CheckpointError, CheckpointTimeoutError, DistributedError
 from .faults import FaultHook
 from .layout import step_folder
-from .watchdog import HangReport, Watchdog, hang_action
+from .watchdog import HangReport, Watchdog, hang_action, raises_on_hang
 
 __all__ = ["Collectives", "is_timeout", "is_comm_failure"]
 
@@ -39,7 +39,7 @@ class Collectives:
 
     Example::
 
-        coll = Collectives(None, timeout=600, hang_grace=60, on_hang="exit", fault=None)
+        coll = Collectives(None, timeout=600, hang_grace=60, on_hang="auto", fault=None)
         with coll.watch("decide", 100):
             coll.run("decide", 100, lambda: coll.comm().broadcast(flag))
         coll.end()
@@ -90,14 +90,25 @@ class Collectives:
 
     @contextmanager
     def watch(self, phase: str, step: int | None) -> Iterator[None]:
-        """Let the watchdog report ``phase`` if it runs past ``timeout + hang_grace``."""
+        """Let the watchdog report ``phase`` if it makes no progress for ``timeout + hang_grace`` seconds.
+
+        A phase reported under ``on_hang="raise"`` raises :class:`CheckpointTimeoutError`
+        when it returns, and the manager is then unusable (:attr:`broken`).
+        """
         if self.timeout is None:
             yield
             return
         if self._watchdog is None:
-            self._watchdog = Watchdog(self.comm().rank, self.timeout, self.hang_grace, hang_action(self.on_hang))
-        with self._watchdog.watch(phase, step):
-            yield
+            self._watchdog = Watchdog(
+                self.comm().rank, self.timeout, self.hang_grace, hang_action(self.on_hang), raises_on_hang(self.on_hang)
+            )
+        try:
+            with self._watchdog.watch(phase, step):
+                yield
+        except CheckpointTimeoutError as e:
+            if self.broken is None and e.phase == phase:
+                self.broken = f"{phase}{'' if step is None else ' of ' + step_folder(step)}"
+            raise
 
     def run(self, phase: str, step: int | None, fn: Callable[[], Any]) -> Any:
         """Run a collective; turn a process-group timeout or a dead peer into a typed error."""

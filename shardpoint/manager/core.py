@@ -13,14 +13,15 @@ from ..api import read_manifest
 from ..api import save as save_checkpoint
 from ..async_save import AsyncSaver
 from ..dist import Comm, close_at_exit
-from ..errors import CheckpointConflictError, CheckpointError, CheckpointTimeoutError, StorageError
+from ..errors import CheckpointError, CheckpointTimeoutError, ConcurrentSaveError, StorageError
 from ..peer import RestoreReport
 from ..storage import Storage, storage_for
 from .collectives import Collectives
 from .faults import FaultHook, fault_from_env
 from .layout import HINT_NAME, committed_steps, step_folder
-from .pending import DoneHandle, PendingSave, stalled_error
-from .policies import EveryNSteps, OnDemand, SavePolicy
+from .options import UNSET, check_arguments, resolve_mode, save_policies
+from .pending import DoneHandle, PendingSave, stalled_error, wait_judging_progress
+from .policies import OnDemand, SavePolicy
 from .restore import restore_newest
 from .retention import Retention, StepsInUse
 from .steplock import StepLock
@@ -38,15 +39,27 @@ class CheckpointManager:
         root: run folder: a path, a URL (``file://``, later ``s3://``) or a
             :class:`~shardpoint.storage.Storage` (a ``MemoryStorage`` instance works).
         interval: save every ``interval`` steps (shorthand for ``EveryNSteps``).
+            A manager needs a save policy: with neither ``interval`` nor
+            ``policies`` (or with ``interval=0``) it raises ``ValueError``;
+            ``policies=[OnDemand()]`` saves only when asked.
         keep_last: keep this many newest complete checkpoints (``None``: keep all).
         keep_every: also keep every step that is a multiple of this forever.
-        async_mode: ``"eager"`` or ``"lazy"`` for background saves
-            (:class:`~shardpoint.AsyncSaver`), ``None`` for blocking saves.
+        mode: ``"eager"`` (the default) or ``"lazy"`` for background saves
+            (:class:`~shardpoint.AsyncSaver`, as ``sp.async_save(mode=...)``),
+            ``None`` for blocking saves. ``async_mode=`` is its deprecated
+            old name.
         policies: extra :class:`SavePolicy` objects (``EveryTSeconds``, ``OnDemand``...).
-        timeout: seconds after which a manager collective, a background save
-            or a watched phase counts as hung (``None``: never).
-        on_hang: what the watchdog does with a :class:`HangReport`: ``"exit"``
-            (log, then end the process with :data:`HANG_EXIT_CODE`), ``"log"``,
+        timeout: seconds without progress after which a manager collective,
+            a background save or a watched phase counts as hung (``None``:
+            never). Progress is bytes moved or phases entered: a slow save
+            that keeps writing is never a hang.
+        on_hang: what the watchdog does with a :class:`HangReport`:
+            ``"auto"`` (the default) is ``"exit"`` under torchrun
+            (``TORCHELASTIC_RUN_ID`` or ``LOCAL_RANK`` set) and ``"raise"``
+            otherwise; ``"exit"`` logs the reason and ends the process with
+            :data:`HANG_EXIT_CODE` so the agent restarts the group;
+            ``"raise"`` makes the phase raise :class:`CheckpointTimeoutError`
+            once it returns, and the manager refuse further work; ``"log"``
             or a callable.
         hang_grace: extra seconds past ``timeout`` before the watchdog acts
             (default ``min(60, timeout)``), so timeouts that raise come first.
@@ -81,11 +94,12 @@ class CheckpointManager:
         interval: int | None = None,
         keep_last: int | None = 3,
         keep_every: int | None = None,
-        async_mode: str | None = "eager",
+        mode: str | None = UNSET,
         policies: Sequence[SavePolicy] = (),
         *,
+        async_mode: str | None = UNSET,
         timeout: float | None = 1800.0,
-        on_hang: str | Callable[[HangReport], None] = "exit",
+        on_hang: str | Callable[[HangReport], None] = "auto",
         hang_grace: float | None = None,
         staging_bytes: int | None = None,
         process_group: Any = None,
@@ -100,12 +114,12 @@ class CheckpointManager:
         prewarm: bool = True,
         prewarm_state: MutableMapping[str, Any] | None = None,
     ):
-        _check_arguments(keep_last, keep_every, async_mode, timeout, on_hang)
+        check_arguments(keep_last, keep_every, timeout, on_hang)
+        self.mode = resolve_mode(mode, async_mode)
+        self.policies: list[SavePolicy] = save_policies(interval, policies, memory)
         self.storage: Storage = storage_for(root, **(storage_options or {}))
         self.keep_last = None if keep_last is None else int(keep_last)
         self.keep_every = None if keep_every is None else int(keep_every)
-        self.async_mode = async_mode
-        self.policies: list[SavePolicy] = ([EveryNSteps(interval)] if interval else []) + list(policies)
         self.timeout = timeout
         self.hang_grace = hang_grace if hang_grace is not None else (min(60.0, timeout) if timeout else 0.0)
         self.stale_lock_s = stale_lock_s
@@ -135,7 +149,7 @@ class CheckpointManager:
                 p.install()
         if prewarm or prewarm_state is not None:  # collective: every rank constructs the manager together
             comm = self._comm()
-            if async_mode is not None:
+            if self.mode is not None:
                 self._get_saver().prewarm(prewarm_state)
             if memory is not None:
                 memory.prewarm(comm, prewarm_state)
@@ -175,18 +189,26 @@ class CheckpointManager:
         """The storage of one step's folder (e.g. for ``sp.read_tensor``)."""
         return self.storage.child(step_folder(step))
 
-    def restore(self, state: MutableMapping[str, Any], step: int | None = None, **load_kwargs) -> int | None:
+    @property
+    def async_mode(self) -> str | None:
+        """Deprecated name of :attr:`mode`."""
+        return self.mode
+
+    def restore(
+        self, state: MutableMapping[str, Any], step: int | None = None, *, progress: bool = False, **load_kwargs
+    ) -> int | None:
         """Load the newest complete checkpoint (or ``step``) into ``state``; return its step.
 
         Returns ``None``, leaving ``state`` untouched, when there is no complete
         checkpoint. The load reshards to the current layout (it is
         :func:`shardpoint.load`). If the chosen checkpoint turns out torn or
         corrupt, the next older one is tried; the error is raised only when
-        none loads. Collective.
+        none loads. ``progress=True`` shows the bytes read on stderr (rank 0).
+        Collective.
 
         Example::
 
-            start = mgr.restore({"model": model, "optimizer": opt}) or 0
+            start = mgr.restore({"model": model, "optimizer": opt}, progress=True) or 0
         """
         self._usable()
         self._comm()
@@ -195,7 +217,8 @@ class CheckpointManager:
             self.memory.wait()
         return restore_newest(
             self.storage, state, step, coll=self._coll, in_use=self._in_use, memory=self.memory,
-            load_kwargs={**self.load_options, **load_kwargs}, on_restored=self._restored,
+            load_kwargs={**self.load_options, **load_kwargs, **({"progress": True} if progress else {})},
+            on_restored=self._restored,
         )
 
     def maybe_save(self, step: int, state: MutableMapping[str, Any]):
@@ -246,7 +269,7 @@ class CheckpointManager:
         self._coll.hook("snapshot", step)
         t0 = time.monotonic()
         try:
-            if self.async_mode is None:
+            if self.mode is None:
                 with self._coll.watch("save", step):
                     res = self._coll.run(
                         "save", step, lambda: save_checkpoint(st, state, process_group=self._coll.group(), **self.save_options)
@@ -254,7 +277,7 @@ class CheckpointManager:
                 handle: Any = DoneHandle(res)
             else:
                 with self._coll.watch("snapshot", step):
-                    handle = self._get_saver().save(st, state, mode=self.async_mode, **self.save_options)
+                    handle = self._get_saver().save(st, state, mode=self.mode, **self.save_options)
             self._pending = PendingSave(step, handle, t0, token)
         except BaseException:
             self._pending = None
@@ -266,7 +289,7 @@ class CheckpointManager:
         for p in self.policies:
             p.saved(step, now)
         self._coll.hook("write", step)
-        if self.async_mode is None:
+        if self.mode is None:
             self._complete_pending()
         return handle
 
@@ -323,7 +346,7 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return (
             f"CheckpointManager({self.storage.url!r}, policies={self.policies}, keep_last={self.keep_last}, "
-            f"keep_every={self.keep_every}, async_mode={self.async_mode!r})"
+            f"keep_every={self.keep_every}, mode={self.mode!r})"
         )
 
     # ---------------------------------------------------------- internals
@@ -386,13 +409,13 @@ class CheckpointManager:
                 try:
                     token = self._locks.acquire(st, step)
                     out = ("ok", "")
-                except CheckpointConflictError as e:
+                except ConcurrentSaveError as e:
                     out = ("conflict", str(e))
                 except Exception as e:  # noqa: BLE001 - every rank must learn of it
                     out = ("error", f"{type(e).__name__}: {e}")
             out = self._coll.run("lock", step, lambda: comm.broadcast(out))
         if out[0] == "conflict":
-            raise CheckpointConflictError(out[1])
+            raise ConcurrentSaveError(out[1], st.url)
         if out[0] == "error":
             raise StorageError(f"{self.storage.url}: could not lock {step_folder(step)}: {out[1]}")
         return token
@@ -440,7 +463,7 @@ class CheckpointManager:
         left = None if p.deadline is None else max(0.0, p.deadline - time.monotonic())
         try:
             with self._coll.watch("wait", p.step):
-                p.handle.wait(timeout=left)
+                wait_judging_progress(p.handle, left, self.timeout)
         except TimeoutError as e:
             err = stalled_error(comm.rank, p, time.monotonic() - p.start, self.timeout)
             p.deadline = time.monotonic() + (self.timeout or 0.0)  # a later wait() waits once more
@@ -474,16 +497,3 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001 - restoring is the recovery
                 log.warning("pending save failed before restore: %s", e)
         self._retention.join()
-
-
-def _check_arguments(keep_last, keep_every, async_mode, timeout, on_hang) -> None:
-    if keep_last is not None and int(keep_last) < 1:
-        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    if keep_every is not None and int(keep_every) < 1:
-        raise ValueError(f"keep_every must be >= 1 or None, got {keep_every}")
-    if async_mode not in ("eager", "lazy", None):
-        raise ValueError(f"async_mode must be 'eager', 'lazy' or None, got {async_mode!r}")
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout must be > 0 or None, got {timeout}")
-    if isinstance(on_hang, str) and on_hang not in ("exit", "log"):
-        raise ValueError(f"on_hang must be 'exit', 'log' or a callable, got {on_hang!r}")

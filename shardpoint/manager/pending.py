@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointTimeoutError
+from ..progress import ACTIVITY
 from .layout import step_folder
 
-__all__ = ["PendingSave", "DoneHandle", "stalled_error"]
+__all__ = ["PendingSave", "DoneHandle", "stalled_error", "wait_judging_progress"]
 
 # What a rank is doing in each phase of a background save, for the stall message.
 _PHASE_WORDS = {
@@ -72,3 +74,31 @@ def stalled_error(rank: int, pending: PendingSave, seconds: float, timeout: floa
         "waiting, or restart the job",
         rank, phase, pending.step, seconds,
     )
+
+
+def wait_judging_progress(handle: Any, left: float | None, timeout: float | None) -> Any:
+    """``handle.wait()``, raising ``TimeoutError`` only once ``left`` seconds have passed *and* no
+    checkpoint work moved (no bytes, no phase) for ``timeout`` seconds: a slow save that keeps
+    writing is waited for.
+
+    Example::
+
+        wait_judging_progress(handle, left=600.0, timeout=600.0)
+    """
+    if left is None:
+        return handle.wait()
+    start = time.monotonic()
+    deadline, quiet = start + left, float(timeout or 0.0)
+    poll = max(0.05, min(5.0, (quiet or left or 1.0) / 10))
+    seen, moved = ACTIVITY.snapshot(), start
+    while True:
+        now = time.monotonic()
+        end = max(deadline, moved + quiet)
+        if now >= end:
+            raise TimeoutError(f"save to {handle.path} made no progress for {now - moved:.1f}s")
+        try:
+            return handle.wait(timeout=min(poll, end - now))
+        except TimeoutError:
+            snap = ACTIVITY.snapshot()
+            if snap != seen:
+                seen, moved = snap, time.monotonic()

@@ -20,7 +20,7 @@ import socket
 import time
 
 from ..engine.claim import claim_is_live
-from ..errors import CheckpointConflictError
+from ..errors import ConcurrentSaveError
 from ..format.manifest import MANIFEST_NAME
 from ..storage import Storage
 from .layout import LOCK_NAME, step_folder
@@ -58,7 +58,7 @@ class StepLock:
     Example::
 
         locks = StepLock(owner=uuid.uuid4().hex, stale_lock_s=3600)
-        token = locks.acquire(run.child("step_00000100"), 100)   # CheckpointConflictError if held
+        token = locks.acquire(run.child("step_00000100"), 100)   # ConcurrentSaveError if held
         ...
         locks.release(run.child("step_00000100"), token)
     """
@@ -76,24 +76,25 @@ class StepLock:
         }).encode()
 
     def acquire(self, st: Storage, step: int) -> bytes:
-        """Lock the step folder ``st``, breaking a stale lock; raise :class:`CheckpointConflictError` if it is held."""
+        """Lock the step folder ``st``, breaking a stale lock; raise :class:`ConcurrentSaveError` if it is held."""
         body = self.body(step)
         if self._create(st, body):
             return body
         info = self.read(st)
         why = self.stale(info)
         if why is None:
-            raise CheckpointConflictError(
+            raise ConcurrentSaveError(
                 f"{st.url}: another save holds {LOCK_NAME} (owner pid {info.get('pid')} on "
                 f"{info.get('host')!r}, since {time.ctime(info.get('created', 0))}): two saves raced to "
                 f"{step_folder(step)}. Give each job its own run root; delete the lock only if no other job "
-                "is writing there"
+                "is writing there",
+                st.url, f"pid {info.get('pid')} on {info.get('host')!r} since {time.ctime(info.get('created', 0))}",
             )
         log.warning("%s: breaking the lock of %s (%s)", st.url, step_folder(step), why)
         st.delete(LOCK_NAME)
         if self._create(st, body):
             return body
-        raise CheckpointConflictError(f"{st.url}: lost a race for {LOCK_NAME} of {step_folder(step)}")
+        raise ConcurrentSaveError(f"{st.url}: lost a race for {LOCK_NAME} of {step_folder(step)}", st.url)
 
     @staticmethod
     def read(st: Storage) -> dict:

@@ -23,7 +23,6 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping, MutableMapping, Sequence
 
-from ..api import LoadResult
 from ..api import load as _sp_load
 from ..dist import Comm
 from ..errors import CorruptCheckpointError, FormatError, IncompleteCheckpointError
@@ -120,15 +119,13 @@ def restore_step(ch: MemoryChoice, gathered: Sequence[HostListing], state: Mutab
         sources = {f: [(h, src(h, f)) for h in hs] for f, hs in ch.sources.items()}
         routed = RoutedStorage(f"peer-memory:{name}", mbytes, sources)
         attempts = 0
-        user_report = load_kwargs.get("report")
-        kwargs = {k: v for k, v in load_kwargs.items() if k != "report"}
+        kwargs = {k: v for k, v in load_kwargs.items() if k != "return_result"}
         while True:
             attempts += 1
             routed.bytes_from.clear()  # the source reported is the one of the attempt that loaded
             tl = time.monotonic()
-            res = user_report if user_report is not None else LoadResult()
             try:
-                _sp_load(routed, state, process_group=group, report=res, **kwargs)
+                res = _sp_load(routed, state, process_group=group, return_result=True, **kwargs)
             except RETRY as e:
                 # The same typed error reaches every rank: each moves the file it names (else every
                 # file) on to its next copy, and all retry together.

@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError, ShapeMismatchError
+from ..errors import CorruptCheckpointError, mismatch_error
 from ..format.manifest import ChunkMeta, Manifest
 from ..geometry import Box, runs_within
 from .load_plan import ReadOp, SourceIndex, coverage_gaps, plan_reads
@@ -267,10 +267,7 @@ def plan_chunk_reads(
         fqn = tgt.fqn
         meta = manifest.tensors[fqn]
         if tuple(meta.shape) != tuple(tgt.shape) or meta.dtype != tgt.dtype:
-            raise ShapeMismatchError(
-                f"{where}: tensor {fqn!r}: checkpoint has {meta.dtype}{list(meta.shape)}, "
-                f"target has {tgt.dtype}{list(tgt.shape)}"
-            )
+            raise mismatch_error(where, fqn, (meta.dtype, meta.shape), (tgt.dtype, tgt.shape))
         src = tuple((c.box, c.flat) for c in meta.chunks)
         key = (src, tgt.box, tgt.flat)
         plan = plans.get(key)

@@ -171,7 +171,7 @@ def test_automatic_naming_total_limit_and_latest(tmp_path):
     assert_equal(weights(resumed[1]), saved[2])
     assert resumed[4].seen == 6 and resumed[3].state_dict()["last_epoch"] == 6
     assert resumed[0].project_configuration.iteration == 0  # as with Accelerate, loading does not move it
-    with pytest.raises(sp.CheckpointConflictError, match="checkpoint_2 already exists"):
+    with pytest.raises(ValueError, match="checkpoint_2 already exists"):
         resumed[0].project_configuration.iteration = 2
         save_state(resumed[0])
     assert sorted(os.listdir(os.path.join(project, "checkpoints"))) == ["checkpoint_1", "checkpoint_2"]

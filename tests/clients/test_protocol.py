@@ -44,8 +44,7 @@ def _round_trip(tmp_path, make, steps: int = 3):
     ref = tensors_of(model, opt)
     want = _train(model, opt, 1, steps)
     model2, opt2 = make(1)
-    report = sp.LoadResult()
-    sp.load(path, {"model": model2, "optimizer": opt2}, report=report)
+    report = sp.load(path, {"model": model2, "optimizer": opt2}, return_result=True)
     got = tensors_of(model2, opt2)
     return ref, want, got, _train(model2, opt2, 1, steps), report
 
@@ -117,9 +116,8 @@ def test_a_load_that_cannot_land_raises(tmp_path, caplog):
     assert torch.equal(m2.tail.weight, m.tail.weight)  # the rest was
     # strict=False: a warning naming it, and the report lists it.
     m3 = HookedNet(forgetful=True)
-    report = sp.LoadResult()
     with caplog.at_level(logging.WARNING, logger="shardpoint"):
-        sp.load(str(tmp_path / "ck"), {"model": m3}, strict=False, report=report)
+        report = sp.load(str(tmp_path / "ck"), {"model": m3}, strict=False, return_result=True)
     assert report.not_restored == ["model.tail.bias"]
     assert any("model.tail.bias" in r.getMessage() and "did not reach" in r.getMessage() for r in caplog.records)
 

@@ -90,9 +90,9 @@ def test_import_dcp_keeps_torchtitan_names(runs, tmp_path):
     src = str(runs["dir"] / "dcp" / "checkpoint" / f"step-{AT}")
     assert os.path.exists(os.path.join(src, ".metadata"))
     dst = str(tmp_path / "checkpoint" / f"step-{AT}")
-    with pytest.raises(ConversionError, match="trust_pickle"):
+    with pytest.raises(ConversionError, match="allow_pickle"):
         import_dcp(src, dst)
-    import_dcp(src, dst, trust_pickle=True)
+    import_dcp(src, dst, allow_pickle=True)
     m = sp.read_manifest(dst)
     assert "model.tok_embeddings.weight" in m.tensors and "model.layers.0.attention.qkv_linear.wq.weight" in m.tensors
     assert "optimizer.state.tok_embeddings.weight.exp_avg" in m.tensors
@@ -106,7 +106,7 @@ def test_resume_from_imported_dcp_is_exact(runs, tmp_path):
     from shardpoint.integrations.torchtitan import import_dcp
 
     import_dcp(str(runs["dir"] / "dcp" / "checkpoint" / f"step-{AT}"), str(tmp_path / "checkpoint" / f"step-{AT}"),
-               trust_pickle=True)
+               allow_pickle=True)
     resumed = _run(2, str(tmp_path), str(tmp_path / "resumed.pt"), "resume")
     ref = runs["snaps"]["dcp_full"]
     got = torch.load(tmp_path / "resumed.pt", weights_only=False)

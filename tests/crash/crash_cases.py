@@ -151,7 +151,7 @@ def crash_job(rank: int, world: int, root: str, refs: str, checks: str, it: int,
     model, opt = build("fsdp2", CFG, seed=0)
     state = {"model": model, "optimizer": opt}
     mgr = CheckpointManager(
-        storage, interval=INTERVAL, keep_last=KEEP_LAST, async_mode=mode, timeout=60, on_hang="log",
+        storage, interval=INTERVAL, keep_last=KEEP_LAST, mode=mode, timeout=60, on_hang="log",
         fault_hook=hook, write_hint=True,
     )
     newest = mgr.steps()[-1] if mgr.steps() else None  # listed before the restore (rank-local)

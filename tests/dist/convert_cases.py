@@ -169,7 +169,7 @@ def _rank0_import_dcp(root: str, solo) -> dict:
     from shardpoint.cli import main
 
     out = {"files": sorted(f for f in os.listdir(f"{root}/dcp_sharded") if f.endswith(".distcp"))}
-    out["rc"] = main(["import", "dcp", f"{root}/dcp_sharded", f"{root}/from_dcp", "--trust-pickle", "-q"])
+    out["rc"] = main(["import", "dcp", f"{root}/dcp_sharded", f"{root}/from_dcp", "--allow-pickle", "-q"])
     m = sp.read_manifest(f"{root}/from_dcp")
     w = m.tensors["model.model.layers.0.mlp.up_proj.weight"]
     out["chunks"] = [[c.rank, list(c.box.offsets), list(c.box.sizes)] for c in w.chunks]

@@ -70,7 +70,7 @@ def dcp_job(rank: int, world: int, root: str) -> dict:
     sp.save(ck_keyed, {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)})
     if rank == 0:
         out["rc"] = [
-            main(["import", "dcp", dcp_in, ck_in, "--trust-pickle", "-q"]),
+            main(["import", "dcp", dcp_in, ck_in, "--allow-pickle", "-q"]),
             main(["export", ck_out, "--to", "dcp", dcp_out, "-q"]),
         ]
         m = sp.read_manifest(ck_in, chunks=False)

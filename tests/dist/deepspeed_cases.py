@@ -197,7 +197,7 @@ def _convert(root: str, src: str, world: int) -> str:
 
     out = os.path.join(root, f"{src}.sp{world}")
     if dist.get_rank() == 0:
-        import_deepspeed(os.path.join(root, src), out, trust_pickle=True)
+        import_deepspeed(os.path.join(root, src), out, allow_pickle=True)
     dist.barrier()
     return out
 

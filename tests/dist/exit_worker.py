@@ -40,7 +40,7 @@ def main(root: str, destroy: bool) -> None:
     except (KeyError, ValueError, RuntimeError):
         print("private group destroyed", flush=True)
     del group
-    mgr = sp.CheckpointManager(os.path.join(root, "run"), interval=1, async_mode="eager", timeout=120)
+    mgr = sp.CheckpointManager(os.path.join(root, "run"), interval=1, mode="eager", timeout=120)
     mgr.maybe_save(1, state)
     mgr.wait()  # left open: its private group and threads must still end cleanly
     m2, o2 = build("fsdp2", c, seed=1)

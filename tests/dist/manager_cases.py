@@ -10,7 +10,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint.manager import (
-    CheckpointConflictError,
+    ConcurrentSaveError,
     CheckpointManager,
     CheckpointTimeoutError,
     EveryTSeconds,
@@ -60,7 +60,7 @@ def manager_job(rank: int, world: int, root: str) -> dict:
     # 1. FSDP2 + lazy background saves + retention; restore into TP and into a fresh FSDP2.
     run = os.path.join(root, "run")
     model, opt = build("fsdp2", CFG, seed=0)
-    mgr = CheckpointManager(run, interval=2, keep_last=2, async_mode="lazy", timeout=120, on_hang="log")
+    mgr = CheckpointManager(run, interval=2, keep_last=2, mode="lazy", timeout=120, on_hang="log")
     assert mgr.restore(state_of(model, opt)) is None
     refs = {}
     for step in range(1, 9):
@@ -82,7 +82,7 @@ def manager_job(rank: int, world: int, root: str) -> dict:
     demand = OnDemand()
     mgr = CheckpointManager(
         os.path.join(root, "policies"), policies=[EveryTSeconds(10), demand], keep_last=None,
-        async_mode="eager", clock=lambda: ticks[0] + skew, timeout=120,
+        mode="eager", clock=lambda: ticks[0] + skew, timeout=120,
     )
     saved, stops = [], []
     for step in range(1, 13):
@@ -99,7 +99,7 @@ def manager_job(rank: int, world: int, root: str) -> dict:
     # 3. Disk full on rank 1: the save fails on every rank, older checkpoints stay, the next works.
     faults: dict = {}
     full = SlowOrFullStorage(os.path.join(root, "full"), faults if rank == 1 else {})
-    mgr = CheckpointManager(full, interval=1, keep_last=2, async_mode="eager", timeout=120)
+    mgr = CheckpointManager(full, interval=1, keep_last=2, mode="eager", timeout=120)
     st = state_of(model, opt)
     mgr.save(1, st)
     mgr.save(2, st)
@@ -119,19 +119,19 @@ def manager_job(rank: int, world: int, root: str) -> dict:
     mgr.close()
     out["after_recovery"] = mgr.steps()
     m3, o3 = build("fsdp2", CFG, seed=9)
-    CheckpointManager(full, timeout=120).restore(state_of(m3, o3), step=2)
+    CheckpointManager(full, timeout=120, policies=[OnDemand()]).restore(state_of(m3, o3), step=2)
     out["diff_enospc"] = _equal(ref2, full_state(m3, o3))
 
     # 4. Two managers racing to the same step folder: the second is rejected on every rank.
     race = os.path.join(root, "race")
-    a = CheckpointManager(race, async_mode="eager", timeout=120)
-    b = CheckpointManager(race, async_mode=None, timeout=120)
+    a = CheckpointManager(race, mode="eager", timeout=120, policies=[OnDemand()])
+    b = CheckpointManager(race, mode=None, timeout=120, policies=[OnDemand()])
     ref_a = full_state(model, opt)
     a.save(10, st)  # lock held until a observes the commit
     try:
         b.save(10, st)
         out["race"] = "no error"
-    except CheckpointConflictError as e:
+    except ConcurrentSaveError as e:
         out["race"] = f"conflict: {e}"
     a.close()
     b.close()
@@ -139,11 +139,12 @@ def manager_job(rank: int, world: int, root: str) -> dict:
     sp.load(os.path.join(race, "step_00000010"), state_of(m4, o4))
     out["diff_race"] = _equal(ref_a, full_state(m4, o4))
 
-    # 5. A stalled write on rank 1: wait() reports rank and phase on every rank, then completes.
+    # 5. A stalled write on rank 1 (one write call blocks for longer than the timeout, so no bytes move):
+    #    wait() reports rank and phase on every rank, then completes.
     slow: dict = {}
     stall = SlowOrFullStorage(os.path.join(root, "stall"), slow if rank == 1 else {})
-    mgr = CheckpointManager(stall, async_mode="eager", timeout=1.0, on_hang="log")
-    slow["sleep"] = 0.6  # per write call; the save takes several seconds on rank 1
+    mgr = CheckpointManager(stall, mode="eager", timeout=1.0, on_hang="log", policies=[OnDemand()])
+    slow["sleep"] = 2.5  # per write call: the first one blocks past the 1 s timeout with no progress
     mgr.save(1, st)
     try:
         mgr.wait()

@@ -31,7 +31,7 @@ def _diff(ref: dict, got: dict) -> list[str]:
 
 def _restore(root: str, rank: int, layout: str = "fsdp2", seed: int = 7) -> tuple[dict, dict]:
     model, opt = build(layout, CFG, seed=seed)
-    mgr = CheckpointManager(os.path.join(root, "run"), interval=5, memory=_memory(root, rank), async_mode=None, timeout=120)
+    mgr = CheckpointManager(os.path.join(root, "run"), interval=5, memory=_memory(root, rank), mode=None, timeout=120)
     step = mgr.restore({"model": model, "optimizer": opt})
     rep = mgr.last_restore
     out = {
@@ -56,7 +56,7 @@ def train_job(rank: int, world: int, root: str, steps: int = 12, kill_at: int | 
     (a small ``budget`` makes several rounds)."""
     model, opt = build("fsdp2", CFG, seed=0)
     mem = _memory(root, rank, budget=budget)
-    mgr = CheckpointManager(os.path.join(root, "run"), interval=5, memory=mem, async_mode=None, timeout=60)
+    mgr = CheckpointManager(os.path.join(root, "run"), interval=5, memory=mem, mode=None, timeout=60)
     refs = {}
     for step in range(1, steps + 1):
         train_step(model, opt, step, CFG)

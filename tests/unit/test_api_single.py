@@ -105,8 +105,8 @@ def test_model_and_optimizer_round_trip(location, trained, fresh):
     m2, opt2 = fresh()
     assert not opt2.state
     state = {"model": m2, "optim": opt2, "extra": None}
-    report = sp.LoadResult()
-    out = sp.load(location, state, report=report)
+    report = sp.load(location, state, return_result=True)
+    out = report.state
     assert out is state and state["model"] is m2 and state["optim"] is opt2
     assert state["extra"] == {"step": 2}
     assert_same_module(m, m2)
@@ -293,8 +293,7 @@ def test_strict_key_mismatch(tmp_path, trained, fresh):
     assert "unexpected in the checkpoint ['gone']" in msg and "strict=False" in msg
     assert state["extra"] is None  # nothing was installed
 
-    report = sp.LoadResult()
-    sp.load(path, state, strict=False, report=report)
+    report = sp.load(path, state, strict=False, return_result=True)
     assert report.missing == ["model.3.bias", "model.3.weight", "new"]
     assert report.unexpected == ["gone"]
     assert state["extra"] == {"step": 3} and state["new"] == 0
@@ -587,7 +586,7 @@ def test_corrupt_block_of_a_span_read_straight_into_place(tmp_path):
     block = 64 << 10
     sp.save(path, {"w": t}, block_size=block)
     state = {"w": torch.zeros_like(t)}
-    sp.load(path, state, report=(rep := sp.LoadResult()))
+    rep = sp.load(path, state, return_result=True)
     assert torch.equal(state["w"], t)
     assert rep.bytes_read == t.numel() * 4
     chunk = _chunk_of(path, "w")

@@ -259,7 +259,7 @@ def test_dcp_round_trip_keeps_everything(ckpt, tmp_path):
     path, model, opt = ckpt
     export_dcp(path, str(tmp_path / "dcp"))
     back = str(tmp_path / "back")
-    import_dcp(str(tmp_path / "dcp"), back, trust_pickle=True)
+    import_dcp(str(tmp_path / "dcp"), back, allow_pickle=True)
     d = diff(path, back)
     assert d.same, d.to_json()
     m2 = TinyGPT(CFG)
@@ -282,13 +282,13 @@ def test_import_dcp_needs_trust_and_skips_unstorable_objects(tmp_path):
     with pytest.raises(ConversionError, match="pickle"):
         import_dcp(src, str(tmp_path / "x"))
     out = str(tmp_path / "ck")
-    r = import_dcp(src, out, trust_pickle=True)
+    r = import_dcp(src, out, allow_pickle=True)
     assert any(s.startswith("ns") for s in r.skipped)
     state = {"model": TinyGPT(CFG), "step": 0, "sched": {}}
     sp.load(out, state)
     assert _same_state(state["model"], model) and state["step"] == 5 and state["sched"] == {"milestones": [1, 2]}
     with pytest.raises(ConversionError, match="not a DCP folder"):
-        import_dcp(str(tmp_path), str(tmp_path / "y"), trust_pickle=True)
+        import_dcp(str(tmp_path), str(tmp_path / "y"), allow_pickle=True)
 
 
 def test_import_dcp_bare_state_dict_with_prefix(tmp_path):
@@ -299,7 +299,7 @@ def test_import_dcp_bare_state_dict_with_prefix(tmp_path):
     with pytest.warns(UserWarning):
         dcp.save(model.state_dict(), checkpoint_id=src)
     out = str(tmp_path / "ck")
-    import_dcp(src, out, trust_pickle=True, prefix="model.")
+    import_dcp(src, out, allow_pickle=True, prefix="model.")
     fresh = TinyGPT(CFG)
     sp.load(out, {"model": fresh})
     assert _same_state(fresh, model)
@@ -327,10 +327,10 @@ def test_import_torch_needs_trust_and_keeps_structure(tmp_path):
     model, opt = _trained(3)
     src = str(tmp_path / "train.pt")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3, "args": argparse.Namespace(lr=1)}, src)
-    with pytest.raises(ConversionError, match="trust_pickle"):
+    with pytest.raises(ConversionError, match="allow_pickle"):
         import_torch(src, str(tmp_path / "x"))
     out = str(tmp_path / "ck")
-    r = import_torch(src, out, trust_pickle=True, prefix="")
+    r = import_torch(src, out, allow_pickle=True, prefix="")
     assert any(s.startswith("args") for s in r.skipped)
     state = {"model": TinyGPT(CFG), "optimizer": {}, "epoch": 0}
     sp.load(out, state)
@@ -348,17 +348,17 @@ def test_import_torch_plain_and_legacy_files(tmp_path):
     legacy = str(tmp_path / "legacy.pt")
     torch.save(model.state_dict(), legacy, _use_new_zipfile_serialization=False)
     out = str(tmp_path / "ck")
-    import_torch(legacy, out, trust_pickle=True)
+    import_torch(legacy, out, allow_pickle=True)
     fresh = TinyGPT(CFG)
     sp.load(out, {"model": fresh})
     assert _same_state(fresh, model)
     whole = str(tmp_path / "module.pt")
     torch.save(model, whole)  # a pickled module contributes its state_dict
-    import_torch(whole, str(tmp_path / "ck2"), trust_pickle=True, rename=[r"^tok\.=embed."])
+    import_torch(whole, str(tmp_path / "ck2"), allow_pickle=True, rename=[r"^tok\.=embed."])
     assert "model.embed.weight" in sp.read_manifest(str(tmp_path / "ck2")).tensors
     torch.save(torch.ones(3), str(tmp_path / "t.pt"))
     with pytest.raises(ConversionError, match="not a dict"):
-        import_torch(str(tmp_path / "t.pt"), str(tmp_path / "ck3"), trust_pickle=True, prefix="")
+        import_torch(str(tmp_path / "t.pt"), str(tmp_path / "ck3"), allow_pickle=True, prefix="")
 
 
 # ------------------------------------------------------------------ reshard

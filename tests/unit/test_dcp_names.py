@@ -143,7 +143,7 @@ def test_dcp_both_ways_with_optimizer(tmp_path):
         warnings.simplefilter("ignore")
         dcp.save({"model": get_model_state_dict(m), "optimizer": get_optimizer_state_dict(m, opt)}, checkpoint_id=src)
     ck = str(tmp_path / "ck")
-    import_dcp(src, ck, trust_pickle=True)
+    import_dcp(src, ck, allow_pickle=True)
     man = sp.read_manifest(ck)
     assert "optimizer.state.model.0.weight.exp_avg" in man.tensors and man.layout["entries"]["optimizer"] == "optimizer:dcp"
     m2, o2 = _trained(1)

@@ -17,7 +17,7 @@ import shardpoint as sp
 from shardpoint.manager import (
     HINT_NAME,
     LOCK_NAME,
-    CheckpointConflictError,
+    ConcurrentSaveError,
     CheckpointManager,
     CheckpointTimeoutError,
     EveryNSteps,
@@ -110,7 +110,7 @@ def listing(root) -> list[str]:
 def test_save_restore_round_trip(root, mode):
     model, opt = make()
     refs: dict = {}
-    mgr = CheckpointManager(root, interval=3, keep_last=None, async_mode=mode)
+    mgr = CheckpointManager(root, interval=3, keep_last=None, mode=mode)
     assert mgr.restore({"model": model, "optimizer": opt}) is None
     run(mgr, model, opt, 10, refs=refs)
     mgr.close()
@@ -147,9 +147,9 @@ def test_restore_without_checkpoint_leaves_optimizer_untouched(tmp_path):
 
 
 def test_bad_arguments(tmp_path):
-    for kw in ({"keep_last": 0}, {"keep_every": 0}, {"async_mode": "fast"}, {"timeout": 0}, {"on_hang": "panic"}):
+    for kw in ({"keep_last": 0}, {"keep_every": 0}, {"mode": "fast"}, {"timeout": 0}, {"on_hang": "panic"}):
         with pytest.raises(ValueError):
-            CheckpointManager(str(tmp_path), **kw)
+            CheckpointManager(str(tmp_path), **kw, policies=[OnDemand()])
     with pytest.raises(ValueError):
         EveryNSteps(0)
     with pytest.raises(ValueError):
@@ -165,7 +165,7 @@ def test_closed_manager_refuses_work(tmp_path):
 
 
 def test_same_step_is_saved_once(tmp_path):
-    mgr = CheckpointManager(str(tmp_path), interval=1, async_mode=None)
+    mgr = CheckpointManager(str(tmp_path), interval=1, mode=None)
     state = {"x": torch.ones(3)}
     assert mgr.save(5, state) is not None
     assert mgr.save(5, state) is None  # already saved by this manager
@@ -178,7 +178,7 @@ def test_latest_comes_from_manifests_not_the_hint(tmp_path):
     root = str(tmp_path / "run")
     model, opt = make()
     refs: dict = {}
-    mgr = CheckpointManager(root, interval=2, keep_last=None, async_mode=None)
+    mgr = CheckpointManager(root, interval=2, keep_last=None, mode=None)
     run(mgr, model, opt, 4, refs=refs)
     mgr.close()
     st = LocalStorage(root)
@@ -191,7 +191,7 @@ def test_latest_comes_from_manifests_not_the_hint(tmp_path):
     assert mgr.steps() == [2, 4] and mgr.latest_step() == 4
     # A committed-looking manifest that does not parse is skipped, and restore falls back.
     st.child(step_folder(8)).put_atomic("manifest.json", b"{not json")
-    mgr2 = CheckpointManager(root, interval=2, async_mode=None)
+    mgr2 = CheckpointManager(root, interval=2, mode=None)
     assert mgr2.steps() == [2, 4, 8] and mgr2.latest_step() == 4
     m2, o2 = make(seed=3)
     assert mgr2.restore({"model": m2, "optimizer": o2}) == 4
@@ -203,7 +203,7 @@ def test_restore_falls_back_when_newest_is_corrupt(tmp_path):
     root = str(tmp_path / "run")
     model, opt = make()
     refs: dict = {}
-    mgr = CheckpointManager(root, interval=2, keep_last=None, async_mode="eager")
+    mgr = CheckpointManager(root, interval=2, keep_last=None, mode="eager")
     run(mgr, model, opt, 6, refs=refs)
     mgr.close()
     data = [n for n in LocalStorage(root).list(step_folder(6)) if "/data/" in n]
@@ -224,7 +224,7 @@ def test_restore_falls_back_when_newest_is_corrupt(tmp_path):
 # --------------------------------------------------------------- retention
 def test_retention_keep_last_and_keep_every(root):
     model, opt = make()
-    mgr = CheckpointManager(root, interval=2, keep_last=2, keep_every=8, async_mode="eager")
+    mgr = CheckpointManager(root, interval=2, keep_last=2, keep_every=8, mode="eager")
     refs: dict = {}
     run(mgr, model, opt, 20, refs=refs)
     mgr.close()
@@ -232,13 +232,13 @@ def test_retention_keep_last_and_keep_every(root):
     assert mgr.retention_errors == []
     assert {n.split("/")[0] for n in listing(root)} == {step_folder(s) for s in (8, 16, 18, 20)} | {HINT_NAME}
     m2, o2 = make(seed=1)
-    assert CheckpointManager(root).restore({"model": m2, "optimizer": o2}, step=8) == 8
+    assert CheckpointManager(root, policies=[OnDemand()]).restore({"model": m2, "optimizer": o2}, step=8) == 8
     assert same(snapshot(m2, o2), refs[8])
 
 
 def test_keep_last_none_keeps_everything(tmp_path):
     model, opt = make()
-    mgr = CheckpointManager(str(tmp_path), interval=1, keep_last=None, async_mode=None)
+    mgr = CheckpointManager(str(tmp_path), interval=1, keep_last=None, mode=None)
     run(mgr, model, opt, 5)
     mgr.close()
     assert mgr.steps() == [1, 2, 3, 4, 5]
@@ -256,7 +256,7 @@ def test_deletion_is_crash_safe(tmp_path):
                 raise RuntimeError("crash in the middle of a deletion")
 
     model, opt = make()
-    mgr = CheckpointManager(root, interval=1, keep_last=2, async_mode=None, fault_hook=hook)
+    mgr = CheckpointManager(root, interval=1, keep_last=2, mode=None, fault_hook=hook)
     run(mgr, model, opt, 3)
     mgr.wait()
     assert mgr.retention_errors and "crash in the middle" in mgr.retention_errors[0]
@@ -279,7 +279,7 @@ def test_crashed_save_garbage_is_removed_but_live_saves_are_not(tmp_path):
     st.child(step_folder(1)).put_atomic(LOCK_NAME, json.dumps({"owner": "old", "host": os.uname().nodename, "pid": dead.pid, "created": time.time()}).encode())
     # Held by a live process (this one, another manager): not ours to remove.
     st.child(step_folder(2)).put_atomic(LOCK_NAME, json.dumps({"owner": "other", "host": os.uname().nodename, "pid": os.getpid(), "created": time.time()}).encode())
-    mgr = CheckpointManager(root, interval=5, keep_last=1, async_mode=None)
+    mgr = CheckpointManager(root, interval=5, keep_last=1, mode=None)
     run(mgr, *make(), 5)
     mgr.close()
     assert not os.path.exists(os.path.join(root, step_folder(1)))
@@ -289,10 +289,10 @@ def test_crashed_save_garbage_is_removed_but_live_saves_are_not(tmp_path):
 def test_retention_never_deletes_a_checkpoint_being_restored(tmp_path):
     root = str(tmp_path / "run")
     model, opt = make()
-    mgr = CheckpointManager(root, interval=1, keep_last=None, async_mode=None)
+    mgr = CheckpointManager(root, interval=1, keep_last=None, mode=None)
     run(mgr, model, opt, 3)
     mgr.close()
-    mgr2 = CheckpointManager(root, interval=1, keep_last=1, async_mode=None)
+    mgr2 = CheckpointManager(root, interval=1, keep_last=1, mode=None)
     mgr2._in_use.protect(lambda: [1])  # as restore() does while it loads
     run(mgr2, model, opt, 1, start=3)
     mgr2.wait()
@@ -306,7 +306,7 @@ def test_retention_never_deletes_a_checkpoint_being_restored(tmp_path):
 # --------------------------------------------------------------- policies
 def test_every_t_seconds_uses_the_clock():
     now = [100.0]
-    mgr = CheckpointManager(MemoryStorage(), policies=[EveryTSeconds(10)], async_mode=None, clock=lambda: now[0])
+    mgr = CheckpointManager(MemoryStorage(), policies=[EveryTSeconds(10)], mode=None, clock=lambda: now[0])
     state = {"x": torch.zeros(2)}
     saved = []
     for step in range(1, 30):
@@ -326,7 +326,7 @@ def test_policy_on_rank_other_than_zero_never_fires_time_saves():
 def test_on_demand_request_and_sigterm(tmp_path):
     demand = OnDemand(signals=[signal.SIGTERM])
     previous = signal.getsignal(signal.SIGTERM)
-    mgr = CheckpointManager(str(tmp_path), interval=100, policies=[demand], async_mode=None)
+    mgr = CheckpointManager(str(tmp_path), interval=100, policies=[demand], mode=None)
     state = {"x": torch.zeros(2)}
     try:
         assert mgr.maybe_save(1, state) is None
@@ -341,7 +341,7 @@ def test_on_demand_request_and_sigterm(tmp_path):
         mgr.close()
     assert signal.getsignal(signal.SIGTERM) == previous
     with pytest.raises(ValueError, match="OnDemand"):
-        CheckpointManager(str(tmp_path)).request_save()
+        CheckpointManager(str(tmp_path), interval=5).request_save()
 
 
 # ---------------------------------------------------------------- failures
@@ -350,7 +350,7 @@ def test_disk_full_fails_cleanly_and_keeps_older(tmp_path, mode):
     root = FaultyLocal(str(tmp_path / "run"))
     model, opt = make()
     refs: dict = {}
-    mgr = CheckpointManager(root, interval=2, keep_last=2, async_mode=mode)
+    mgr = CheckpointManager(root, interval=2, keep_last=2, mode=mode)
     run(mgr, model, opt, 4, refs=refs)
     mgr.wait()
     root.faults["enospc"] = True
@@ -366,18 +366,18 @@ def test_disk_full_fails_cleanly_and_keeps_older(tmp_path, mode):
     mgr.close()
     assert mgr.steps() == [4, 6]
     m2, o2 = make(seed=3)
-    assert CheckpointManager(root).restore({"model": m2, "optimizer": o2}, step=4) == 4
+    assert CheckpointManager(root, policies=[OnDemand()]).restore({"model": m2, "optimizer": o2}, step=4) == 4
     assert same(snapshot(m2, o2), refs[4])
 
 
 def test_racing_saves_to_one_step_are_rejected(tmp_path):
     root = str(tmp_path / "run")
-    a = CheckpointManager(root, interval=1, async_mode=None)
-    b = CheckpointManager(root, interval=1, async_mode=None)
+    a = CheckpointManager(root, interval=1, mode=None)
+    b = CheckpointManager(root, interval=1, mode=None)
     # Another save holds the lock of step 5 (it is running); b's save of step 5 is refused.
     other = StepLock(owner="other", stale_lock_s=3600)
     token = other.acquire(a.path(5), 5)
-    with pytest.raises(CheckpointConflictError, match="raced"):
+    with pytest.raises(ConcurrentSaveError, match="raced"):
         b.save(5, {"x": torch.ones(2)})
     assert a.path(5).list("") == [LOCK_NAME], "the loser wrote nothing"
     other.release(a.path(5), token)
@@ -390,7 +390,7 @@ def test_racing_saves_to_one_step_are_rejected(tmp_path):
         try:
             mgr.save(7, {"x": torch.full((1000,), value)})
             results[name] = "ok"
-        except CheckpointConflictError:
+        except ConcurrentSaveError:
             results[name] = "conflict"
 
     ts = [threading.Thread(target=go, args=("a", a, 1.0)), threading.Thread(target=go, args=("b", b, 2.0))]
@@ -407,9 +407,9 @@ def test_racing_saves_to_one_step_are_rejected(tmp_path):
 
 def test_racing_saves_in_memory_storage():
     mem = MemoryStorage()
-    a, b = CheckpointManager(mem, async_mode=None), CheckpointManager(mem, async_mode=None)
+    a, b = CheckpointManager(mem, mode=None, policies=[OnDemand()]), CheckpointManager(mem, mode=None, policies=[OnDemand()])
     StepLock(owner="other", stale_lock_s=3600).acquire(a.path(3), 3)
-    with pytest.raises(CheckpointConflictError):
+    with pytest.raises(ConcurrentSaveError):
         b.save(3, {"x": torch.ones(1)})
 
 
@@ -420,16 +420,16 @@ def test_stale_lock_of_a_dead_process_is_broken(tmp_path):
     body = {"owner": "crashed", "host": os.uname().nodename, "pid": dead.pid, "created": time.time()}
     LocalStorage(root).child(step_folder(4)).put_atomic(LOCK_NAME, json.dumps(body).encode())
     LocalStorage(root).child(step_folder(4)).put_atomic("data/old-r00000.bin", b"partial")
-    mgr = CheckpointManager(root, async_mode=None)
+    mgr = CheckpointManager(root, mode=None, policies=[OnDemand()])
     mgr.save(4, {"x": torch.ones(2)})
     mgr.close()
     assert mgr.steps() == [4] and LocalStorage(root).child(step_folder(4)).list("data/") != ["data/old-r00000.bin"]
     # Another host's lock is trusted until it is older than stale_lock_s.
     other = {"owner": "x", "host": "elsewhere", "pid": 1, "created": time.time() - 10}
     LocalStorage(root).child(step_folder(8)).put_atomic(LOCK_NAME, json.dumps(other).encode())
-    with pytest.raises(CheckpointConflictError):
-        CheckpointManager(root, async_mode=None, stale_lock_s=60).save(8, {"x": torch.ones(2)})
-    CheckpointManager(root, async_mode=None, stale_lock_s=5).save(8, {"x": torch.ones(2)})
+    with pytest.raises(ConcurrentSaveError):
+        CheckpointManager(root, mode=None, stale_lock_s=60, policies=[OnDemand()]).save(8, {"x": torch.ones(2)})
+    CheckpointManager(root, mode=None, stale_lock_s=5, policies=[OnDemand()]).save(8, {"x": torch.ones(2)})
 
 
 # ------------------------------------------------------------------- hangs
@@ -437,7 +437,7 @@ def test_watchdog_reports_a_stalled_synchronous_save(tmp_path):
     root = FaultyLocal(str(tmp_path / "run"))
     root.faults["sleep"] = 0.4
     reports = []
-    mgr = CheckpointManager(root, async_mode=None, timeout=0.2, hang_grace=0.1, on_hang=reports.append)
+    mgr = CheckpointManager(root, mode=None, timeout=0.2, hang_grace=0.1, on_hang=reports.append, policies=[OnDemand()])
     mgr.save(3, {"x": torch.ones(4), "y": torch.ones(4)})
     mgr.close()
     assert reports, "the watchdog fired"
@@ -449,10 +449,10 @@ def test_watchdog_reports_a_stalled_synchronous_save(tmp_path):
 
 def test_watchdog_reports_a_stalled_restore(tmp_path):
     root = FaultyLocal(str(tmp_path / "run"))
-    CheckpointManager(root, async_mode=None).save(2, {"x": torch.ones(4)})
+    CheckpointManager(root, mode=None, policies=[OnDemand()]).save(2, {"x": torch.ones(4)})
     root.faults["read_sleep"] = 0.5
     reports = []
-    mgr = CheckpointManager(root, timeout=0.2, hang_grace=0.1, on_hang=reports.append)
+    mgr = CheckpointManager(root, timeout=0.2, hang_grace=0.1, on_hang=reports.append, policies=[OnDemand()])
     state = {"x": torch.zeros(4)}
     assert mgr.restore(state) == 2 and torch.equal(state["x"], torch.ones(4))
     assert [(r.rank, r.phase, r.step) for r in reports][:1] == [(0, "restore:load", 2)]
@@ -460,7 +460,7 @@ def test_watchdog_reports_a_stalled_restore(tmp_path):
 
 def test_stalled_background_save_raises_timeout_with_phase(tmp_path):
     root = FaultyLocal(str(tmp_path / "run"))
-    mgr = CheckpointManager(root, async_mode="eager", timeout=0.3, on_hang="log")
+    mgr = CheckpointManager(root, mode="eager", timeout=0.3, on_hang="log", policies=[OnDemand()])
     mgr.save(1, {"x": torch.ones(4)})
     mgr.wait()
     root.faults["sleep"] = 1.0
@@ -503,7 +503,7 @@ def test_background_failure_surfaces_at_the_next_save_not_in_between(tmp_path):
     root = FaultyLocal(str(tmp_path / "run"))
     model, opt = make()
     state = {"model": model, "optimizer": opt}
-    mgr = CheckpointManager(root, interval=3, async_mode="eager")
+    mgr = CheckpointManager(root, interval=3, mode="eager")
     root.faults["enospc"] = True
     mgr.maybe_save(3, state)
     deadline = time.monotonic() + 10
@@ -530,15 +530,15 @@ def test_manager_on_s3():
         root = S3Storage(f"s3://{make_bucket(endpoint)}/run", s3_options(endpoint))
         model, opt = make()
         refs: dict = {}
-        mgr = CheckpointManager(root, interval=2, keep_last=2, async_mode="eager")
+        mgr = CheckpointManager(root, interval=2, keep_last=2, mode="eager")
         run(mgr, model, opt, 8, refs=refs)
         mgr.close()
         assert mgr.steps() == [6, 8] and mgr.latest_step() == 8
         assert not [n for n in root.list("") if n.startswith(("step_00000002", "step_00000004"))]
         m2, o2 = make(seed=4)
-        assert CheckpointManager(root).restore({"model": m2, "optimizer": o2}) == 8
+        assert CheckpointManager(root, policies=[OnDemand()]).restore({"model": m2, "optimizer": o2}) == 8
         assert same(snapshot(m2, o2), refs[8])
-        a, b = CheckpointManager(root, async_mode=None), CheckpointManager(root, async_mode=None)
+        a, b = CheckpointManager(root, mode=None, policies=[OnDemand()]), CheckpointManager(root, mode=None, policies=[OnDemand()])
         StepLock(owner="other", stale_lock_s=3600).acquire(a.path(10), 10)
-        with pytest.raises(CheckpointConflictError):
+        with pytest.raises(ConcurrentSaveError):
             b.save(10, {"model": model, "optimizer": opt})

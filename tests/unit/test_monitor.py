@@ -18,8 +18,7 @@ def test_save_and_load_record_phases(tmp_path):
     for phase in ("plan", "checksum", "write", "commit", "total"):
         assert res.timings[phase] >= 0, phase
     assert metrics[0]["op"] == "save" and metrics[0]["bytes"]["write"] == 64 * 64 * 4 + 64 * 4
-    rep = sp.LoadResult()
-    sp.load(str(tmp_path / "ck"), {"model": torch.nn.Linear(64, 64)}, report=rep, trace_dir=str(tmp_path / "tr"))
+    rep = sp.load(str(tmp_path / "ck"), {"model": torch.nn.Linear(64, 64)}, return_result=True, trace_dir=str(tmp_path / "tr"))
     for phase in ("manifest", "read", "verify", "total"):
         assert phase in rep.timings, (phase, rep.timings)
     assert rep.recorder.bytes()["read"] == rep.bytes_read

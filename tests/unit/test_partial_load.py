@@ -37,8 +37,7 @@ def test_subset_of_tensors(saved):
     torch.manual_seed(5)
     m2 = TinyGPT(CFG)
     before = {k: v.clone() for k, v in m2.state_dict().items()}
-    rep = sp.LoadResult()
-    sp.load(path, {"model": m2}, keys=["model.layers.0.*"], report=rep)
+    rep = sp.load(path, {"model": m2}, keys=["model.layers.0.*"], return_result=True)
     for k, v in m2.state_dict().items():
         want = m.state_dict()[k] if k.startswith("layers.0.") else before[k]
         assert torch.equal(v, want), k

@@ -37,7 +37,7 @@ def test_one_rank_memory_restore_prefers_memory_and_detects_corruption(tmp_path,
     monkeypatch.setenv("SHARDPOINT_HOST", "solo")
     state = {"w": torch.arange(1000, dtype=torch.float32)}
     mem = sp.PeerMemory(dir=str(tmp_path / "mem"), replicas=1, interval=2, mode=None)
-    mgr = sp.CheckpointManager(str(tmp_path / "run"), interval=3, memory=mem, async_mode=None)
+    mgr = sp.CheckpointManager(str(tmp_path / "run"), interval=3, memory=mem, mode=None)
     for step in range(1, 5):
         state["w"] += 1
         mgr.maybe_save(step, state)
@@ -45,7 +45,7 @@ def test_one_rank_memory_restore_prefers_memory_and_detects_corruption(tmp_path,
     assert mem.steps() == [4] and mgr.steps() == [3]
     want = state["w"].clone()
     got = {"w": torch.zeros(1000)}
-    mgr2 = sp.CheckpointManager(str(tmp_path / "run"), interval=3, memory=mem, async_mode=None)
+    mgr2 = sp.CheckpointManager(str(tmp_path / "run"), interval=3, memory=mem, mode=None)
     assert mgr2.restore(got) == 4 and torch.equal(got["w"], want)
     assert mgr2.last_restore.source == "memory" and mgr2.storage.stats.bytes_read == 0
     # The only memory copy corrupt: the checksum rejects it and the stored step 3 loads.

@@ -105,7 +105,65 @@ def test_numpy_scalars_and_arrays():
     assert back["i"] == 7 and type(back["i"]) is int
     assert back["f"] == 0.5 and back["b"] is True
     assert list(tensors) == ["root.a"]
-    assert torch.equal(back["a"], torch.arange(4, dtype=torch.int16))
+    assert isinstance(back["a"], np.ndarray) and back["a"].dtype == np.int16
+    assert np.array_equal(back["a"], np.arange(4, dtype=np.int16))
+
+
+NUMPY_CASES = {
+    "int16_2d": np.arange(6, dtype=np.int16).reshape(2, 3),
+    "float32_0d": np.array(1.5, dtype=np.float32),
+    "float64_strided": np.arange(12.0).reshape(3, 4)[:, ::2],
+    "bool": np.array([True, False, True]),
+    "float16_empty": np.zeros((0, 3), np.float16),
+    "complex64": np.array([1 + 2j, -3j], dtype=np.complex64),
+    "uint32": np.array([0, 1, 2**32 - 1], dtype=np.uint32),  # no tensor dtype of the format: inline
+    "big_endian": np.arange(4, dtype=">f8"),
+    "unicode": np.array(["ab", "c"]),
+    "bytes": np.array([b"xy", b"z"]),
+    "datetime": np.array(["2020-01-01", "2021-06-30"], dtype="datetime64[D]"),
+    "nan": np.array([np.nan, -0.0, np.inf], dtype=np.float32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NUMPY_CASES))
+def test_numpy_arrays_round_trip_as_numpy_bit_exact(name):
+    a = NUMPY_CASES[name]
+    back, tensors, doc = round_trip({"a": a})
+    out = back["a"]
+    assert type(out) is np.ndarray
+    assert out.dtype == a.dtype and out.shape == a.shape
+    assert out.tobytes() == np.ascontiguousarray(a).tobytes()
+    assert doc["a"]["__sp__"] == "ndarray" and doc["a"]["dtype"] == a.dtype.str
+    # the data of dtypes the format stores goes into a tensor; the others are inline, never pickled
+    assert ("key" in doc["a"]) == (list(tensors) == ["root.a"])
+    assert "pickle" not in json.dumps(doc)
+
+
+def test_numpy_array_tensor_data_is_shared_with_the_loaded_tensor():
+    tensors = {}
+    doc = encode_value(np.arange(3, dtype=np.int64), "x", tensors.__setitem__)
+    dest = torch.zeros(3, dtype=torch.int64)
+    arr = decode_value(doc, {"x": dest}.__getitem__)
+    dest.copy_(torch.tensor([7, 8, 9]))  # the load fills the tensor after decoding the value
+    assert arr.tolist() == [7, 8, 9]
+
+
+def test_object_and_structured_arrays_are_refused_without_pickle():
+    with pytest.raises(UnsupportedStateError, match="allow_pickle"):
+        encode_value(np.array([{"a": 1}], dtype=object), "x", {}.__setitem__)
+    with pytest.raises(UnsupportedStateError, match="allow_pickle"):
+        encode_value(np.zeros(2, dtype=[("a", "<i4"), ("b", "<f4")]), "x", {}.__setitem__)
+
+
+@pytest.mark.parametrize("doc,match", [
+    ({"__sp__": "ndarray", "dtype": "O", "shape": [1], "b64": ""}, "not a fixed-size numpy dtype"),
+    ({"__sp__": "ndarray", "dtype": "<f4", "shape": [2], "b64": "AAAA"}, "holds 3 bytes"),
+    ({"__sp__": "ndarray", "dtype": "<f4", "shape": [-1], "b64": ""}, "shape"),
+    ({"__sp__": "ndarray", "dtype": "<f4", "key": "x"}, "stored as a int64 tensor"),
+])
+def test_malformed_ndarray_values_raise_format_error(doc, match):
+    with pytest.raises(FormatError, match=match):
+        decode_value(doc, {"x": torch.zeros(2, dtype=torch.int64)}.__getitem__, where="ckpt")
 
 
 def test_tensors_become_references():
