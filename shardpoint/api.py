@@ -122,17 +122,9 @@ def save(
         sp.save("ckpt/pp", {"model": stage, "optimizer": opt}, replicated_over=dp_group)
         sp.save("ckpt/rank0", {"model": ddp.module}, process_group=sp.LOCAL)  # rank 0 only
     """
-    check_state(state)
-    check_block_size(block_size)
-    comm = Comm.resolve(process_group)
-    if comm.local and replicated_over is not None:
-        raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
-    storage = storage_for(path)
-    where = storage.url
-    comm.enter("save", where, collective_timeout)
-    t0 = time.monotonic()
-    # Each rank names its data file with its own id: no collective is needed to start.
-    save_id = uuid.uuid4().hex
+    comm, storage = _enter_save(path, state, process_group, block_size, replicated_over, collective_timeout)
+    where, t0 = storage.url, time.monotonic()
+    save_id = uuid.uuid4().hex  # each rank names its data file with its own id: no collective is needed to start
     result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
     policy = commit or CommitPolicy()
     claims: list[SaveClaim] = []
@@ -142,34 +134,61 @@ def save(
         prep = prepare_save(state, comm, allow_pickle, where, result, layouts, replicated_over=replicated_over, rank_local=comm.local)
         if comm.rank == 0:  # before any data is written; its failure reaches every rank at the commit
             claims.append(SaveClaim.acquire(storage.primary, policy, where))
-        tb = time.monotonic()
-        records, files = [], {}
-        if bar is not None:
-            bar.set_total(sum(it.nbytes for it in prep.mine))
-        if prep.mine:
-            name = data_file_name(save_id, comm.rank)
-            records, size = write_chunks(storage, name, prep.mine, comm.rank, block_size, result.recorder)
-            files[name] = size
-            result.bytes_written = size
-        mark_phase(result, "data_file", tb)  # whole file incl. fsync; per-chunk spans are "write"
-        report = prep.summary(storage, records, files, comm)
-        result.bytes_written = sum(report.status.files.values())
-        return report
+        return _write_data_file(storage, comm, prep, save_id, block_size, result, bar)
 
     out = run_guarded(local)
     if comm.world == 1 and not out.ok:
-        for c in claims:
-            c.release()
-        if bar is not None:
-            bar.close(ok=False)
+        _abandon(claims, bar)
         raise out.exc
     with bar or contextlib.nullcontext():  # a failed commit closes the bar without a "done" line
         finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
+    _report_save(result, comm, t0, trace_dir, on_metrics)
+    return result
+
+
+def _enter_save(path, state, process_group, block_size: int, replicated_over, collective_timeout) -> tuple[Comm, Storage]:
+    """The save's enter phase: check the arguments, then every rank agrees it entered this save of this path."""
+    check_state(state)
+    check_block_size(block_size)
+    comm = Comm.resolve(process_group)
+    if comm.local and replicated_over is not None:
+        raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
+    storage = storage_for(path)
+    comm.enter("save", storage.url, collective_timeout)
+    return comm, storage
+
+
+def _write_data_file(storage: Storage, comm: Comm, prep, save_id: str, block_size: int, result: SaveResult, bar):
+    """The save's write phase on one rank: its data file, then the summary its commit needs."""
+    tb = time.monotonic()
+    records, files = [], {}
+    if bar is not None:
+        bar.set_total(sum(it.nbytes for it in prep.mine))
+    if prep.mine:
+        name = data_file_name(save_id, comm.rank)
+        records, size = write_chunks(storage, name, prep.mine, comm.rank, block_size, result.recorder)
+        files[name] = size
+        result.bytes_written = size
+    mark_phase(result, "data_file", tb)  # whole file incl. fsync; per-chunk spans are "write"
+    report = prep.summary(storage, records, files, comm)
+    result.bytes_written = sum(report.status.files.values())
+    return report
+
+
+def _abandon(claims: list[SaveClaim], bar) -> None:
+    """A save of one rank failed before its commit: release the claim and close the bar without a done line."""
+    for c in claims:
+        c.release()
+    if bar is not None:
+        bar.close(ok=False)
+
+
+def _report_save(result: SaveResult, comm: Comm, t0: float, trace_dir: str | None, on_metrics: Any) -> None:
+    """The save's last step: total time, timings, trace and metrics, and the log line."""
     mark_phase(result, "total", t0)
     result.timings = result.recorder.summary()
     result.recorder.emit(trace_dir, on_metrics)
-    log.info("rank %s saved %s bytes to %s: %s", comm.rank, result.bytes_written, where, format_summary(result.timings))
-    return result
+    log.info("rank %s saved %s bytes to %s: %s", comm.rank, result.bytes_written, result.path, format_summary(result.timings))
 
 
 def read_tensor(path: str | Storage, name: str, index: tuple | None = None, *, verify: bool = True) -> torch.Tensor:
