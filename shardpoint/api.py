@@ -14,85 +14,32 @@ import os
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, MutableMapping, Sequence
 
 import torch
 
-from .adapters import WholeEntry, adapter_for, build_context, default_adapters
-from .items import LoadTarget, torch_dtype
-from .adapters.landing import entry_tensors, live_storages, unlanded
-from .adapters.optimizer import own_protocol
-from .dcp_names import dcp_to_native, is_dcp_optimizer_doc
-from .dist import Comm, raise_if_failed, run_guarded
 from .engine.claim import CommitPolicy, SaveClaim
-from .engine.indexes import IndexReader, resolve, resolve_all, wanted_box
+from .engine.indexes import resolve, resolve_all
 from .engine.io import write_chunks
-from .format.datafile import DEFAULT_BLOCK_SIZE
 from .engine.load import execute_reads
 from .errors import KeyMismatchError, UnsupportedStateError
-from .format.manifest import MANIFEST_NAME, Manifest
-from .format.strict import Limits
-from .format.values import check_optimizer_doc
+from .format.datafile import DEFAULT_BLOCK_SIZE
+from .format.manifest import Manifest
 from .geometry import Box
-from .load_steps import (
-    check_provided,
-    close_names,
-    entry_keys,
-    entry_selected,
-    key_mismatch,
-    materialize_meta,
-    missing_manifest_error,
-    name_selected,
-    not_restored,
-    param_names,
-    physical_shapes,
-    check_patterns,
-)
-from .layouts import LayoutView, Rule, apply_load, optimizer_doc_to_physical
+from .items import LoadTarget, torch_dtype
+from .layouts import Rule
+from .loading import LoadResult, LoadTransaction, manifest_bytes
+from .loading.diagnose import check_provided
+from .loading.names import close_names
 from .monitor import Recorder, format_summary
-from .progress import LOAD_PHASES, SAVE_PHASES, progress_for
+from .progress import SAVE_PHASES, progress_for
 from .save_steps import SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
+from .dist import Comm, run_guarded
 from .storage import Storage, storage_for
 
 __all__ = ["save", "load", "read_tensor", "read_manifest", "SaveResult", "LoadResult", "CommitPolicy", "check_state"]
 
 log = logging.getLogger("shardpoint")
-
-
-@dataclass
-class LoadResult:
-    """What a load did on this rank; ``missing``/``unexpected`` are filled under ``strict=False``.
-
-    ``not_restored`` names tensors read from the checkpoint that did not reach
-    the live state (a strict load raises :class:`StateNotRestoredError` instead).
-
-    ``bytes_read`` counts tensor data; ``index_bytes`` the index files
-    (format version 2) this rank read to find it. ``timings`` holds seconds
-    per phase: ``manifest``, ``prepare`` (targets from the state), ``index``,
-    ``plan``, ``read`` (the whole read phase), ``landing`` (proving that the
-    state landed, after the objects installed it), and within ``read`` ``verify``,
-    ``copy``, ``wait`` (the loading thread idle until a read lands) and
-    ``communicate``; phases that run in reader threads add up over threads.
-    ``state`` is the loaded state (what :func:`load` returns).
-
-    Example::
-
-        res = sp.load("ckpt/step_100", state, return_result=True)
-        print(res.bytes_read, res.timings["read"], res.state is state)
-    """
-
-    path: str = ""
-    bytes_read: int = 0
-    index_bytes: int = 0
-    bytes_needed: int = 0
-    bytes_received: int = 0
-    missing: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-    not_restored: list[str] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
-    recorder: Recorder | None = field(default=None, repr=False)
-    state: Any = field(default=None, repr=False)
 
 
 def check_state(state: Any, op: str = "save") -> None:
@@ -175,17 +122,9 @@ def save(
         sp.save("ckpt/pp", {"model": stage, "optimizer": opt}, replicated_over=dp_group)
         sp.save("ckpt/rank0", {"model": ddp.module}, process_group=sp.LOCAL)  # rank 0 only
     """
-    check_state(state)
-    check_block_size(block_size)
-    comm = Comm.resolve(process_group)
-    if comm.local and replicated_over is not None:
-        raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
-    storage = storage_for(path)
-    where = storage.url
-    comm.enter("save", where, collective_timeout)
-    t0 = time.monotonic()
-    # Each rank names its data file with its own id: no collective is needed to start.
-    save_id = uuid.uuid4().hex
+    comm, storage = _enter_save(path, state, process_group, block_size, replicated_over, collective_timeout)
+    where, t0 = storage.url, time.monotonic()
+    save_id = uuid.uuid4().hex  # each rank names its data file with its own id: no collective is needed to start
     result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
     policy = commit or CommitPolicy()
     claims: list[SaveClaim] = []
@@ -195,34 +134,61 @@ def save(
         prep = prepare_save(state, comm, allow_pickle, where, result, layouts, replicated_over=replicated_over, rank_local=comm.local)
         if comm.rank == 0:  # before any data is written; its failure reaches every rank at the commit
             claims.append(SaveClaim.acquire(storage.primary, policy, where))
-        tb = time.monotonic()
-        records, files = [], {}
-        if bar is not None:
-            bar.set_total(sum(it.nbytes for it in prep.mine))
-        if prep.mine:
-            name = data_file_name(save_id, comm.rank)
-            records, size = write_chunks(storage, name, prep.mine, comm.rank, block_size, result.recorder)
-            files[name] = size
-            result.bytes_written = size
-        mark_phase(result, "data_file", tb)  # whole file incl. fsync; per-chunk spans are "write"
-        report = prep.summary(storage, records, files, comm)
-        result.bytes_written = sum(report.status.files.values())
-        return report
+        return _write_data_file(storage, comm, prep, save_id, block_size, result, bar)
 
     out = run_guarded(local)
     if comm.world == 1 and not out.ok:
-        for c in claims:
-            c.release()
-        if bar is not None:
-            bar.close(ok=False)
+        _abandon(claims, bar)
         raise out.exc
     with bar or contextlib.nullcontext():  # a failed commit closes the bar without a "done" line
         finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
+    _report_save(result, comm, t0, trace_dir, on_metrics)
+    return result
+
+
+def _enter_save(path, state, process_group, block_size: int, replicated_over, collective_timeout) -> tuple[Comm, Storage]:
+    """The save's enter phase: check the arguments, then every rank agrees it entered this save of this path."""
+    check_state(state)
+    check_block_size(block_size)
+    comm = Comm.resolve(process_group)
+    if comm.local and replicated_over is not None:
+        raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
+    storage = storage_for(path)
+    comm.enter("save", storage.url, collective_timeout)
+    return comm, storage
+
+
+def _write_data_file(storage: Storage, comm: Comm, prep, save_id: str, block_size: int, result: SaveResult, bar):
+    """The save's write phase on one rank: its data file, then the summary its commit needs."""
+    tb = time.monotonic()
+    records, files = [], {}
+    if bar is not None:
+        bar.set_total(sum(it.nbytes for it in prep.mine))
+    if prep.mine:
+        name = data_file_name(save_id, comm.rank)
+        records, size = write_chunks(storage, name, prep.mine, comm.rank, block_size, result.recorder)
+        files[name] = size
+        result.bytes_written = size
+    mark_phase(result, "data_file", tb)  # whole file incl. fsync; per-chunk spans are "write"
+    report = prep.summary(storage, records, files, comm)
+    result.bytes_written = sum(report.status.files.values())
+    return report
+
+
+def _abandon(claims: list[SaveClaim], bar) -> None:
+    """A save of one rank failed before its commit: release the claim and close the bar without a done line."""
+    for c in claims:
+        c.release()
+    if bar is not None:
+        bar.close(ok=False)
+
+
+def _report_save(result: SaveResult, comm: Comm, t0: float, trace_dir: str | None, on_metrics: Any) -> None:
+    """The save's last step: total time, timings, trace and metrics, and the log line."""
     mark_phase(result, "total", t0)
     result.timings = result.recorder.summary()
     result.recorder.emit(trace_dir, on_metrics)
-    log.info("rank %s saved %s bytes to %s: %s", comm.rank, result.bytes_written, where, format_summary(result.timings))
-    return result
+    log.info("rank %s saved %s bytes to %s: %s", comm.rank, result.bytes_written, result.path, format_summary(result.timings))
 
 
 def read_tensor(path: str | Storage, name: str, index: tuple | None = None, *, verify: bool = True) -> torch.Tensor:
@@ -238,7 +204,7 @@ def read_tensor(path: str | Storage, name: str, index: tuple | None = None, *, v
         rows = sp.read_tensor("ckpt/step_100", "model.tok.weight", (slice(0, 10),))
     """
     storage = storage_for(path)
-    manifest = Manifest.from_json(_manifest_bytes(storage), storage.url)
+    manifest = Manifest.from_json(manifest_bytes(storage), storage.url)
     meta = manifest.tensors.get(name)
     if meta is None:
         close = close_names(name, manifest.tensors) or [k for k in manifest.tensors if name.split(".")[-1] in k][:3]
@@ -275,15 +241,8 @@ def read_manifest(path: str | Storage, *, chunks: bool = True) -> Manifest:
         m = sp.read_manifest("ckpt/step_100"); print(sorted(m.tensors))
     """
     storage = storage_for(path)
-    manifest = Manifest.from_json(_manifest_bytes(storage), storage.url)
+    manifest = Manifest.from_json(manifest_bytes(storage), storage.url)
     return resolve_all(storage, manifest, storage.url) if chunks else manifest
-
-
-def _manifest_bytes(storage: Storage) -> bytes:
-    try:
-        return storage.get_limited(MANIFEST_NAME, Limits.from_env().manifest_bytes)
-    except (FileNotFoundError, NotADirectoryError):
-        raise missing_manifest_error(storage) from None
 
 
 def load(
@@ -350,138 +309,12 @@ def load(
             "sp.load(report=...) is deprecated; use res = sp.load(..., return_result=True) and read res.bytes_read, "
             "res.timings, ...", DeprecationWarning, stacklevel=2,
         )
-    comm = Comm.resolve(process_group)
-    storage = storage_for(path)
-    where = storage.url
-    comm.enter("load", where, collective_timeout)
-    t0 = time.monotonic()
-    got = run_guarded(lambda: _manifest_bytes(storage)) if comm.rank == 0 else None
-    if comm.world == 1 and got is not None and not got.ok:
-        raise got.exc
-    got = comm.broadcast(got.sendable() if comm.rank == 0 else None)
-    raise_if_failed([got], f"load of {where}")
-    manifest = Manifest.from_json(got.value, where)
-    fill = None
-    if not state and not strict:  # nothing to restore into: return every entry as saved
-        fill, state = state, {k: WholeEntry() for k in entry_keys(manifest)}
-    result = LoadResult(where, recorder=Recorder("load", where, comm.rank))
-    mark_phase(result, "manifest", t0)
-
-    def prepare() -> dict:
-        ctx = build_context(state, comm.rank, comm.world, allow_pickle)
-        adapters = default_adapters()
-        tensors = manifest.tensors
-        view = None
-        if layouts:
-            phys = physical_shapes(state)
-            view = tensors = LayoutView(manifest.tensors, layouts, phys)
-        parts = {}
-        missing: list[str] = []
-        unexpected: list[str] = []
-        consumed: set[str] = set()
-        for key, obj in state.items():
-            if selected is not None and not entry_selected(key, selected):
-                continue
-            prefix = key + "."
-            has_tensors = any(f == key or f.startswith(prefix) for f in manifest.tensors)
-            if key not in manifest.values and not has_tensors:
-                missing.append(key)
-                continue
-            doc = manifest.values.get(key)
-            native_optimizer = isinstance(obj, torch.optim.Optimizer) and not own_protocol(type(obj))
-            if native_optimizer and is_dcp_optimizer_doc(doc):
-                # Keyed the way get_optimizer_state_dict keys it: a naming view onto this optimizer.
-                doc = dcp_to_native(doc, param_names(obj, ctx), where)
-            if layouts and native_optimizer:
-                check_optimizer_doc(doc, f"{where}: entry {key!r}")
-                doc = optimizer_doc_to_physical(key, doc, layouts, ctx.param_names.values())
-            part = adapter_for(obj, adapters).load(key, obj, doc, tensors, ctx, where)
-            if view is not None:
-                part.targets = apply_load(part.targets, layouts)
-                part.consumed = {n for f in part.consumed for n in view.logical_names(f)}
-            parts[key] = part
-            missing.extend(part.missing)
-            unexpected.extend(part.unexpected)
-            consumed |= part.consumed
-        loaded = set(parts)
-        for fqn in manifest.tensors:
-            top = fqn.split(".", 1)[0]
-            if top in loaded and fqn not in consumed:
-                unexpected.append(fqn)
-        for key in manifest.values:
-            if key not in state:
-                unexpected.append(key)
-        if selected is not None:
-            # Only the selected names are loaded, and only they can be missing or unexpected.
-            missing = [n for n in missing if name_selected(n, selected)]
-            unexpected = [n for n in unexpected if name_selected(n, selected)]
-            for p in parts.values():
-                p.targets = [t for t in p.targets if name_selected(t.fqn, selected)]
-        result.missing, result.unexpected = sorted(missing), sorted(unexpected)
-        if missing and strict:
-            key_mismatch(where, missing, unexpected, strict)
-        return parts
-
-    selected = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
-    if selected is not None:
-        check_patterns(where, selected, manifest, strict)
-    materialize_meta(state)
-
-    # Phase 1 (local): targets and plans. Checked collectively, so that the shared read
-    # below starts on every rank or on none.
-    tp = time.monotonic()
-    parts = comm.check(run_guarded(prepare), f"load of {where}")
-    mark_phase(result, "prepare", tp)
-    # Unexpected means no rank loads it (each pipeline stage loads only its own layers).
-    result.unexpected = sorted(set.intersection(*(set(u) for u in comm.all_gather(result.unexpected))))
-    if result.missing or result.unexpected:
-        key_mismatch(where, result.missing, result.unexpected, strict)
-
-    def read() -> dict:
-        tr = time.monotonic()
-        targets = [t for p in parts.values() for t in p.targets]
-        if bar is not None:
-            bar.set_total(sum(t.dest.numel() * t.dest.element_size() for t in targets))
-        wants: dict[str, list[Box]] = {}
-        for t in targets:
-            wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
-        ti = time.monotonic()
-        reader = IndexReader(storage, manifest, where)
-        resolved = resolve(storage, manifest, wants, where, reader)
-        result.index_bytes = reader.bytes_read
-        mark_phase(result, "index", ti, reader.bytes_read)
-        stats = execute_reads(storage, resolved, targets, where, verify, comm=comm, share=share_reads, recorder=result.recorder)
-        result.bytes_read, result.bytes_needed = stats.bytes_read, stats.bytes_needed
-        result.bytes_received = stats.bytes_received
-        mark_phase(result, "read", tr)
-        values = {key: p.finish() for key, p in parts.items()}
-        tl = time.monotonic()
-        bad: list[str] = []
-        for key, p in parts.items():
-            if p.landed is not None:
-                bad.extend(p.landed(p.targets))
-            else:
-                bad.extend(unlanded(p.targets, live_storages(entry_tensors(values[key]))))
-        mark_phase(result, "landing", tl)
-        result.not_restored = sorted(set(bad))
-        if bad:
-            not_restored(where, comm.rank, result.not_restored, strict)
-        return values
-
-    bar = progress_for(progress, comm.rank, f"load {where}", LOAD_PHASES, result.recorder)
-    with bar or contextlib.nullcontext():
-        new = comm.check(run_guarded(read), f"load of {where}")
-    for key, value in new.items():
-        state[key] = value
-    if fill is not None:  # entries that keys= left out stay out
-        fill.update({k: v for k, v in state.items() if not isinstance(v, WholeEntry)})
-        state = fill
-    mark_phase(result, "total", t0)
-    result.timings = result.recorder.summary()
-    result.recorder.emit(trace_dir, on_metrics)
-    result.state = state
+    result = LoadTransaction(
+        path, state, process_group=process_group, strict=strict, allow_pickle=allow_pickle, verify=verify,
+        share_reads=share_reads, keys=keys, layouts=layouts, collective_timeout=collective_timeout,
+        progress=progress, trace_dir=trace_dir, on_metrics=on_metrics,
+    ).run()
     if report is not None:
         for f in ("path", "bytes_read", "index_bytes", "bytes_needed", "bytes_received", "missing", "unexpected", "not_restored", "timings", "recorder", "state"):
             setattr(report, f, getattr(result, f))
-    log.info("rank %s read %s bytes from %s: %s", comm.rank, result.bytes_read, where, format_summary(result.timings))
-    return result if return_result else state
+    return result if return_result else result.state

@@ -93,83 +93,109 @@ def export_dcp(
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     reader = CheckpointReader(path, verify=verify)
-    m = reader.manifest
     names = NameMap(prefix, parse_rename(rename), tuple(keys), tuple(exclude))
-    state: dict[str, Any] = {}
-    source: dict[int, str] = {}  # id(placeholder) -> checkpoint tensor name
     result = DCPExportResult(out)
-    total = 0
+    tree = _ExportTree(reader, dtype)
+    if values and not prefix and not rename and not keys and not exclude:
+        tree.add_values()
+    tree.add_tensors(names, result)
+    if not tree.source:
+        raise ConversionError(f"{reader.where}: no tensor selected for export")
+    bar = progress(tree.total, "export dcp", quiet)
+    planner = _streaming_planner(tree, bar, result)
+    prepare_output_dir(out, force)
+    ctx = _quiet_dcp()
+    try:
+        with bar, _dcp_errors(f"exporting {path} to {out}"):
+            dcp.save(tree.state, storage_writer=FileSystemWriter(out, thread_count=1), planner=planner, no_dist=True)
+    finally:
+        ctx.__exit__(None, None, None)
+    return result
 
-    def placeholder(fqn: str) -> torch.Tensor:
-        nonlocal total
-        meta = reader.meta(fqn)
+
+class _ExportTree:
+    """The state an export hands DCP: placeholders on ``meta``, each remembering the tensor it stands for."""
+
+    def __init__(self, reader: CheckpointReader, dtype: torch.dtype | None) -> None:
+        self.reader, self.dtype = reader, dtype
+        self.state: dict[str, Any] = {}
+        self.source: dict[int, str] = {}  # id(placeholder) -> checkpoint tensor name
+        self.in_trees: set[str] = set()  # tensors that a value document already places
+        self.total = 0
+
+    def placeholder(self, fqn: str) -> torch.Tensor:
+        """A ``meta`` tensor shaped like ``fqn`` (in the export dtype), counted in the total."""
+        meta = self.reader.meta(fqn)
         dt = torch_dtype(meta.dtype)
-        if dtype is not None and dt.is_floating_point:
-            dt = dtype
+        if self.dtype is not None and dt.is_floating_point:
+            dt = self.dtype
         t = torch.empty(meta.shape, dtype=dt, device="meta")
-        source[id(t)] = fqn
-        total += t.numel() * t.element_size()
+        self.source[id(t)] = fqn
+        self.total += t.numel() * t.element_size()
         return t
 
-    in_trees: set[str] = set()
-    if values and not prefix and not rename and not keys and not exclude:
-        # Every entry's value document (optimizer hyper-parameters, step counters, a module's
-        # extra state) becomes DCP objects; its tensor references become the tensors themselves.
+    def in_tree(self, fqn: str) -> torch.Tensor:
+        self.in_trees.add(fqn)
+        return self.placeholder(fqn)
+
+    def add_values(self) -> None:
+        """Every entry's value document becomes DCP objects; its tensor references the tensors themselves.
+
+        That covers optimizer hyper-parameters, step counters and a module's extra state.
+        """
+        m, where = self.reader.manifest, self.reader.where
         entries = m.layout.get("entries", {}) if isinstance(m.layout, dict) else {}
         for key, doc in m.values.items():
             if str(entries.get(key, "")).startswith("optimizer") and is_native_optimizer_doc(doc):
                 # The layout of get_optimizer_state_dict: state by the model's parameter names.
-                doc = native_to_dcp(doc, reader.where)
-            tree = decode_value(doc, lambda f: (in_trees.add(f), placeholder(f))[1], False, reader.where)
+                doc = native_to_dcp(doc, where)
+            tree = decode_value(doc, self.in_tree, False, where)
             if tree is not None and tree != {}:
-                state[key] = tree
-    seen: dict[str, str] = {}
-    for fqn in reader.names():
-        if fqn in in_trees:
-            continue
-        out_name = names.export_name(fqn)
-        if out_name is None:
-            result.skipped.append(fqn)
-            continue
-        if out_name in seen:
-            raise ConversionError(f"{reader.where}: tensors {seen[out_name]!r} and {fqn!r} both map to {out_name!r}")
-        seen[out_name] = fqn
-        top, _, rest = out_name.partition(".")
-        if rest:
-            node = state.setdefault(top, {})
-            if not isinstance(node, dict) or rest in node:
-                raise ConversionError(f"{reader.where}: tensor {out_name!r} collides with a value of entry {top!r}")
-            node[rest] = placeholder(fqn)
-        else:
-            state[top] = placeholder(fqn)
-    if not source:
-        raise ConversionError(f"{reader.where}: no tensor selected for export")
+                self.state[key] = tree
 
-    bar = progress(total, "export dcp", quiet)
+    def add_tensors(self, names: NameMap, result: DCPExportResult) -> None:
+        """Every selected tensor no value document placed, under its exported name."""
+        where, state = self.reader.where, self.state
+        seen: dict[str, str] = {}
+        for fqn in self.reader.names():
+            if fqn in self.in_trees:
+                continue
+            out_name = names.export_name(fqn)
+            if out_name is None:
+                result.skipped.append(fqn)
+                continue
+            if out_name in seen:
+                raise ConversionError(f"{where}: tensors {seen[out_name]!r} and {fqn!r} both map to {out_name!r}")
+            seen[out_name] = fqn
+            top, _, rest = out_name.partition(".")
+            if rest:
+                node = state.setdefault(top, {})
+                if not isinstance(node, dict) or rest in node:
+                    raise ConversionError(f"{where}: tensor {out_name!r} collides with a value of entry {top!r}")
+                node[rest] = self.placeholder(fqn)
+            else:
+                state[top] = self.placeholder(fqn)
+
+
+def _streaming_planner(tree: _ExportTree, bar, result: DCPExportResult):
+    """A DCP save planner that reads each placeholder's tensor only when DCP writes it."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class _StreamingPlanner(DefaultSavePlanner):
         def resolve_data(self, write_item):
             obj = self.lookup_object(write_item.index)
-            fqn = source.get(id(obj)) if isinstance(obj, torch.Tensor) else None
+            fqn = tree.source.get(id(obj)) if isinstance(obj, torch.Tensor) else None
             if fqn is None:
                 return super().resolve_data(write_item)
-            t = cast(reader.read(fqn), obj.dtype)
+            t = cast(tree.reader.read(fqn), obj.dtype)
             bar.update(t.numel() * t.element_size())
             result.tensors += 1
             result.bytes += t.numel() * t.element_size()
             return t
 
-    prepare_output_dir(out, force)
-    ctx = _quiet_dcp()
-    try:
-        with bar, _dcp_errors(f"exporting {path} to {out}"):
-            dcp.save(state, storage_writer=FileSystemWriter(out, thread_count=1), planner=_StreamingPlanner(), no_dist=True)
-    finally:
-        ctx.__exit__(None, None, None)
-    return result
+    return _StreamingPlanner()
 
 
 @contextlib.contextmanager
@@ -225,110 +251,151 @@ def import_dcp(
     pickle_allowed(allow_pickle, trust_pickle, src, TRUST_PICKLE_HELP)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not os.path.isdir(src) or not os.path.exists(os.path.join(src, ".metadata")):
         raise ConversionError(f"{src} is not a DCP folder (no .metadata file)")
     top_key(prefix)  # validates the prefix
     names = NameMap(prefix, parse_rename(rename), tuple(keys), tuple(exclude))
     reader = FileSystemReader(src)
-    md = reader.read_metadata()
-    planner_paths = getattr(md, "planner_data", None) or {}
-    result = ImportResult(path)
+    imp = _DcpImport(src, reader.read_metadata(), ImportResult(path), dtype)
+    state = imp.select(names)
+    # Optimizers keyed the way get_optimizer_state_dict keys them are stored in
+    # shardpoint's own scheme when their model entry is unambiguous.
+    imp.rename_optimizer_state(selecting=bool(prefix or rename or keys or exclude))
+    if "://" not in path:
+        prepare_output_dir(path, force)
+    imp.bar = progress(imp.total, "import dcp", quiet)
+    with CheckpointWriter(path, block_size=block_size, layout={"source": "dcp"}) as w:
+        imp.writer = w
+        ctx = _quiet_dcp()
+        try:
+            with imp.bar, _dcp_errors(f"importing {src}"):
+                dcp.load(state, storage_reader=reader, planner=_chunk_planner(imp), no_dist=True)
+        finally:
+            ctx.__exit__(None, None, None)
+        imp.write_values()
+        w.commit()
+    imp.result.tensors = len(imp.written)
+    return imp.result
 
-    def new_path(fqn: str, final: str) -> tuple:
-        p = planner_paths.get(fqn)
+
+class _DcpImport:
+    """One import of a DCP folder: the names chosen for each DCP key, and what DCP has handed over so far."""
+
+    def __init__(self, src: str, md: Any, result: ImportResult, dtype: torch.dtype | None) -> None:
+        self.src, self.md, self.result, self.dtype = src, md, result, dtype
+        self.planner_paths = getattr(md, "planner_data", None) or {}
+        self.finals: dict[str, str] = {}  # DCP name -> stored name
+        self.renamed: dict[str, str] = {}  # DCP name -> stored name, for optimizer state moved to shardpoint's scheme
+        self.owners: dict[str, str] = {}
+        self.leaves: list[tuple[tuple, Any]] = []
+        self.written: set[str] = set()
+        self.total = 0
+        self.bar: Any = None
+        self.writer: Any = None
+
+    def new_path(self, fqn: str, final: str) -> tuple:
+        """Where the value of ``fqn`` (stored as ``final``) sits in its entry's document."""
+        p = self.planner_paths.get(fqn)
         if final == fqn and isinstance(p, tuple) and p and isinstance(p[0], str) and "." not in p[0] \
                 and all(isinstance(k, (str, int)) for k in p) and ".".join(map(str, p)) == fqn:
             return tuple(("l" if isinstance(k, int) else "d", k) for k in p)
         top, _, rest = final.partition(".")
         return (("d", top), ("d", rest)) if rest else (("d", top),)
 
-    state: dict[str, Any] = {}
-    finals: dict[str, str] = {}
-    total = 0
-    for fqn, meta in md.state_dict_metadata.items():
-        final = names.import_name(fqn)
-        if final is None:
-            result.skipped.append(fqn)
-            continue
-        if final in finals.values():
-            raise ConversionError(f"{src}: two DCP keys map to {final!r}")
-        finals[fqn] = final
-        if isinstance(meta, TensorStorageMetadata):
-            state[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
-            total += state[fqn].numel() * state[fqn].element_size()
+    def select(self, names: NameMap) -> dict[str, Any]:
+        """The state DCP loads into: a ``meta`` placeholder per selected tensor, ``None`` per object."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        state: dict[str, Any] = {}
+        for fqn, meta in self.md.state_dict_metadata.items():
+            final = names.import_name(fqn)
+            if final is None:
+                self.result.skipped.append(fqn)
+                continue
+            if final in self.finals.values():
+                raise ConversionError(f"{self.src}: two DCP keys map to {final!r}")
+            self.finals[fqn] = final
+            if isinstance(meta, TensorStorageMetadata):
+                state[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
+                self.total += state[fqn].numel() * state[fqn].element_size()
+            else:
+                state[fqn] = None  # an object; DCP hands it to load_bytes
+        if not state:
+            raise ConversionError(f"{self.src}: no DCP key selected")
+        return state
+
+    def rename_optimizer_state(self, selecting: bool) -> None:
+        """Optimizer state keyed by the owning model's names moves to ``<key>.state.<owner>.<param>...``."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        metadata = self.md.state_dict_metadata
+        self.owners = {} if selecting else _optimizer_owners(metadata, self.planner_paths)
+        for fqn in self.finals:
+            top, _, rest = fqn.partition(".")
+            if top in self.owners and rest.startswith("state.") and isinstance(metadata[fqn], TensorStorageMetadata):
+                self.renamed[fqn] = self.finals[fqn] = f"{top}.state.{self.owners[top]}.{rest[len('state.'):]}"
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        """One DCP chunk becomes one shardpoint chunk, written by the rank whose file held it."""
+        fqn = read_item.dest_index.fqn
+        meta = self.md.state_dict_metadata[fqn]
+        info = self.md.storage_data.get(read_item.storage_index)
+        found = _RANK_RE.match(os.path.basename(info.relative_path)) if info is not None else None
+        t = cast(tensor, self.dtype)
+        final = self.finals[fqn]
+        self.writer.add(final, t, shape=tuple(meta.size), rank=int(found.group(1)) if found else 0,
+                        box=Box(tuple(int(o) for o in read_item.dest_offsets), tuple(int(n) for n in read_item.lengths)), placement="dcp")
+        if final not in self.written:
+            self.written.add(final)
+            self.leaves.append((self.new_path(fqn, fqn if fqn in self.renamed else final), torch.empty(0, device="meta")))
+        self.result.bytes += t.numel() * t.element_size()
+        self.bar.update(tensor.numel() * tensor.element_size())
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        """A DCP object becomes a value when the manifest can store it; otherwise it is listed as skipped."""
+        fqn = read_item.dest_index.fqn
+        obj = torch.load(value, weights_only=False)  # trusted by the caller
+        if encodable(obj):
+            self.leaves.append((self.new_path(fqn, self.finals[fqn]), obj))
         else:
-            state[fqn] = None  # an object; DCP hands it to load_bytes
-    if not state:
-        raise ConversionError(f"{src}: no DCP key selected")
-    # Optimizers keyed the way get_optimizer_state_dict keys them are stored in
-    # shardpoint's own scheme when their model entry is unambiguous.
-    owners = {} if (prefix or rename or keys or exclude) else _optimizer_owners(md.state_dict_metadata, planner_paths)
-    renamed: dict[str, str] = {}  # DCP name -> stored name
-    for fqn in finals:
-        top, _, rest = fqn.partition(".")
-        if top in owners and rest.startswith("state.") and isinstance(md.state_dict_metadata[fqn], TensorStorageMetadata):
-            renamed[fqn] = finals[fqn] = f"{top}.state.{owners[top]}.{rest[len('state.'):]}"
-    leaves: list[tuple[tuple, Any]] = []
-    written: set[str] = set()
-    if "://" not in path:
-        prepare_output_dir(path, force)
-    bar = progress(total, "import dcp", quiet)
+            self.result.skipped.append(f"{fqn} ({type(obj).__qualname__})")
 
-    with CheckpointWriter(path, block_size=block_size, layout={"source": "dcp"}) as w:
-
-        class _ChunkPlanner(DefaultLoadPlanner):
-            def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-                # Keep the meta placeholders: the default would allocate every tensor here.
-                self.original_state_dict = self.state_dict = state_dict
-                self.mappings = {}
-                self.metadata = metadata
-                self.is_coordinator = is_coordinator
-
-            def resolve_tensor(self, read_item):
-                meta = md.state_dict_metadata[read_item.dest_index.fqn]
-                return torch.empty(tuple(read_item.lengths), dtype=meta.properties.dtype)
-
-            def commit_tensor(self, read_item, tensor):
-                fqn = read_item.dest_index.fqn
-                meta = md.state_dict_metadata[fqn]
-                info = md.storage_data.get(read_item.storage_index)
-                found = _RANK_RE.match(os.path.basename(info.relative_path)) if info is not None else None
-                t = cast(tensor, dtype)
-                w.add(finals[fqn], t, shape=tuple(meta.size), rank=int(found.group(1)) if found else 0,
-                      box=Box(tuple(int(o) for o in read_item.dest_offsets), tuple(int(n) for n in read_item.lengths)), placement="dcp")
-                if finals[fqn] not in written:
-                    written.add(finals[fqn])
-                    leaves.append((new_path(fqn, fqn if fqn in renamed else finals[fqn]), torch.empty(0, device="meta")))
-                result.bytes += t.numel() * t.element_size()
-                bar.update(tensor.numel() * tensor.element_size())
-
-            def load_bytes(self, read_item, value):
-                fqn = read_item.dest_index.fqn
-                obj = torch.load(value, weights_only=False)  # trusted by the caller
-                if encodable(obj):
-                    leaves.append((new_path(fqn, finals[fqn]), obj))
-                else:
-                    result.skipped.append(f"{fqn} ({type(obj).__qualname__})")
-
-        ctx = _quiet_dcp()
-        try:
-            with bar, _dcp_errors(f"importing {src}"):
-                dcp.load(state, storage_reader=reader, planner=_ChunkPlanner(flatten_state_dict=False, allow_partial_load=True), no_dist=True)
-        finally:
-            ctx.__exit__(None, None, None)
-        for top, doc in encode_entries(leaves, written | set(renamed), src).items():
+    def write_values(self) -> None:
+        """Each entry's value document; an owned optimizer's in shardpoint's own naming."""
+        renamed, owners = self.renamed, self.owners
+        for top, doc in encode_entries(self.leaves, self.written | set(renamed), self.src).items():
             kind = "values"
             if top in owners and is_dcp_optimizer_doc(doc):
                 params = [f"{owners[top]}.{n}" for g in doc["param_groups"] for n in g["params"]]
-                doc = dcp_to_native(rename_refs(doc, lambda f: renamed.get(f, f)), params, src)
+                doc = dcp_to_native(rename_refs(doc, lambda f: renamed.get(f, f)), params, self.src)
                 kind = "optimizer:dcp"
-            w.set_value(top, doc, kind=kind)
-        w.commit()
-    result.tensors = len(written)
-    return result
+            self.writer.set_value(top, doc, kind=kind)
+
+
+def _chunk_planner(imp: _DcpImport):
+    """A DCP load planner that hands each chunk to ``imp`` instead of allocating whole tensors."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class _ChunkPlanner(DefaultLoadPlanner):
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            # Keep the meta placeholders: the default would allocate every tensor here.
+            self.original_state_dict = self.state_dict = state_dict
+            self.mappings = {}
+            self.metadata = metadata
+            self.is_coordinator = is_coordinator
+
+        def resolve_tensor(self, read_item):
+            meta = imp.md.state_dict_metadata[read_item.dest_index.fqn]
+            return torch.empty(tuple(read_item.lengths), dtype=meta.properties.dtype)
+
+        def commit_tensor(self, read_item, tensor):
+            imp.commit_tensor(read_item, tensor)
+
+        def load_bytes(self, read_item, value):
+            imp.load_bytes(read_item, value)
+
+    return _ChunkPlanner(flatten_state_dict=False, allow_partial_load=True)
 
 
 def _optimizer_owners(metadata: dict, paths: dict) -> dict[str, str]:

@@ -194,10 +194,34 @@ def import_deepspeed(
     pickle_allowed(allow_pickle, trust_pickle, src, DEEPSPEED_TRUST_HELP)
     folder, optim_files, model_files = deepspeed_files(src, tag)
     prepare_output_dir(path, force)
-    msd = _load(model_files[0])
-    if "param_shapes" not in msd or "module" not in msd:
-        raise ConversionError(f"{model_files[0]}: not a DeepSpeed model-states file")
     result = ImportResult(path)
+    msd, params, aliases = _model_states(model_files[0], result)
+    first = _load(optim_files[0])
+    osd0 = first["optimizer_state_dict"]
+    stage, world = _stage_and_world(osd0, optim_files, folder)
+    scaler = scaler_doc(osd0.get("loss_scaler")) if osd0.get("dynamic_loss_scale") else {}
+    del first
+    layout = {"source": "deepspeed", "zero_stage": stage, "source_world_size": world, "ds_version": msd.get("ds_version")}
+
+    with CheckpointWriter(path, block_size=block_size, world_size=world, layout=layout) as w:
+        imp = _DsImport(w, model_key, optimizer_key, aliases)
+        imp.add_optimizer_files(optim_files, stage, world, params)
+        imp.add_frozen_and_buffers(msd, model_files, stage, world)
+        imp.set_values(msd, stage, scaler)
+        manifest = w.commit()
+    result.tensors = len(manifest.tensors)
+    result.bytes = w.bytes_written
+    return result
+
+
+def _model_states(file: str, result: ImportResult) -> tuple[dict, list[list[_Param]], dict[str, list[str]]]:
+    """Rank 0's model-states file, its parameters by group, and each shared parameter's aliases.
+
+    Entries the import does not carry over are listed as skipped in ``result``.
+    """
+    msd = _load(file)
+    if "param_shapes" not in msd or "module" not in msd:
+        raise ConversionError(f"{file}: not a DeepSpeed model-states file")
     for k in ("lr_scheduler", "data_sampler", "random_ltd"):
         if msd.get(k) is not None:
             result.skipped.append(k)
@@ -211,65 +235,67 @@ def import_deepspeed(
     aliases: dict[str, list[str]] = {}
     for alias, primary in (msd.get("shared_params") or {}).items():
         aliases.setdefault(primary, []).append(alias)
+    return msd, params, aliases
 
-    first = _load(optim_files[0])
-    osd0 = first["optimizer_state_dict"]
-    stage, world = _stage_and_world(osd0, optim_files, folder)
-    scaler = scaler_doc(osd0.get("loss_scaler")) if osd0.get("dynamic_loss_scale") else {}
-    del first
-    layout = {"source": "deepspeed", "zero_stage": stage, "source_world_size": world, "ds_version": msd.get("ds_version")}
 
-    with CheckpointWriter(path, block_size=block_size, world_size=world, layout=layout) as w:
-        mk = model_key
-        state_docs: dict[str, dict] = {}
-        group_of: dict[str, int] = {}
-        hyper: dict[int, dict] = {}
-        written_steps: set[str] = set()
+class _DsImport:
+    """One import's writer and the optimizer documents it builds while the rank files stream through."""
 
-        def emit(name: str, data: torch.Tensor, shape, start: int, stop: int, rank: int) -> None:
-            for n in [name] + aliases.get(name, []):
-                _add_flat(w, f"{mk}.{n}", data, shape, start, stop, rank)
+    def __init__(self, w: CheckpointWriter, model_key: str, optimizer_key: str | None, aliases: dict[str, list[str]]) -> None:
+        self.w, self.mk, self.optimizer_key, self.aliases = w, model_key, optimizer_key, aliases
+        self.state_docs: dict[str, dict] = {}
+        self.group_of: dict[str, int] = {}
+        self.hyper: dict[int, dict] = {}
+        self.written_steps: set[str] = set()
 
-        def emit_state(p: _Param, st: dict, rank: int, pieces_of_state) -> None:
-            """Optimizer state of ``p``: per-element tensors as pieces, the rest once."""
-            # Optimizer state lives under the primary name only, as the optimizer adapter keys it.
-            if optimizer_key is None:
-                return
-            fqn = f"{mk}.{p.name}"
-            group_of.setdefault(fqn, p.group)
-            if not st:
-                return
-            doc = state_docs.setdefault(fqn, {})
-            base = f"{optimizer_key}.state.{fqn}"
-            for k, v in st.items():
-                sub = pieces_of_state(k, v)
-                if sub is not None:  # a slice of a flat state tensor
-                    data, start, stop = sub
-                    _add_flat(w, f"{base}.{k}", data, p.shape, start, stop, rank)
-                    doc[k] = {"__sp__": "tensor", "key": f"{base}.{k}"}
-                elif k not in doc:  # scalar state (step): one value per parameter, written once
+    def emit(self, name: str, data: torch.Tensor, shape, start: int, stop: int, rank: int) -> None:
+        """A flat slice of parameter ``name``, under its name and every alias."""
+        for n in [name] + self.aliases.get(name, []):
+            _add_flat(self.w, f"{self.mk}.{n}", data, shape, start, stop, rank)
 
-                    def put(name, t):
-                        if name not in written_steps:
-                            written_steps.add(name)
-                            w.add(name, t.detach().clone(), rank=0, placement="replicated")
+    def emit_state(self, p: _Param, st: dict, rank: int, pieces_of_state) -> None:
+        """Optimizer state of ``p``: per-element tensors as pieces, the rest once."""
+        # Optimizer state lives under the primary name only, as the optimizer adapter keys it.
+        if self.optimizer_key is None:
+            return
+        fqn = f"{self.mk}.{p.name}"
+        self.group_of.setdefault(fqn, p.group)
+        if not st:
+            return
+        doc = self.state_docs.setdefault(fqn, {})
+        base = f"{self.optimizer_key}.state.{fqn}"
+        for k, v in st.items():
+            sub = pieces_of_state(k, v)
+            if sub is not None:  # a slice of a flat state tensor
+                data, start, stop = sub
+                _add_flat(self.w, f"{base}.{k}", data, p.shape, start, stop, rank)
+                doc[k] = {"__sp__": "tensor", "key": f"{base}.{k}"}
+            elif k not in doc:  # scalar state (step): one value per parameter, written once
+                doc[k] = encode_value(v, f"{base}.{k}", self.put_step)
 
-                    doc[k] = encode_value(v, f"{base}.{k}", put)
+    def put_step(self, name: str, t: torch.Tensor) -> None:
+        if name not in self.written_steps:
+            self.written_steps.add(name)
+            self.w.add(name, t.detach().clone(), rank=0, placement="replicated")
 
+    def add_optimizer_files(self, optim_files: Sequence[str], stage: int, world: int, params: list[list[_Param]]) -> None:
+        """Each source rank's optimizer file: its parameter and state slices go to that rank's data file."""
         for rank, f in enumerate(optim_files):
             sd = _load(f)
             osd = sd["optimizer_state_dict"]
             if int(osd.get("zero_stage", -1)) != stage:
                 raise ConversionError(f"{f}: ZeRO stage {osd.get('zero_stage')} differs from rank 0's {stage}")
-            inner = _inner_state(osd, stage, f) if optimizer_key is not None else None
+            inner = _inner_state(osd, stage, f) if self.optimizer_key is not None else None
             if stage < 3:
                 rr = bool(((sd.get("ds_config") or {}).get("zero_optimization") or {}).get("round_robin_gradients"))
-                _rank_zero12(f, osd, inner, rank, world, params, emit, emit_state, hyper, check_mappings=not rr)
+                _rank_zero12(f, osd, inner, rank, world, params, self.emit, self.emit_state, self.hyper, check_mappings=not rr)
             else:
-                _rank_zero3(f, osd, inner, rank, world, params, emit, emit_state, hyper)
+                _rank_zero3(f, osd, inner, rank, world, params, self.emit, self.emit_state, self.hyper)
             del sd, osd, inner
 
-        # Frozen parameters and buffers.
+    def add_frozen_and_buffers(self, msd: dict, model_files: Sequence[str], stage: int, world: int) -> None:
+        """Frozen parameters (whole under ZeRO 1-2, per-rank pieces under ZeRO 3) and buffers."""
+        w, mk, aliases = self.w, self.mk, self.aliases
         frozen = msd.get("frozen_param_shapes") or {}
         if frozen:
             if stage < 3:
@@ -283,29 +309,30 @@ def import_deepspeed(
                     for n, s in frozen.items():
                         shape = tuple(int(x) for x in s)
                         for pc in zero3_pieces([math.prod(shape)], world, rank):
-                            emit(n, frags[n].reshape(-1)[: pc.numel], shape, pc.start, pc.stop, rank)
+                            self.emit(n, frags[n].reshape(-1)[: pc.numel], shape, pc.start, pc.stop, rank)
         for n in msd.get("buffer_names") or []:
             t = msd["module"].get(n)
             if isinstance(t, torch.Tensor):
                 w.add(f"{mk}.{n}", t.detach(), rank=0, placement="replicated")
 
+    def put_replicated(self, fq: str, t: torch.Tensor) -> None:
+        self.w.add(fq, t.detach().clone(), rank=0, placement="replicated")
+
+    def set_values(self, msd: dict, stage: int, scaler: dict) -> None:
+        """The model's step counters and the optimizer's document (groups, state, loss scaler)."""
+        w, mk, optimizer_key = self.w, self.mk, self.optimizer_key
         counters = {k: int(msd[k]) for k in ("global_steps", "global_samples", "skipped_steps") if isinstance(msd.get(k), int)}
         w.set_value(mk, {"deepspeed": counters}, f"deepspeed_zero{stage}")
-        if optimizer_key is not None:
-            groups = []
-            for g in range(max(hyper, default=-1) + 1):
-                def put_group(fq, t):
-                    w.add(fq, t.detach().clone(), rank=0, placement="replicated")
-
-                groups.append(encode_value(hyper.get(g, {}), f"{optimizer_key}.groups.{g}", put_group))
-            doc = {"groups": groups, "group_of": group_of, "state": state_docs}
-            if scaler:  # fp16 dynamic loss scaling, restored into a DeepSpeed engine
-                doc["deepspeed"] = {"loss_scaler": scaler}
-            w.set_value(optimizer_key, doc, f"deepspeed_zero{stage}")
-        manifest = w.commit()
-    result.tensors = len(manifest.tensors)
-    result.bytes = w.bytes_written
-    return result
+        if optimizer_key is None:
+            return
+        groups = [
+            encode_value(self.hyper.get(g, {}), f"{optimizer_key}.groups.{g}", self.put_replicated)
+            for g in range(max(self.hyper, default=-1) + 1)
+        ]
+        doc = {"groups": groups, "group_of": self.group_of, "state": self.state_docs}
+        if scaler:  # fp16 dynamic loss scaling, restored into a DeepSpeed engine
+            doc["deepspeed"] = {"loss_scaler": scaler}
+        w.set_value(optimizer_key, doc, f"deepspeed_zero{stage}")
 
 
 _KNOWN_MODEL_KEYS = {

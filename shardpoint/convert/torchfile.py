@@ -162,8 +162,36 @@ def import_torch(
     if not top and not isinstance(obj, dict):
         raise ConversionError(f"{src} holds a {type(obj).__name__}, not a dict; pass --prefix model. (or another key)")
     names = NameMap(prefix, parse_rename(rename), tuple(keys), tuple(exclude))
-    flat = bool(rename)
     result = ImportResult(path)
+    leaves, tensors = _leaves(src, obj, top, names, bool(rename), result)
+    counts = Counter(n for n, _ in tensors)
+    dup = {n for n, c in counts.items() if c > 1}
+    if dup:
+        raise ConversionError(f"{src}: several tensors map to {sorted(dup)[:5]}")
+    if "://" not in path:
+        prepare_output_dir(path, force)
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    written: set[str] = set()
+    with CheckpointWriter(path, block_size=block_size, layout={"source": "torch"}) as w, progress(total, "import torch", quiet) as bar:
+        for name, t in tensors:
+            t = cast(t, dtype)
+            w.add(name, t)
+            written.add(name)
+            n = t.numel() * t.element_size()
+            result.bytes += n
+            bar.update(n)
+        for key, doc in encode_entries(leaves, written, src).items():
+            w.set_value(key, doc, kind="values")
+        w.commit()
+    result.tensors = len(written)
+    return result
+
+
+def _leaves(src: str, obj: Any, top: str, names: NameMap, flat: bool, result: ImportResult) -> tuple[list, list]:
+    """The document leaves to store (tensors as ``meta`` stand-ins) and the tensors by stored name.
+
+    Leaves the manifest cannot store without pickle are listed as skipped in ``result``.
+    """
     leaves: list[tuple[tuple, Any]] = []
     tensors: list[tuple[str, torch.Tensor]] = []
     for p, leaf in walk(obj):
@@ -186,24 +214,4 @@ def import_torch(
             leaves.append((newp, leaf))
         else:
             result.skipped.append(f"{raw} ({type(leaf).__qualname__})")
-    counts = Counter(n for n, _ in tensors)
-    dup = {n for n, c in counts.items() if c > 1}
-    if dup:
-        raise ConversionError(f"{src}: several tensors map to {sorted(dup)[:5]}")
-    if "://" not in path:
-        prepare_output_dir(path, force)
-    total = sum(t.numel() * t.element_size() for _, t in tensors)
-    written: set[str] = set()
-    with CheckpointWriter(path, block_size=block_size, layout={"source": "torch"}) as w, progress(total, "import torch", quiet) as bar:
-        for name, t in tensors:
-            t = cast(t, dtype)
-            w.add(name, t)
-            written.add(name)
-            n = t.numel() * t.element_size()
-            result.bytes += n
-            bar.update(n)
-        for key, doc in encode_entries(leaves, written, src).items():
-            w.set_value(key, doc, kind="values")
-        w.commit()
-    result.tensors = len(written)
-    return result
+    return leaves, tensors

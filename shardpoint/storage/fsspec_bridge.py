@@ -405,5 +405,9 @@ class FsspecStorage(Storage):
         c = FsspecStorage(self.fs, f"{self.root}/{sub}", max_concurrency=self._max_concurrency,
                           read_part_size=self._read_part_size)
         c.stats = self.stats
-        c._pool_box = self._pool_box
+        c._share_pool(self._pool_box)
         return c
+
+    def _share_pool(self, pool_box: Any) -> None:
+        """Use the parent's thread pool instead of starting one per child."""
+        self._pool_box = pool_box

@@ -352,5 +352,9 @@ class LocalStorage(Storage):
     def child(self, sub: str) -> "LocalStorage":
         child = LocalStorage(os.path.join(self.root, sub), self.options)
         child.stats = self.stats
-        child._direct = self._direct
+        child._share_direct(self._direct)
         return child
+
+    def _share_direct(self, direct: Any) -> None:
+        """Use the parent's direct-I/O state, so a child learns what the parent learned."""
+        self._direct = direct

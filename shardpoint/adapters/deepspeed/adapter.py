@@ -318,11 +318,23 @@ class DeepSpeedAdapter:
             # ZeRO-1/2 keep per-parameter views of the state (for safe_get_full_optimizer_state and
             # universal checkpoints): point them at the new state tensors (local, no collective).
             if hasattr(zopt, "_hp_optimizer_states_linked"):
-                zopt._hp_optimizer_states_linked = False
-                relink = getattr(zopt, "_lazy_init_hp_params_optimizer_state", None)
-                if relink is not None and all(zopt.optimizer.state.get(f) for f in zopt.single_partition_of_fp32_groups):
-                    relink()
+                _relink_state_views(zopt)
             return zopt
 
         part.finish = finish
         return part
+
+
+def _relink_state_views(zopt: Any) -> None:
+    """Point a ZeRO-1/2 optimizer's per-parameter state views at its (new) state tensors.
+
+    Uses DeepSpeed's public linkage function, as its own lazy linking does,
+    so that no private flag of the optimizer is written from here.
+    """
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    state = zopt.optimizer.state
+    if not all(state.get(f) for f in zopt.single_partition_of_fp32_groups):
+        return
+    for i, _ in enumerate(zopt.optimizer.param_groups):
+        lazy_init_hp_params_optimizer_state(zopt.bit16_groups[i], zopt.single_partition_of_fp32_groups[i], state)

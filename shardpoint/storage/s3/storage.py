@@ -447,10 +447,14 @@ class S3Storage(Storage):
         c = S3Storage.__new__(S3Storage)
         Storage.__init__(c)
         c.bucket, c.shared, c.stats = self.bucket, self.shared, self.stats
-        c.prefix = f"{self._root}{sub}"
-        c._root = c.prefix + "/"
-        c.url = f"s3://{self.bucket}/{c.prefix}"
+        c._place(f"{self._root}{sub}")
         return c
+
+    def _place(self, prefix: str) -> None:
+        """Set the key prefix this storage reads and writes under (its ``url`` follows)."""
+        self.prefix = prefix
+        self._root = prefix + "/"
+        self.url = f"s3://{self.bucket}/{prefix}"
 
     # --- lifecycle ----------------------------------------------------------------
     def close(self) -> None:

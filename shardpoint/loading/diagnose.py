@@ -1,19 +1,11 @@
-"""Helpers of :func:`shardpoint.load` and :func:`shardpoint.read_tensor`: key selection, targets, checks."""
+"""The load's typed errors: what a path holds instead of a checkpoint, key mismatches, state not restored."""
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
 import logging
 import os
-from typing import Any, Iterable, MutableMapping
 
-import torch
-from torch import nn
-
-from .adapters import AdapterContext, unwrap_module
-from .adapters.megatron import is_megatron, megatron_global_shapes
-from .errors import (
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -21,15 +13,12 @@ from .errors import (
     KeyMismatchError,
     StateNotRestoredError,
 )
-from .format.manifest import Manifest, TensorMeta
-from .geometry import Box
-from .storage import Storage
+from ..format.manifest import TensorMeta
+from ..geometry import Box
+from ..storage import Storage
+from .names import suggestions
 
-__all__ = [
-    "entry_selected", "name_selected", "entry_keys", "param_names", "physical_shapes", "materialize_meta",
-    "check_provided", "close_names", "suggestions", "check_patterns", "missing_manifest_error",
-    "key_mismatch", "not_restored",
-]
+__all__ = ["check_provided", "missing_manifest_error", "key_mismatch", "not_restored"]
 
 log = logging.getLogger("shardpoint")
 
@@ -37,52 +26,6 @@ log = logging.getLogger("shardpoint")
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 # What a shardpoint save leaves in a checkpoint folder before its manifest: its claim and its data files.
 SAVE_TRACES = (".claim", "data/", "index/")
-
-
-def entry_selected(key: str, patterns: list[str]) -> bool:
-    """Whether ``keys=`` patterns select anything under the top-level entry ``key``."""
-    return any(fnmatch.fnmatchcase(key, p) or p.startswith(key + ".") or fnmatch.fnmatchcase(key + ".x", p) for p in patterns)
-
-
-def name_selected(name: str, patterns: list[str]) -> bool:
-    """Whether ``keys=`` patterns select the tensor or entry ``name``."""
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def entry_keys(manifest: Manifest) -> list[str]:
-    """Every top-level key of the checkpoint: entries with values, and the tops of tensor names."""
-    keys = dict.fromkeys(manifest.values)
-    keys.update(dict.fromkeys(f.split(".", 1)[0] for f in manifest.tensors))
-    return list(keys)
-
-
-def param_names(opt: torch.optim.Optimizer, ctx: AdapterContext) -> list[str]:
-    """The state names of ``opt``'s parameters (those a module in the state owns)."""
-    names = (ctx.param_names.get(id(p)) for g in opt.param_groups for p in g["params"])
-    return [n for n in names if n is not None]
-
-
-def physical_shapes(state) -> dict[str, tuple]:
-    """Global shapes of the modules' tensors by name, as layout rules see the target."""
-    shapes = {}
-    for key, obj in state.items():
-        if isinstance(obj, nn.Module):
-            if is_megatron(unwrap_module(obj)):  # local TP shards and stage-local layer names
-                shapes.update(megatron_global_shapes(key, unwrap_module(obj)))
-                continue
-            for n, t in unwrap_module(obj).state_dict().items():
-                if isinstance(t, torch.Tensor):
-                    shapes[f"{key}.{n}"] = tuple(t.shape)
-    return shapes
-
-
-def materialize_meta(state: MutableMapping[str, Any]) -> None:
-    """Give modules on the ``meta`` device real (uninitialised) CPU storage to load into."""
-    for obj in state.values():
-        if isinstance(obj, nn.Module):
-            m = unwrap_module(obj)
-            if any(t.is_meta for t in m.parameters()) or any(t.is_meta for t in m.buffers()):
-                m.to_empty(device=torch.device("cpu"))
 
 
 def check_provided(storage: Storage, meta: TensorMeta, name: str, box: Box) -> None:
@@ -115,52 +58,6 @@ def check_provided(storage: Storage, meta: TensorMeta, name: str, box: Box) -> N
                 f"{storage.url}: data file {c.file} of tensor {name!r} is shorter than the manifest says "
                 f"(truncated?): its chunk bytes [{c.offset}, {c.offset + c.nbytes}) run past its {sizes[c.file]} bytes"
             )
-
-
-def close_names(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
-    """The names of ``candidates`` closest to ``name`` (a typo's likely fix), best first.
-
-    Example::
-
-        close_names("model.layr.0.w", ["model.layer.0.w", "model.head.w"])  # ['model.layer.0.w']
-    """
-    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.6)
-
-
-def suggestions(names: Iterable[str], candidates: Iterable[str], limit: int = 5) -> str:
-    """``"; did you mean 'a.b' for 'a.c'?"`` for the first ``limit`` of ``names`` with a close candidate, else ``""``.
-
-    Example::
-
-        suggestions(["model.wieght"], ["model.weight"])  # "; did you mean 'model.weight' for 'model.wieght'?"
-    """
-    pool = list(candidates)
-    hints = []
-    for name in list(names)[:limit]:
-        close = close_names(name, pool, 1)
-        if close:
-            hints.append(f"{close[0]!r} for {name!r}")
-    return f"; did you mean {', '.join(hints)}?" if hints else ""
-
-
-def check_patterns(where: str, patterns: list[str], manifest: Manifest, strict: bool) -> None:
-    """Raise (``strict``) or log for ``keys=`` patterns that select nothing in the checkpoint (typos, most likely).
-
-    The message suggests the closest names and name prefixes (``model.layers.*``).
-
-    Example::
-
-        check_patterns("ckpt", ["model.layrs.*"], manifest, strict=True)  # KeyMismatchError
-    """
-    names = list(manifest.tensors) + list(manifest.values)
-    bad = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) or n.startswith(p + ".") for n in names)]
-    if not bad:
-        return
-    prefixes = {".".join(n.split(".")[:i]) + ".*" for n in names for i in range(1, n.count(".") + 1)}
-    msg = f"{where}: keys= pattern(s) {bad} select nothing in the checkpoint{suggestions(bad, names + sorted(prefixes))}"
-    if strict:
-        raise KeyMismatchError(msg + " (pass strict=False to load what the other patterns select)", bad, [])
-    log.warning("%s", msg)
 
 
 def missing_manifest_error(storage: Storage) -> CheckpointError:
@@ -219,7 +116,7 @@ def _convert_hint(names: list[str]) -> str:
 
 def _run_folder_error(storage: Storage, names: list[str]) -> CheckpointError | None:
     """The error for a manager's run folder (``step_XXXXXXXX`` folders under it), listing its steps."""
-    from .manager.layout import STEP_PATTERN, committed_steps, step_folder  # the manager imports this module's users
+    from ..manager.layout import STEP_PATTERN, committed_steps, step_folder  # the manager imports this module's users
 
     if not any(STEP_PATTERN.match(n.split("/", 1)[0]) for n in names):
         return None

@@ -1,0 +1,210 @@
+"""One load, as a transaction with named phases.
+
+:class:`LoadTransaction` runs ``enter`` (the ranks agree on the call),
+``read_manifest`` (rank 0 reads it, every rank gets it), ``plan`` (targets
+from the state, checked collectively so that the shared read starts on
+every rank or on none), ``agree`` (names unexpected on every rank),
+``read`` (indexes, bytes, checksums), ``land`` (the objects install what
+was read, and the load proves it reached the live state) and ``finish``
+(the state is updated, timings and metrics are emitted). Every phase that
+can fail on one rank runs guarded and meets the others in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, MutableMapping, Sequence
+
+from ..adapters import WholeEntry
+from ..adapters.landing import entry_tensors, live_storages, unlanded
+from ..adapters.loading import materialize_meta
+from ..dist import Comm, raise_if_failed, run_guarded
+from ..engine.indexes import IndexReader, resolve, wanted_box
+from ..engine.load import execute_reads
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.strict import Limits
+from ..geometry import Box
+from ..monitor import Recorder, format_summary
+from ..progress import LOAD_PHASES, progress_for
+from ..save_steps import mark_phase
+from ..storage import Storage, storage_for
+from .diagnose import key_mismatch, missing_manifest_error, not_restored
+from .entries import plan_entries
+from .names import check_patterns, entry_keys
+from .result import LoadResult
+
+__all__ = ["LoadTransaction", "manifest_bytes"]
+
+log = logging.getLogger("shardpoint")
+
+
+def manifest_bytes(storage: Storage) -> bytes:
+    """The committed manifest's bytes, bounded; a path without one raises the error saying what it holds.
+
+    Example::
+
+        manifest = Manifest.from_json(manifest_bytes(storage_for("ckpt/step_100")), "ckpt/step_100")
+    """
+    try:
+        return storage.get_limited(MANIFEST_NAME, Limits.from_env().manifest_bytes)
+    except (FileNotFoundError, NotADirectoryError):
+        raise missing_manifest_error(storage) from None
+
+
+class LoadTransaction:
+    """One call of :func:`shardpoint.load` on one rank; :meth:`run` runs its phases in order.
+
+    The arguments mean what they mean for :func:`shardpoint.load`; the state
+    has been checked by the caller.
+
+    Example::
+
+        result = LoadTransaction("ckpt/step_100", state).run()
+        print(result.bytes_read, result.state is state)
+    """
+
+    def __init__(
+        self,
+        path: str | Storage,
+        state: MutableMapping[str, Any],
+        *,
+        process_group: Any = None,
+        strict: bool = True,
+        allow_pickle: bool = False,
+        verify: bool = True,
+        share_reads: bool | str = "auto",
+        keys: str | Sequence[str] | None = None,
+        layouts: Sequence[Any] = (),
+        collective_timeout: float | None = None,
+        progress: bool = False,
+        trace_dir: str | None = None,
+        on_metrics: Any = None,
+    ) -> None:
+        self.path, self.state, self.process_group = path, state, process_group
+        self.strict, self.allow_pickle, self.verify, self.share_reads = strict, allow_pickle, verify, share_reads
+        self.selected = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
+        self.layouts, self.collective_timeout, self.progress = layouts, collective_timeout, progress
+        self.trace_dir, self.on_metrics = trace_dir, on_metrics
+        self.fill: MutableMapping[str, Any] | None = None  # the caller's empty dict, under a non-strict load
+        self.parts: dict = {}
+        self.bar = None
+
+    def run(self) -> LoadResult:
+        """Run every phase; the result's ``state`` is what :func:`shardpoint.load` returns."""
+        self.enter()
+        self.read_manifest()
+        self.plan()
+        self.agree()
+        self.bar = progress_for(self.progress, self.comm.rank, f"load {self.where}", LOAD_PHASES, self.result.recorder)
+        with self.bar or contextlib.nullcontext():  # a failed read closes the bar without a "done" line
+            values = self.comm.check(run_guarded(self.read_and_land), f"load of {self.where}")
+        return self.finish(values)
+
+    def enter(self) -> None:
+        """Resolve the ranks and the storage; every rank agrees that it entered this load of this path."""
+        self.comm = Comm.resolve(self.process_group)
+        self.storage = storage_for(self.path)
+        self.where = self.storage.url
+        self.comm.enter("load", self.where, self.collective_timeout)
+        self.t0 = time.monotonic()
+
+    def read_manifest(self) -> None:
+        """Rank 0 reads the manifest and sends it to all; an empty non-strict state asks for every entry."""
+        comm, where = self.comm, self.where
+        got = run_guarded(lambda: manifest_bytes(self.storage)) if comm.rank == 0 else None
+        if comm.world == 1 and got is not None and not got.ok:
+            raise got.exc
+        got = comm.broadcast(got.sendable() if comm.rank == 0 else None)
+        raise_if_failed([got], f"load of {where}")
+        self.manifest = Manifest.from_json(got.value, where)
+        if not self.state and not self.strict:  # nothing to restore into: return every entry as saved
+            self.fill, self.state = self.state, {k: WholeEntry() for k in entry_keys(self.manifest)}
+        self.result = LoadResult(where, recorder=Recorder("load", where, comm.rank))
+        mark_phase(self.result, "manifest", self.t0)
+
+    def plan(self) -> None:
+        """Targets for every entry on this rank, checked collectively: the read starts on every rank or on none."""
+        if self.selected is not None:
+            check_patterns(self.where, self.selected, self.manifest, self.strict)
+        materialize_meta(self.state)
+        tp = time.monotonic()
+        self.parts = self.comm.check(run_guarded(self.plan_local), f"load of {self.where}")
+        mark_phase(self.result, "prepare", tp)
+
+    def plan_local(self) -> dict:
+        """This rank's part of :meth:`plan`; a missing name fails a strict load here."""
+        plan = plan_entries(
+            self.state, self.manifest, rank=self.comm.rank, world=self.comm.world, allow_pickle=self.allow_pickle,
+            layouts=self.layouts, selected=self.selected, where=self.where,
+        )
+        self.result.missing, self.result.unexpected = sorted(plan.missing), sorted(plan.unexpected)
+        if plan.missing and self.strict:
+            key_mismatch(self.where, plan.missing, plan.unexpected, self.strict)
+        return plan.parts
+
+    def agree(self) -> None:
+        """Keep as unexpected only what no rank loads (each pipeline stage loads only its own layers)."""
+        result = self.result
+        result.unexpected = sorted(set.intersection(*(set(u) for u in self.comm.all_gather(result.unexpected))))
+        if result.missing or result.unexpected:
+            key_mismatch(self.where, result.missing, result.unexpected, self.strict)
+
+    def read_and_land(self) -> dict:
+        """:meth:`read`, then :meth:`land`: the new value of every loaded entry."""
+        self.read()
+        return self.land()
+
+    def read(self) -> None:
+        """Resolve the chunks the targets need from the index files, then read, verify and copy them."""
+        result, storage, where = self.result, self.storage, self.where
+        tr = time.monotonic()
+        targets = [t for p in self.parts.values() for t in p.targets]
+        if self.bar is not None:
+            self.bar.set_total(sum(t.dest.numel() * t.dest.element_size() for t in targets))
+        wants: dict[str, list[Box]] = {}
+        for t in targets:
+            wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
+        ti = time.monotonic()
+        reader = IndexReader(storage, self.manifest, where)
+        resolved = resolve(storage, self.manifest, wants, where, reader)
+        result.index_bytes = reader.bytes_read
+        mark_phase(result, "index", ti, reader.bytes_read)
+        stats = execute_reads(
+            storage, resolved, targets, where, self.verify, comm=self.comm, share=self.share_reads, recorder=result.recorder,
+        )
+        result.bytes_read, result.bytes_needed = stats.bytes_read, stats.bytes_needed
+        result.bytes_received = stats.bytes_received
+        mark_phase(result, "read", tr)
+
+    def land(self) -> dict:
+        """The objects install what was read; every target must then be live state (else not restored)."""
+        values = {key: p.finish() for key, p in self.parts.items()}
+        tl = time.monotonic()
+        bad: list[str] = []
+        for key, p in self.parts.items():
+            if p.landed is not None:
+                bad.extend(p.landed(p.targets))
+            else:
+                bad.extend(unlanded(p.targets, live_storages(entry_tensors(values[key]))))
+        mark_phase(self.result, "landing", tl)
+        self.result.not_restored = sorted(set(bad))
+        if bad:
+            not_restored(self.where, self.comm.rank, self.result.not_restored, self.strict)
+        return values
+
+    def finish(self, values: dict) -> LoadResult:
+        """Put the new values into the state, then record and emit the timings."""
+        state, result = self.state, self.result
+        for key, value in values.items():
+            state[key] = value
+        if self.fill is not None:  # entries that keys= left out stay out
+            self.fill.update({k: v for k, v in state.items() if not isinstance(v, WholeEntry)})
+            state = self.fill
+        mark_phase(result, "total", self.t0)
+        result.timings = result.recorder.summary()
+        result.recorder.emit(self.trace_dir, self.on_metrics)
+        result.state = state
+        log.info("rank %s read %s bytes from %s: %s", self.comm.rank, result.bytes_read, self.where, format_summary(result.timings))
+        return result
