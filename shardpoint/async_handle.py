@@ -26,9 +26,12 @@ class AsyncSaveHandle:
     snapshot copy, after which the state may be mutated.
     """
 
-    def __init__(self, path: str, result: SaveResult):
+    def __init__(self, path: str, result: SaveResult, device: Any = None):
         self.path = path
         self.result = result
+        self._device = device  # the saver's Device: how a step is ordered after the copy
+        self._queued = threading.Event()  # every lazy copy is queued; _copy_event completes them
+        self._copy_event: Any = None
         self._copied = threading.Event()
         self._written = threading.Event()
         self._finished = threading.Event()
@@ -57,6 +60,35 @@ class AsyncSaveHandle:
         """Block until the snapshot copy is complete; the state may then change."""
         if not self._copied.wait(timeout):
             raise TimeoutError(f"snapshot of {self.path} not finished within {timeout}s")
+
+    def copies_queued(self, event: Any) -> None:
+        """Told by the saver: every snapshot copy is queued, and ``event`` completes them all.
+
+        Example::
+
+            handle.copies_queued(staged.last_event)
+        """
+        self._copy_event = event
+        self._queued.set()
+
+    def before_step(self) -> None:
+        """The lazy save's optimizer step pre-hook: the step's updates run only after the snapshot copy.
+
+        On an asynchronous device the step's work waits for the copy's event
+        on the device, and the host goes on at once; elsewhere this is
+        :meth:`fence`.
+
+        Example::
+
+            opt.register_step_pre_hook(lambda *a, **k: handle.before_step())
+        """
+        dev = self._device
+        if dev is None or not dev.asynchronous:
+            return self.fence()
+        self._queued.wait()
+        if self._copy_event is None:
+            return self.fence()
+        dev.order_after(self._copy_event)
 
     def wait(self, timeout: float | None = None, tier: str | int | None = None) -> SaveResult:
         """Block until durable and committed; raise the background failure if any.

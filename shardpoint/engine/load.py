@@ -6,8 +6,9 @@ the byte spans each target needs, merged and ordered;
 need). This module binds the plan to the target tensors and runs it:
 
 - locally (:mod:`.read_local`): reader threads prefetch under a byte budget,
-  verify, and the loading thread copies into place; ranks walk the files in
-  staggered orders (:func:`~shardpoint.planning.reads.order_reads`); or
+  verify, and the loading thread copies into place (into an accelerator
+  through bounce buffers, :mod:`.landing`); ranks walk the files
+  in staggered orders (:func:`~shardpoint.planning.reads.order_reads`); or
 - shared, "read once" (:mod:`.read_shared`): each span needed by several
   ranks is read by one of them and sent to the others over the process group.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import socket
 import time
 from typing import Sequence
@@ -23,15 +25,20 @@ from typing import Sequence
 import torch
 import xxhash
 
+from ..device import Device, device_for, device_of
 from ..items import LoadTarget, dtype_name
 from ..dist import Comm
 from ..format.manifest import Manifest
 from ..planning.reads import DEFAULT_COALESCE, ReadTarget, order_reads, plan_chunk_reads
 from ..storage.base import Storage
+from .landing import Landing
 from .read_local import LoadStats, execute_local
 from .read_shared import exchange_only, execute_shared
 
-__all__ = ["LoadStats", "read_targets", "execute_reads"]
+__all__ = ["LoadStats", "read_targets", "execute_reads", "LANDING_THREADS"]
+
+# Reader threads when spans land on an accelerator: the copy engine outruns one reader many times over.
+LANDING_THREADS = max(2, min(8, os.cpu_count() or 2))
 
 
 def read_targets(targets: Sequence[LoadTarget]) -> list[ReadTarget]:
@@ -58,8 +65,13 @@ def execute_reads(
     window: int = 256 << 20,
     threads: int = 2,
     recorder=None,
+    device: Device | None = None,
 ) -> LoadStats:
     """Fill every target. ``share`` reads spans needed by several ranks only once.
+
+    Targets on an accelerator (or on ``device``, when given) are filled
+    through bounce buffers, copied in the background; the call
+    returns once every copy is complete.
 
     ``share="auto"`` shares unless every rank is on one host and the storage
     is page-cached (``Storage.page_cached``). With sharing and a process
@@ -71,8 +83,11 @@ def execute_reads(
     auto = share == "auto"
     if auto and not storage.page_cached:
         share, auto = True, False
+    if device is None:
+        where_dev = device_of(t.dest for t in targets)
+        device = None if where_dev.type == "cpu" else device_for(where_dev)
     with _gc_paused():
-        return _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder)
+        return _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder, device)
 
 
 @contextlib.contextmanager
@@ -111,7 +126,7 @@ def _plan(manifest: Manifest, targets: Sequence[LoadTarget], where: str, verify:
     return reads
 
 
-def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder) -> LoadStats:
+def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder, device) -> LoadStats:
     stats = LoadStats()
     t_plan = time.monotonic()
     # Backends with high per-request latency (object stores) ask for more reads in flight
@@ -140,5 +155,12 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
             reads = order_reads(reads, comm.rank, comm.world, dict(manifest.files), manifest.world_size)
         if recorder is not None:
             recorder.add("plan", t_plan, time.monotonic())
-        execute_local(storage, reads, targets, block, verify, where, stats, window, threads, recorder)
+        if device is None:
+            execute_local(storage, reads, targets, block, verify, where, stats, window, threads, recorder)
+            return stats
+        landing = Landing(device, window)
+        try:
+            execute_local(storage, reads, targets, block, verify, where, stats, window, max(threads, LANDING_THREADS), recorder, landing)
+        finally:
+            landing.finish()
     return stats
