@@ -14,6 +14,8 @@ run on one more thread, so hashing a piece overlaps writing the one before.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import os
 import queue
 import threading
 import time
@@ -28,17 +30,23 @@ from ..items import SaveTensor
 from ..storage.base import Storage
 from .staging import StagingRing
 
-__all__ = ["StagedWrite", "SinkThread"]
+__all__ = ["StagedWrite", "SinkThread", "WRITE_THREADS", "SPLIT_BYTES"]
 
 _END = object()
+WRITE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))  # parallel writes of one file, where the storage takes them
+SPLIT_BYTES = 4 << 20  # no parallel write smaller than this
 
 
 class SinkThread:
-    """Storage writes on a thread of their own, in order; ``then(fn)`` runs ``fn`` once all earlier bytes are written.
+    """Storage writes off the hashing thread; ``then(fn)`` runs ``fn`` once all earlier bytes are written.
 
     The hashing thread hands bytes over with :meth:`write` and goes on with
-    the next piece. :meth:`close` waits for the last write and raises what
-    the writing thread raised; :attr:`error` is set as soon as a write failed.
+    the next piece. A ``positional`` writer (:attr:`Writer.positional`) gets
+    each piece split over ``threads`` threads, each writing at its own
+    offset, so one file is written as fast as the storage takes parallel
+    writes; any other writer gets the pieces in order on one thread.
+    :meth:`close` waits for the last write and raises what a writing thread
+    raised; :attr:`error` is set as soon as a write failed.
 
     Example::
 
@@ -46,10 +54,13 @@ class SinkThread:
         sink.write(b"abc"); sink.then(lambda: ring.release(slot)); sink.close()
     """
 
-    def __init__(self, writer: Any, on_error: Callable[[], None] | None = None):
+    def __init__(self, writer: Any, on_error: Callable[[], None] | None = None, threads: int | None = None):
         self.writer = writer
         self.on_error = on_error  # unblocks whoever waits for space the failed writes would free
         self.error: BaseException | None = None
+        self.pos = 0
+        self._threads = max(1, int(WRITE_THREADS if threads is None else threads))
+        self._pool = cf.ThreadPoolExecutor(self._threads, "shardpoint-pwrite") if writer.positional and self._threads > 1 else None
         self._q: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="shardpoint-write", daemon=True)
         self._thread.start()
@@ -64,6 +75,9 @@ class SinkThread:
             try:
                 if kind == "w":
                     self.writer.write(item)
+                elif kind == "p":
+                    for f in item:  # this piece's parallel writes, in order: earlier bytes are written first
+                        f.result()
                 else:
                     item()
             except BaseException as e:  # noqa: BLE001 - raised by close() or seen through .error
@@ -72,10 +86,18 @@ class SinkThread:
                     self.on_error()
 
     def write(self, data: Any) -> None:
-        """Queue ``data`` to be written after everything queued before it."""
+        """Queue ``data`` to be written after (or, positional, beside) everything queued before it."""
         if self.error is not None:
             raise self.error
-        self._q.put(("w", data))
+        if self._pool is None:
+            self._q.put(("w", data))
+            return
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        step = max(SPLIT_BYTES, -(-n // self._threads))
+        futs = [self._pool.submit(self.writer.write_at, self.pos + a, mv[a : a + step]) for a in range(0, n, step)]
+        self.pos += n
+        self._q.put(("p", futs))
 
     def then(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the writing thread once everything queued before it is written."""
@@ -85,6 +107,8 @@ class SinkThread:
         """Wait for every queued write; raise the first write error."""
         self._q.put((_END, None))
         self._thread.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         if self.error is not None:
             raise self.error
 
