@@ -150,7 +150,9 @@ class AsyncSaver:
             self.prewarm(prewarm_state)
         elif prewarm:
             self._workers()  # local only: threads and staging memory, no group (see the class docs)
-            self.staging.ring_for().warm(0)
+            ring = self.staging.ring_for()
+            if not (self.staging.auto and ring.device.pins):  # an automatic pinned budget waits for the state's size
+                ring.warm(0)
 
     def prewarm(self, state: MutableMapping[str, Any] | None = None, process_group: Any = None) -> Prewarmed:
         """Make now what the first save would make; return what is ready (also kept as ``self.prewarmed``).

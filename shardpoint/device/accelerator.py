@@ -85,6 +85,10 @@ class AcceleratorDevice(Device):
         where = torch.device(where)
         return where.type == self.type and (where.index is None or where.index == self.device.index)
 
+    def held_size(self, nbytes: int) -> int:
+        # PyTorch's pinned allocator hands out blocks rounded up to a power of two.
+        return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
+
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 

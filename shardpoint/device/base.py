@@ -97,14 +97,18 @@ class Device(abc.ABC):
         with self._lock:
             self.host_allocations += 1
             if self.pins:
-                self.pinned_bytes += int(nbytes)
+                self.pinned_bytes += self.held_size(int(nbytes))
         return buf
 
     def free_host_buffer(self, buf: torch.Tensor) -> None:
         """Give back a buffer from :meth:`host_buffer` (its bytes leave ``pinned_bytes``); the caller drops it."""
         if self.pins:
             with self._lock:
-                self.pinned_bytes -= buf.numel()
+                self.pinned_bytes -= self.held_size(buf.numel())
+
+    def held_size(self, nbytes: int) -> int:
+        """The host bytes a buffer of ``nbytes`` really takes (an allocator may round it up)."""
+        return int(nbytes)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)

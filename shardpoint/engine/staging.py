@@ -211,8 +211,9 @@ class SaverStaging:
     The device is the one given, or learned from the first tensor of the
     first state seen (and learned again only if the state moves to another
     device). ``budget=None`` sizes the ring automatically: the default, or
-    a state's bytes when more, so that a whole snapshot fits and an eager
-    save never waits for storage; a given budget is kept as given. The ring
+    a state's bytes when more (rounded up to what the device's allocator
+    hands out), so that a whole snapshot fits and an eager save never waits
+    for storage; a given budget is kept as given. The ring
     is made once and kept; it is made again only for another device or a
     larger automatic budget, never from one save of the same state to the next.
 
@@ -245,11 +246,12 @@ class SaverStaging:
 
     def ring_for(self, need: int = 0) -> StagingRing:
         """The staging ring on the current device; with an automatic budget, holding ``need`` bytes."""
-        if self.auto and need > self.budget:
-            self.budget = -(-need // _ROUND) * _ROUND
-            self.piece = max(1, min(self.max_piece, self.budget // 2 or 1))
         if self.device is None:
             self.device = device_for(None)
+        if self.auto and need > self.budget:
+            # All of what the device's allocator hands out anyway (a pinned block is a power of two).
+            self.budget = self.device.held_size(-(-need // _ROUND) * _ROUND)
+            self.piece = max(1, min(self.max_piece, self.budget // 2 or 1))
         ring = self.ring
         if ring is None or ring.device is not self.device or ring.capacity < self.budget:
             if ring is not None:

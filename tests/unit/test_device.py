@@ -148,3 +148,9 @@ def test_optimizer_order_puts_copies_in_update_order():
     items = [_Item(m1), _Item(other), _Item(p1), _Item(m0), _Item(p0)]
     got = optimizer_order(items, [p0, m0, p1, m1])
     assert [it.data for it in got] == [p0, m0, p1, m1, other]
+
+
+def test_accelerator_accounting_counts_what_the_pinned_allocator_hands_out():
+    # Only the size rule: no accelerator is needed to check it.
+    rule = AcceleratorDevice.held_size
+    assert [rule(None, n) for n in (0, 1, 4096, 4097, 2_420_000_000)] == [0, 1, 4096, 8192, 1 << 32]
