@@ -35,10 +35,14 @@ from .landing import Landing
 from .read_local import LoadStats, execute_local
 from .read_shared import exchange_only, execute_shared
 
-__all__ = ["LoadStats", "read_targets", "execute_reads", "LANDING_THREADS"]
+__all__ = ["LoadStats", "read_targets", "execute_reads", "DEFAULT_WINDOW", "LANDING_THREADS", "LANDING_WINDOW"]
 
-# Reader threads when spans land on an accelerator: the copy engine outruns one reader many times over.
+DEFAULT_WINDOW = 256 << 20  # bytes read ahead of the copies
+
+# Reader threads and read-ahead when spans land on an accelerator: the copy engine outruns one
+# reader many times over, so enough reads of whole chunks run at once to keep it busy.
 LANDING_THREADS = max(2, min(8, os.cpu_count() or 2))
+LANDING_WINDOW = 512 << 20
 
 
 def read_targets(targets: Sequence[LoadTarget]) -> list[ReadTarget]:
@@ -62,7 +66,7 @@ def execute_reads(
     verify: bool = True,
     comm: Comm | None = None,
     share: bool | str = "auto",
-    window: int = 256 << 20,
+    window: int = DEFAULT_WINDOW,
     threads: int = 2,
     recorder=None,
     device: Device | None = None,
@@ -158,6 +162,7 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
         if device is None:
             execute_local(storage, reads, targets, block, verify, where, stats, window, threads, recorder)
             return stats
+        window = max(window, LANDING_WINDOW) if window == DEFAULT_WINDOW else window
         landing = Landing(device, window)
         try:
             execute_local(storage, reads, targets, block, verify, where, stats, window, max(threads, LANDING_THREADS), recorder, landing)

@@ -186,14 +186,17 @@ class StagedWrite:
         self.failed.set()
         self.ring.close()
 
-    def write(self, threaded: bool = False) -> None:
+    def write(self, threaded: bool | None = None) -> None:
         """Drain the queue into the data file; raises what the copier raised.
 
         ``threaded`` writes to storage on a :class:`SinkThread` while this
-        thread hashes the next piece.
+        thread hashes the next piece; by default where the machine has the
+        cores for parallel writes (:data:`WRITE_THREADS` above one).
         """
         writer = None
         sink = None
+        if threaded is None:
+            threaded = WRITE_THREADS > 1
         try:
             writer = self.storage.open_writer(self.file)
             sink = SinkThread(writer, self.ring.close) if threaded else None
