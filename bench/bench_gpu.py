@@ -208,7 +208,12 @@ class Mode:
             self.pending = h
             threading.Thread(target=lambda: (h.wait(), durable.append(time.perf_counter() - t_call)), daemon=True).start()
         else:
-            fut = dcp.async_save(dcp_state(self.model, self.opt), checkpoint_id=path)
+            ret = dcp.async_save(dcp_state(self.model, self.opt), checkpoint_id=path)
+            # A Future, or (with an asynchronous stager) a response whose staging must end before the step.
+            fut = getattr(ret, "upload_completion", ret)
+            staging = getattr(ret, "staging_completion", None)
+            if staging is not None:
+                staging.result()
             self.pending = fut
             fut.add_done_callback(lambda _f: durable.append(time.perf_counter() - t_call))
 

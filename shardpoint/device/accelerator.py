@@ -21,12 +21,13 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from .base import Completed, CopyEvent, Device
+from .base import Completed, CopyEvent, Device, flat_bytes
 
 __all__ = ["AcceleratorDevice", "StreamEvent"]
 
@@ -105,25 +106,39 @@ class AcceleratorDevice(Device):
         ev.record(self._current_stream())
         return StreamEvent(ev)
 
-    def _on_stream(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None) -> CopyEvent:
+    @contextlib.contextmanager
+    def _on_copy_stream(self, after: CopyEvent | None) -> Iterator[None]:
+        """Work queued inside runs on the copy stream, after ``after``; the caller's stream is restored after."""
         if isinstance(after, StreamEvent):
             self.stream.wait_event(after.raw)
-        ev = self._event()
         if self._cuda:
             with torch.cuda.stream(self.stream):
-                dst.copy_(src, non_blocking=True)
-                ev.record(self.stream)
-            return StreamEvent(ev)
+                yield
+            return
         prev_index = torch.accelerator.current_device_index()
         prev = torch.accelerator.current_stream(self.device)
         torch.accelerator.set_stream(self.stream)
         try:
-            dst.copy_(src, non_blocking=True)
-            ev.record(self.stream)
+            yield
         finally:
             torch.accelerator.set_stream(prev)
             torch.accelerator.set_device_index(prev_index)
+
+    def _on_stream(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None) -> CopyEvent:
+        ev = self._event()
+        with self._on_copy_stream(after):
+            dst.copy_(src, non_blocking=True)
+            ev.record(self.stream)
         return StreamEvent(ev)
+
+    def byte_view(self, t: torch.Tensor, after: CopyEvent | None = None) -> tuple[torch.Tensor, bool]:
+        if t.is_contiguous() or not self.owns(t):
+            return flat_bytes(t)
+        # The contiguous copy runs on the copy stream after the snapshot point: it then holds the
+        # values as of the call even when made from a worker thread, whose current stream is another.
+        with self._on_copy_stream(after):
+            raw, _ = flat_bytes(t)
+        return raw, True
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
         if src.device.type == "cpu":  # a host tensor in a device state (a step counter): plain copy

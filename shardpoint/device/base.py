@@ -28,7 +28,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["CopyEvent", "Completed", "Device"]
+__all__ = ["CopyEvent", "Completed", "Device", "flat_bytes"]
+
+
+def flat_bytes(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``t``'s bytes as a flat uint8 tensor on ``t``'s device, and whether it is a temporary.
+
+    A strided tensor is made contiguous first: that copy is a temporary the
+    caller must keep alive until any copy reading it completes
+    (:meth:`Device.keep_alive`).
+
+    Example::
+
+        raw, temporary = flat_bytes(torch.ones(2, 3).t())  # temporary is True
+    """
+    t = t.detach()
+    temporary = not t.is_contiguous()
+    if temporary:
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8), temporary
 
 
 class CopyEvent(abc.ABC):
@@ -120,6 +138,14 @@ class Device(abc.ABC):
     def serves(self, where: torch.device) -> bool:
         """Whether tensors on ``where`` are this device's."""
         return torch.device(where).type == self.type
+
+    def byte_view(self, t: torch.Tensor, after: CopyEvent | None = None) -> tuple[torch.Tensor, bool]:
+        """``t``'s bytes, flat, and whether they are a temporary (see :func:`~shardpoint.device.byte_view`).
+
+        A temporary is made where the copy that reads it will run, after
+        ``after``, so that it holds the values as of the snapshot point.
+        """
+        return flat_bytes(t)
 
     @abc.abstractmethod
     def snapshot_point(self) -> CopyEvent:

@@ -7,7 +7,7 @@ from typing import Any, Iterable
 import torch
 
 from .accelerator import AcceleratorDevice
-from .base import Device
+from .base import Device, flat_bytes
 from .cpu import CpuDevice
 
 __all__ = ["byte_view", "host_copy", "on_host", "device_of", "device_for"]
@@ -18,17 +18,14 @@ def byte_view(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
     A strided tensor is made contiguous first: that copy is a temporary the
     caller must keep alive until any copy reading it completes
-    (:meth:`Device.keep_alive`).
+    (:meth:`Device.keep_alive`). An accelerator makes it on its copy queue
+    instead (:meth:`Device.byte_view`).
 
     Example::
 
         raw, temporary = byte_view(torch.ones(2, 3).t())  # temporary is True
     """
-    t = t.detach()
-    temporary = not t.is_contiguous()
-    if temporary:
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8), temporary
+    return flat_bytes(t)
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:

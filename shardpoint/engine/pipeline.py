@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..device import Completed, CopyEvent, byte_view
+from ..device import Completed, CopyEvent
 from ..errors import ShapeMismatchError, StorageError
 from ..format.datafile import DataFileWriter
 from ..format.manifest import ChunkMeta
@@ -149,7 +149,7 @@ class StagedWrite:
                 if self.failed.is_set():
                     break
                 it = self.items[i]
-                raw, temporary = byte_view(it.data)
+                raw, temporary = dev.byte_view(it.data, self.after)
                 n = raw.numel()
                 if n != it.nbytes:
                     raise ShapeMismatchError(f"{it.fqn}: local data has {n} bytes, geometry says {it.nbytes}")
