@@ -151,7 +151,7 @@ class AsyncSaver:
         elif prewarm:
             self._workers()  # local only: threads and staging memory, no group (see the class docs)
             ring = self.staging.ring_for()
-            if not (self.staging.auto and ring.device.pins):  # an automatic pinned budget waits for the state's size
+            if not (self.staging.auto and ring.device.pins):  # an automatic budget on an accelerator waits for the state's size
                 ring.warm(0)
 
     def prewarm(self, state: MutableMapping[str, Any] | None = None, process_group: Any = None) -> Prewarmed:

@@ -249,7 +249,7 @@ class SaverStaging:
         if self.device is None:
             self.device = device_for(None)
         if self.auto and need > self.budget:
-            # All of what the device's allocator hands out anyway (a pinned block is a power of two).
+            # All of what the device's allocator hands out anyway (its host blocks come in powers of two).
             self.budget = self.device.held_size(-(-need // _ROUND) * _ROUND)
             self.piece = max(1, min(self.max_piece, self.budget // 2 or 1))
         ring = self.ring
