@@ -74,7 +74,6 @@ __all__ = ["AsyncSaver", "AsyncSaveHandle", "Prewarmed", "async_save", "default_
 log = logging.getLogger("shardpoint")
 
 
-
 @dataclass(frozen=True)
 class Prewarmed:
     """What :meth:`AsyncSaver.prewarm` made ready on this rank.

@@ -71,12 +71,13 @@ def test_eager_save_returns_only_when_the_copies_completed(tmp_path):
     saver.close()
 
 
-def test_lazy_save_orders_the_step_after_the_copy(tmp_path):
+@pytest.mark.parametrize("staging", [1 << 20, 12 << 10])  # the second is smaller than the state: the copier waits for the writer
+def test_lazy_save_orders_the_step_after_the_copy(tmp_path, staging):
     sim = SimulatedDevice(delay=0.005)
     m = _model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     _step(m, opt)
-    saver = sp.AsyncSaver(staging_bytes=1 << 20, piece_bytes=4 << 10, device=sim)
+    saver = sp.AsyncSaver(staging_bytes=staging, piece_bytes=4 << 10, device=sim)
     for k in range(2):
         expect = _snapshot(m, opt)
         h = saver.save(str(tmp_path / f"l{k}"), {"model": m, "optimizer": opt}, mode="lazy")
