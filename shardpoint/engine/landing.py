@@ -12,6 +12,7 @@ goes back to the device.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -20,7 +21,9 @@ from ..device import Completed, CopyEvent, Device
 from ..items import LoadTarget
 from .staging import Slot, StagingRing
 
-__all__ = ["Landing"]
+__all__ = ["Landing", "ALIGN"]
+
+ALIGN = 64  # slot alignment in bytes: every dtype's element size divides it
 
 
 class Landing:
@@ -49,14 +52,21 @@ class Landing:
         return bool(indexes) and all(self.device.owns(targets[i].dest) for i in indexes)
 
     def slot(self, n: int) -> Slot | None:
-        """``n`` bytes of the ring, waiting only for copies already queued; None when no room can come free."""
-        if n > self.ring.capacity:
+        """``n`` bytes of the ring, waiting only for copies already queued; None when no room can come free.
+
+        Slots start on an aligned offset, so that a typed view of the bytes
+        (any dtype) starts on its element boundary.
+        """
+        size = -(-n // ALIGN) * ALIGN
+        if size > self.ring.capacity:
             return None
         while True:
             self._reap()
-            got = self.ring.try_acquire(n)
-            if got is not None or not self._inflight:
-                return got
+            got = self.ring.try_acquire(size)
+            if got is not None:
+                return dataclasses.replace(got, view=got.view[:n])
+            if not self._inflight:
+                return None
             slot, ev = self._inflight.popleft()
             ev.synchronize()
             self.ring.release(slot)

@@ -161,6 +161,8 @@ def test_load_through_bounce_buffers_is_exact(tmp_path):
     torch.manual_seed(1)
     # Spans above the small-span batching size (256 KiB) are bounced; the small ones are copied directly.
     state = {f"t{i}": torch.randn(1031, 97 + i) for i in range(8)}
+    state["t3"] = torch.randn(1031, 131).to(torch.bfloat16)  # an odd number of 2-byte elements: the next slot must still align
+    state["t5"] = state["t5"].double()
     state["ints"] = torch.arange(1000, dtype=torch.int32)
     path = str(tmp_path / "ck")
     sp.save(path, {"extra": state})
