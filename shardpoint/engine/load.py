@@ -7,7 +7,7 @@ need). This module binds the plan to the target tensors and runs it:
 
 - locally (:mod:`.read_local`): reader threads prefetch under a byte budget,
   verify, and the loading thread copies into place (into an accelerator
-  through bounce buffers, :mod:`.landing`); ranks walk the files
+  through bounce buffers, :mod:`.bounce`); ranks walk the files
   in staggered orders (:func:`~shardpoint.planning.reads.order_reads`); or
 - shared, "read once" (:mod:`.read_shared`): each span needed by several
   ranks is read by one of them and sent to the others over the process group.
@@ -31,18 +31,18 @@ from ..dist import Comm
 from ..format.manifest import Manifest
 from ..planning.reads import DEFAULT_COALESCE, ReadTarget, order_reads, plan_chunk_reads
 from ..storage.base import Storage
-from .landing import Landing
+from .bounce import BounceRing
 from .read_local import LoadStats, execute_local
 from .read_shared import exchange_only, execute_shared
 
-__all__ = ["LoadStats", "read_targets", "execute_reads", "DEFAULT_WINDOW", "LANDING_THREADS", "LANDING_WINDOW"]
+__all__ = ["LoadStats", "read_targets", "execute_reads", "DEFAULT_WINDOW", "BOUNCE_THREADS", "BOUNCE_WINDOW"]
 
 DEFAULT_WINDOW = 256 << 20  # bytes read ahead of the copies
 
 # Reader threads and read-ahead when spans land on an accelerator: the copy engine outruns one
 # reader many times over, so enough reads of whole chunks run at once to keep it busy.
-LANDING_THREADS = max(2, min(8, os.cpu_count() or 2))
-LANDING_WINDOW = 512 << 20
+BOUNCE_THREADS = max(2, min(8, os.cpu_count() or 2))
+BOUNCE_WINDOW = 512 << 20
 
 
 def read_targets(targets: Sequence[LoadTarget]) -> list[ReadTarget]:
@@ -162,10 +162,10 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
         if device is None:
             execute_local(storage, reads, targets, block, verify, where, stats, window, threads, recorder)
             return stats
-        window = max(window, LANDING_WINDOW) if window == DEFAULT_WINDOW else window
-        landing = Landing(device, window)
+        window = max(window, BOUNCE_WINDOW) if window == DEFAULT_WINDOW else window
+        bounce = BounceRing(device, window)
         try:
-            execute_local(storage, reads, targets, block, verify, where, stats, window, max(threads, LANDING_THREADS), recorder, landing)
+            execute_local(storage, reads, targets, block, verify, where, stats, window, max(threads, BOUNCE_THREADS), recorder, bounce)
         finally:
-            landing.finish()
+            bounce.finish()
     return stats

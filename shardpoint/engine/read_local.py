@@ -6,7 +6,7 @@ straight into it; one whose bytes must be narrowed or hashed anyway is viewed
 in a mapping of its file where the backend offers one; the rest are read
 into buffers, neighbouring small spans with one request. Spans bound for an
 accelerator are read into bounce buffers and copied to the device in the
-background (:class:`~shardpoint.engine.landing.Landing`)
+background (:class:`~shardpoint.engine.bounce.BounceRing`)
 while the next spans are read. The plan (which
 spans, which segments, in which order) comes from
 :mod:`shardpoint.planning.reads`; its copy jobs name targets by index into
@@ -32,7 +32,7 @@ from ..planning.reads import ChunkRead, at_blocks, batch_reads, extent, fault_pi
 from ..storage.base import ShortReadError, Storage
 from ..format.datafile import ALIGN, verify_blocks
 from .io import dest_view, read_chunk_into, short_file_error
-from .landing import Landing
+from .bounce import BounceRing
 
 __all__ = ["LoadStats", "execute_local", "fetch", "whole_span", "count_read", "copy_timed", "copy_pairs", "map_span", "fault_in"]
 
@@ -267,17 +267,17 @@ def _submit(pool, storage: Storage, g, targets, block: int, verify: bool, where:
     return g, direct, fut, pv, slot
 
 
-def _bounce_slot(landing: Landing | None, g, targets, pending: list):
+def _bounce_slot(bounce: BounceRing | None, g, targets, pending: list):
     """A bounce slot for ``g`` when it lands on the device; ``False`` to wait for earlier spans first."""
-    if landing is None or len(g) != 1 or not landing.serves(targets, [j.target for j in g[0].jobs]):
+    if bounce is None or len(g) != 1 or not bounce.serves(targets, [j.target for j in g[0].jobs]):
         return None
-    slot = landing.slot(g[0].hi - g[0].lo)
+    slot = bounce.slot(g[0].hi - g[0].lo)
     return False if slot is None and pending else slot
 
 
 def execute_local(
     storage: Storage, reads: Sequence[ChunkRead], targets: Sequence[LoadTarget], block: int, verify: bool, where: str,
-    stats: LoadStats, window: int, threads: int, rec=None, landing: Landing | None = None,
+    stats: LoadStats, window: int, threads: int, rec=None, bounce: BounceRing | None = None,
 ) -> None:
     """Fetch in a thread pool, at most ``window`` bytes ahead of the copies.
 
@@ -288,7 +288,7 @@ def execute_local(
     does every copy. Spans that land whole on their destination are read
     straight into it; the rest are viewed in a mapping of the file where
     the backend offers one (:func:`map_span`, :func:`fault_in`), else read
-    into a buffer. With ``landing``, a span bound for its device is read
+    into a buffer. With ``bounce``, a span bound for its device is read
     into a bounce slot and its copies are queued on the device.
     """
     groups = batch_reads(reads, ALIGN)
@@ -298,7 +298,7 @@ def execute_local(
         i = 0
         while i < len(groups) or pending:
             while i < len(groups) and (not pending or ahead + _size(groups[i]) <= window):
-                slot = _bounce_slot(landing, groups[i], targets, pending)
+                slot = _bounce_slot(bounce, groups[i], targets, pending)
                 if slot is False:
                     break
                 pending.append(_submit(pool, storage, groups[i], targets, block, verify, where, stats, rec, slot))
@@ -320,7 +320,7 @@ def execute_local(
                     stats.direct_reads += 1
                 elif slot is not None:
                     t0 = time.monotonic()
-                    landing.land(slot, copy_pairs(r, buf, targets))
+                    bounce.land(slot, copy_pairs(r, buf, targets))
                     if rec is not None:
                         rec.add("copy", t0, time.monotonic(), r.hi - r.lo)
                 else:

@@ -1,12 +1,12 @@
-"""Landing read spans in device memory through a ring of bounce buffers.
+"""Read spans bound for device memory land in a ring of bounce buffers, then go on to the device.
 
 A span bound for an accelerator is read (and verified) by a reader thread
 into a slot of a ring of host memory the device copies from at full speed;
 the loading thread then queues the copies into the destination on the
-device and goes on to the next span. A slot is reused only once its copies' event has completed, so
-reading the next spans overlaps the copies of the earlier ones. When the
-load ends, the caller's later work is ordered after the last copy and the ring
-goes back to the device.
+device and goes on to the next span. A slot is reused only once its copies'
+event has completed, so reading the next spans overlaps the copies of the
+earlier ones. When the load ends, the caller's later work is ordered after
+the last copy and the ring goes back to the device.
 """
 
 from __future__ import annotations
@@ -21,21 +21,21 @@ from ..device import Completed, CopyEvent, Device
 from ..items import LoadTarget
 from .staging import Slot, StagingRing
 
-__all__ = ["Landing", "ALIGN"]
+__all__ = ["BounceRing", "ALIGN"]
 
 ALIGN = 64  # slot alignment in bytes: every dtype's element size divides it
 
 
-class Landing:
+class BounceRing:
     """The bounce ring of one load on ``device``; ``capacity`` bytes of its host buffers.
 
     Example::
 
-        landing = Landing(device, 256 << 20)
-        slot = landing.slot(n)            # None: no room now
+        bounce = BounceRing(device, 256 << 20)
+        slot = bounce.slot(n)            # None: no room now
         ...                               # a reader fills slot.view
-        landing.land(slot, copies)        # copies: [(device view, host view), ...]
-        landing.finish()
+        bounce.land(slot, copies)        # copies: [(device view, host view), ...]
+        bounce.finish()
     """
 
     def __init__(self, device: Device, capacity: int):
@@ -48,7 +48,7 @@ class Landing:
         self.landed_bytes = 0
 
     def serves(self, targets: Sequence[LoadTarget], indexes: Sequence[int]) -> bool:
-        """Whether every target in ``indexes`` lives on this landing's device."""
+        """Whether every target in ``indexes`` lives on this ring's device."""
         return bool(indexes) and all(self.device.owns(targets[i].dest) for i in indexes)
 
     def slot(self, n: int) -> Slot | None:
