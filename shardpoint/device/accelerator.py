@@ -29,7 +29,21 @@ import torch
 
 from .base import Completed, CopyEvent, Device, flat_bytes
 
-__all__ = ["AcceleratorDevice", "StreamEvent"]
+__all__ = ["AcceleratorDevice", "StreamEvent", "with_index"]
+
+
+def with_index(dev: torch.device) -> torch.device:
+    """``dev`` with its index: the current device's when it names none.
+
+    Example::
+
+        with_index(torch.device("cuda"))  # device(type='cuda', index=0)
+    """
+    if dev.index is not None:
+        return dev
+    if dev.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(dev.type, torch.accelerator.current_device_index())
 
 
 class StreamEvent(CopyEvent):
@@ -66,21 +80,14 @@ class AcceleratorDevice(Device):
 
     def __init__(self, device: torch.device | str):
         super().__init__()
-        dev = torch.device(device)
+        dev = with_index(torch.device(device))
         self._cuda = dev.type == "cuda"
-        if dev.index is None:
-            dev = torch.device(dev.type, self._module_current_index())
         self.device = dev
         self.type = dev.type
         # Made here, on the constructing thread, once for the life of this object.
         self.stream = torch.cuda.Stream(device=dev) if self._cuda else torch.Stream(device=dev)
         self._held: list[tuple[CopyEvent, torch.Tensor]] = []
         self._held_lock = threading.Lock()
-
-    def _module_current_index(self) -> int:
-        if self._cuda:
-            return torch.cuda.current_device()
-        return torch.accelerator.current_device_index()
 
     def serves(self, where: torch.device) -> bool:
         where = torch.device(where)

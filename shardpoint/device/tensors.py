@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterable
 
 import torch
 
-from .accelerator import AcceleratorDevice
+from .accelerator import AcceleratorDevice, with_index
 from .base import Device, flat_bytes
 from .cpu import CpuDevice
 
@@ -61,13 +62,22 @@ def device_of(tensors: Iterable[Any]) -> torch.device:
     return torch.device("cpu")
 
 
+# One AcceleratorDevice, and so one copy stream, per accelerator for the whole process: savers,
+# synchronous saves and loads share it, as PyTorch shares its own streams; made on first use.
+_accelerators: dict[torch.device, AcceleratorDevice] = {}
+_accelerators_lock = threading.Lock()
+
+
 def device_for(where: "torch.device | str | Device | None") -> Device:
     """The :class:`Device` serving ``where``: a device object as is, the host for None or ``"cpu"``.
 
+    An accelerator gets the process's one :class:`AcceleratorDevice` for it
+    (made, with its copy stream, on the first call, on the calling thread).
+
     Example::
 
-        device_for("cpu")           # CpuDevice
-        device_for(torch.device("cuda", 0))  # AcceleratorDevice, its copy stream made now
+        device_for("cpu")                    # CpuDevice
+        device_for(torch.device("cuda", 0))  # AcceleratorDevice, the same object on every call
     """
     if isinstance(where, Device):
         return where
@@ -76,4 +86,9 @@ def device_for(where: "torch.device | str | Device | None") -> Device:
     dev = torch.device(where)
     if dev.type == "cpu":
         return CpuDevice()
-    return AcceleratorDevice(dev)
+    dev = with_index(dev)
+    with _accelerators_lock:
+        found = _accelerators.get(dev)
+        if found is None:
+            found = _accelerators[dev] = AcceleratorDevice(dev)
+        return found
