@@ -104,6 +104,10 @@ class AsyncSaver:
     when cores are oversubscribed the training threads, and other ranks
     still inside their save call, run first.
 
+    ``staging_bytes``: the host staging budget (None: 2 GiB, or this rank's
+    state when larger). ``device``: what the state is copied from (default:
+    the device of its first tensor; see :mod:`shardpoint.device`).
+
     ``prewarm`` (default) starts the worker threads and allocates the
     staging buffer now, locally: constructing the saver is not a collective,
     so it may be made on one rank only (for ``process_group=sp.LOCAL``
