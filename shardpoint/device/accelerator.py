@@ -148,13 +148,15 @@ class AcceleratorDevice(Device):
         return raw, True
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
-        if src.device.type == "cpu":  # a host tensor in a device state (a step counter): plain copy
+        if not self.owns(src):
+            # A host tensor in a device state (a step counter), or one on another device: a plain,
+            # synchronous copy (this device's stream and events do not order another device's work).
             dst.copy_(src)
             return Completed()
         return self._on_stream(dst, src, after)
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
-        if dst.device.type == "cpu":
+        if not self.owns(dst):
             dst.copy_(src)
             return Completed()
         return self._on_stream(dst, src, after)
@@ -166,7 +168,7 @@ class AcceleratorDevice(Device):
             event.synchronize()
 
     def keep_alive(self, t: torch.Tensor, event: CopyEvent) -> None:
-        if t.device.type == self.type:
+        if self.owns(t):
             # The allocator keeps the block from reuse until the copy stream's queued work is done.
             t.record_stream(self.stream)
             return
