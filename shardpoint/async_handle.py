@@ -75,8 +75,8 @@ class AsyncSaveHandle:
         """The lazy save's optimizer step pre-hook: the step's updates run only after the snapshot copy.
 
         On an asynchronous device the step's work waits for the copy's event
-        on the device, and the host goes on at once; elsewhere this is
-        :meth:`fence`.
+        on the device: the host waits only until every copy is queued (not
+        run), then goes on. Elsewhere this is :meth:`fence`.
 
         Example::
 
