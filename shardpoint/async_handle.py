@@ -49,9 +49,12 @@ class AsyncSaveHandle:
     snapshot copy, after which the state may be mutated.
     """
 
-    def __init__(self, path: str, result: SaveResult):
+    def __init__(self, path: str, result: SaveResult, device: Any = None):
         self.path = path
         self.result = result
+        self._device = device  # the saver's Device: how a step is ordered after the copy
+        self._queued = threading.Event()  # every lazy copy is queued; _copy_event completes them
+        self._copy_event: Any = None
         self._copied = threading.Event()
         self._written = threading.Event()
         self._finished = threading.Event()
@@ -138,6 +141,36 @@ class AsyncSaveHandle:
         if not self._copied.wait(timeout):
             raise TimeoutError(f"snapshot of {self.path} not finished within {timeout}s")
         self._check_fence()
+
+    def copies_queued(self, event: Any) -> None:
+        """Told by the saver: every snapshot copy is queued, and ``event`` completes them all.
+
+        Example::
+
+            handle.copies_queued(staged.last_event)
+        """
+        self._copy_event = event
+        self._queued.set()
+
+    def before_step(self) -> None:
+        """The lazy save's optimizer step pre-hook: the step's updates run only after the snapshot copy.
+
+        On an asynchronous device the step's work waits for the copy's event
+        on the device: the host waits only until every copy is queued (not
+        run), then goes on. Elsewhere this is :meth:`fence`.
+
+        Example::
+
+            opt.register_step_pre_hook(lambda *a, **k: handle.before_step())
+        """
+        dev = self._device
+        if dev is None or not dev.asynchronous:
+            return self.fence()
+        self._queued.wait()
+        if self._copy_event is None:
+            return self.fence()
+        dev.order_after(self._copy_event)
+        self._check_fence()  # the step has not run yet: the state is still the call's, or the save fails
 
     def wait(self, timeout: float | None = None, tier: str | int | None = None, progress: bool = False) -> SaveResult:
         """Block until durable and committed; raise the background failure if any.

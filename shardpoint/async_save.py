@@ -11,17 +11,25 @@ Modes:
 - ``"lazy"`` (DataStates-style): parameters and optimizer state are copied in
   the background while forward and backward run, because they only change
   inside ``optimizer.step()``. A step pre-hook on every optimizer in the state
-  blocks the step until the copy is done; custom loops call
-  :meth:`AsyncSaveHandle.fence` before mutating. Buffers and other tensors are
-  still copied before ``async_save`` returns. Only the parameters of the
-  optimizers in the state, and those optimizers' state, are copied lazily.
-  The rule: between ``async_save`` and the fence (``handle.fence()``, the
-  next ``optimizer.step()``, ``handle.done()`` after the copy, or
+  orders the step after the copy: on an accelerator the step's work waits for
+  the copy's event on the device and the host goes on; on the CPU the hook
+  waits for the copy. Custom loops call :meth:`AsyncSaveHandle.fence` before
+  mutating. Buffers and other tensors are still copied before ``async_save``
+  returns. Only the parameters of the optimizers in the state, and those
+  optimizers' state, are copied lazily, in the optimizer's parameter order,
+  so what the step updates first arrives first. The rule: between
+  ``async_save`` and the fence (``handle.fence()``, the next
+  ``optimizer.step()``, ``handle.done()`` after the copy, or
   ``handle.wait()``), nothing may change them in place. A change there (an
   EMA, a clamp, manual weight decay, an optimizer moment touched) fails the
   save at ``wait()`` with :class:`~shardpoint.errors.TornSnapshotError`,
   commits nothing and leaves the previous checkpoint intact, even when the
   copy happened to finish first. The commit waits for the fence.
+
+Device: the saver stages through one :class:`~shardpoint.device.Device`,
+given as ``device=`` or learned from the first tensor of the first state it
+sees. Its staging ring is host memory that device copies into at full speed,
+allocated once and reused by every save.
 
 Coordination (the save id, the gather of chunk records, the commit) runs on a
 dedicated gloo process group owned by the :class:`AsyncSaver`, so background
@@ -64,16 +72,15 @@ from .dist import Comm, close_at_exit, destroy_private_group, private_group, run
 from .format.datafile import DEFAULT_BLOCK_SIZE
 from .engine.pipeline import StagedWrite
 from .engine.snapshot_guard import SnapshotGuard
-from .engine.staging import StagingRing
+from .engine.staging import SaverStaging, StagingRing, optimizer_order
 from .engine.workers import start_workers
 from .errors import CheckpointError
 from .storage import storage_for
+from .device import Device
 
 __all__ = ["AsyncSaver", "AsyncSaveHandle", "Prewarmed", "async_save", "default_saver"]
 
 log = logging.getLogger("shardpoint")
-
-DEFAULT_STAGING_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,10 @@ class AsyncSaver:
     when cores are oversubscribed the training threads, and other ranks
     still inside their save call, run first.
 
+    ``staging_bytes``: the host staging budget (None: 2 GiB, or this rank's
+    state when larger). ``device``: what the state is copied from (default:
+    the device of its first tensor; see :mod:`shardpoint.device`).
+
     ``prewarm`` (default) starts the worker threads and allocates the
     staging buffer now, locally: constructing the saver is not a collective,
     so it may be made on one rank only (for ``process_group=sp.LOCAL``
@@ -124,21 +135,20 @@ class AsyncSaver:
 
     def __init__(
         self,
-        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_bytes: int | None = None,
         piece_bytes: int = 64 << 20,
         process_group: Any = None,
         timeout: float | None = None,
         background_nice: int = 5,
         prewarm: bool = True,
         prewarm_state: MutableMapping[str, Any] | None = None,
+        device: Any = None,
     ):
         self.timeout = timeout
         self.background_nice = int(background_nice)
-        self.staging_bytes = int(staging_bytes)
-        self.piece_bytes = max(1, min(int(piece_bytes), self.staging_bytes // 2 or 1))
+        self.staging = SaverStaging(staging_bytes, piece_bytes, device)  # see SaverStaging for the budget
         self._pg_arg = process_group
         self._comms: dict[Any, Comm] = {}  # the user's group -> its private coordination group
-        self._ring: StagingRing | None = None
         self._inflight: AsyncSaveHandle | None = None
         self._plan_cache = SaveCache()
         self._plan_caches: dict[Any, SaveCache] = {}
@@ -152,7 +162,9 @@ class AsyncSaver:
             self.prewarm(prewarm_state)
         elif prewarm:
             self._workers()  # local only: threads and staging memory, no group (see the class docs)
-            self._staging().warm(0)
+            ring = self.staging.ring_for()
+            if not (self.staging.auto and ring.device.pins):  # an automatic budget on an accelerator waits for the state's size
+                ring.warm(0)
 
     def prewarm(self, state: MutableMapping[str, Any] | None = None, process_group: Any = None) -> Prewarmed:
         """Make now what the first save would make; return what is ready (also kept as ``self.prewarmed``).
@@ -175,8 +187,6 @@ class AsyncSaver:
         base = Comm.resolve(self._pg_arg if process_group is None else process_group)
         comm = self._coordination(base)
         self._workers()
-        ring = self._staging()
-        ring.warm(0)
         need = 0
         if state is not None:
             check_state(state)
@@ -184,9 +194,11 @@ class AsyncSaver:
                 result = SaveResult("prewarm", "")
                 prep = prepare_save(state, comm, False, "prewarm", result, (), self._cache(base, process_group), rank_local=base.local)
                 need = sum(t.nbytes for t in prep.mine)
+                self.staging.adopt(prep.mine)
             except CheckpointError as e:  # the save itself will raise it, with its path
                 log.debug("pre-warming could not plan the state: %s", e)
-            ring.warm(need)
+        ring = self.staging.ring_for(need)
+        ring.warm(need)
         self.prewarmed = Prewarmed(comm is not base, 2, ring.warm_bytes, need, time.monotonic() - t0)
         log.debug("rank %s pre-warmed its saver in %.3fs: %s", comm.rank, self.prewarmed.seconds, self.prewarmed)
         return self.prewarmed
@@ -213,16 +225,31 @@ class AsyncSaver:
             self.prewarmed = None
             for comm in owned:
                 destroy_private_group(comm)
+            self.staging.close()  # staging memory goes back now, not when the saver is collected
 
     def _workers(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:
             self._pool = start_workers(2, self.background_nice)
         return self._pool
 
-    def _staging(self) -> StagingRing:
-        if self._ring is None:
-            self._ring = StagingRing(self.staging_bytes)
-        return self._ring
+    @property
+    def staging_bytes(self) -> int:
+        """The staging budget in bytes (grown to a state's size when it was left automatic)."""
+        return self.staging.budget
+
+    @property
+    def piece_bytes(self) -> int:
+        """The most bytes copied in one piece."""
+        return self.staging.piece
+
+    @property
+    def device(self) -> Device | None:
+        """The :class:`~shardpoint.device.Device` the saver stages through (None before it knows)."""
+        return self.staging.device
+
+    @property
+    def _ring(self) -> StagingRing | None:
+        return self.staging.ring
 
     def _cache(self, base: Comm, process_group: Any) -> SaveCache:
         # Plans depend on the ranks: one cache for the saver's own group, one per other group.
@@ -293,22 +320,28 @@ class AsyncSaver:
         t0 = time.monotonic()
         save_id = uuid.uuid4().hex  # per rank; the manifest takes rank 0's
         result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
-        handle = AsyncSaveHandle(where, result)
-        handle._storage = storage
         prep_out = run_guarded(lambda: prepare_save(state, comm, allow_pickle, where, result, layouts, cache, replicated_over=replicated_over, rank_local=base.local))
         if comm.world == 1 and not prep_out.ok:
             raise prep_out.exc
-        ring = self._staging()
+        need = 0
+        if prep_out.ok:
+            self.staging.adopt(prep_out.value.mine)
+            need = sum(t.nbytes for t in prep_out.value.mine)
+        ring = self.staging.ring_for(need)
         ring.reopen()
+        handle = AsyncSaveHandle(where, result, device=ring.device)
+        handle._storage = storage
         staged = None
         split = 0
         if prep_out.ok:
             prep = prep_out.value
             lazy = set(prep.lazy_ok) if mode == "lazy" else set()
-            items = [t for t in prep.mine if t.fqn not in lazy] + [t for t in prep.mine if t.fqn in lazy]
-            split = sum(1 for t in items if t.fqn not in lazy)
+            later = optimizer_order([t for t in prep.mine if t.fqn in lazy], _step_order(state))
+            items = [t for t in prep.mine if t.fqn not in lazy] + later
+            split = len(items) - len(later)
             if items:
                 staged = StagedWrite(storage, data_file_name(save_id, comm.rank), items, ring, comm.rank, block_size, self.piece_bytes, recorder=result.recorder)
+                staged.after = ring.device.snapshot_point()  # here, on the training thread: copies read the state as of the call
 
         policy = commit or CommitPolicy()
         claims: list[SaveClaim] = []
@@ -362,6 +395,7 @@ class AsyncSaver:
         if staged is not None:
             try:
                 staged.copy(0, split, last=(split == len(staged.items)))
+                staged.wait_copied()  # a snapshot counts once its copies are complete, not queued
             except BaseException as e:  # noqa: BLE001 - the writer reports it via wait()
                 log.debug("snapshot copy failed: %s", e)
                 handle._copied.set()
@@ -375,12 +409,16 @@ class AsyncSaver:
                 except BaseException as e:  # noqa: BLE001
                     log.debug("lazy snapshot copy failed: %s", e)
                 finally:
-                    mark_phase(result, "lazy_copy", ts)
-                    handle._copied.set()
+                    handle.copies_queued(staged.last_event)  # the step may now be ordered after them
+                    try:
+                        staged.wait_copied()
+                    finally:
+                        mark_phase(result, "lazy_copy", ts)
+                        handle._copied.set()
 
             for obj in state.values():
                 if isinstance(obj, torch.optim.Optimizer):
-                    handle._hooks.append(obj.register_step_pre_hook(lambda *_a, **_k: handle.fence()))
+                    handle._hooks.append(obj.register_step_pre_hook(lambda *_a, **_k: handle.before_step()))
         else:
             handle._copied.set()
         self._inflight = handle
@@ -410,6 +448,18 @@ class AsyncSaver:
             if isinstance(err, CheckpointError):
                 raise err
         return handle
+
+
+def _step_order(state: MutableMapping[str, Any]) -> list[torch.Tensor]:
+    """Tensors in the order the optimizers of ``state`` update them: each parameter, then its state."""
+    out: list[torch.Tensor] = []
+    for obj in state.values():
+        if isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                for p in group["params"]:
+                    out.append(p)
+                    out.extend(v for v in obj.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+    return out
 
 
 def _group_key(comm: Comm) -> Any:

@@ -6,8 +6,9 @@ the byte spans each target needs, merged and ordered;
 need). This module binds the plan to the target tensors and runs it:
 
 - locally (:mod:`.read_local`): reader threads prefetch under a byte budget,
-  verify, and the loading thread copies into place; ranks walk the files in
-  staggered orders (:func:`~shardpoint.planning.reads.order_reads`); or
+  verify, and the loading thread copies into place (into an accelerator
+  through bounce buffers, :mod:`.bounce`); ranks walk the files
+  in staggered orders (:func:`~shardpoint.planning.reads.order_reads`); or
 - shared, "read once" (:mod:`.read_shared`): each span needed by several
   ranks is read by one of them and sent to the others over the process group.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import socket
 import time
 from typing import Sequence
@@ -23,15 +25,24 @@ from typing import Sequence
 import torch
 import xxhash
 
+from ..device import Device, device_for, device_of
 from ..items import LoadTarget, dtype_name
 from ..dist import Comm
 from ..format.manifest import Manifest
 from ..planning.reads import DEFAULT_COALESCE, ReadTarget, order_reads, plan_chunk_reads
 from ..storage.base import Storage
+from .bounce import BounceRing
 from .read_local import LoadStats, execute_local
 from .read_shared import exchange_only, execute_shared
 
-__all__ = ["LoadStats", "read_targets", "execute_reads"]
+__all__ = ["LoadStats", "read_targets", "execute_reads", "DEFAULT_WINDOW", "BOUNCE_THREADS", "BOUNCE_WINDOW"]
+
+DEFAULT_WINDOW = 256 << 20  # bytes read ahead of the copies
+
+# Reader threads and read-ahead when spans land on an accelerator: the copy engine outruns one
+# reader many times over, so enough reads of whole chunks run at once to keep it busy.
+BOUNCE_THREADS = max(2, min(8, os.cpu_count() or 2))
+BOUNCE_WINDOW = 512 << 20
 
 
 def read_targets(targets: Sequence[LoadTarget]) -> list[ReadTarget]:
@@ -55,11 +66,16 @@ def execute_reads(
     verify: bool = True,
     comm: Comm | None = None,
     share: bool | str = "auto",
-    window: int = 256 << 20,
+    window: int = DEFAULT_WINDOW,
     threads: int = 2,
     recorder=None,
+    device: Device | None = None,
 ) -> LoadStats:
     """Fill every target. ``share`` reads spans needed by several ranks only once.
+
+    Targets on an accelerator (or on ``device``, when given) are filled
+    through bounce buffers, copied in the background; the call
+    returns once every copy is complete.
 
     ``share="auto"`` shares unless every rank is on one host and the storage
     is page-cached (``Storage.page_cached``). With sharing and a process
@@ -71,8 +87,11 @@ def execute_reads(
     auto = share == "auto"
     if auto and not storage.page_cached:
         share, auto = True, False
+    if device is None:
+        where_dev = device_of(t.dest for t in targets)
+        device = None if where_dev.type == "cpu" else device_for(where_dev)
     with _gc_paused():
-        return _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder)
+        return _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder, device)
 
 
 @contextlib.contextmanager
@@ -111,7 +130,7 @@ def _plan(manifest: Manifest, targets: Sequence[LoadTarget], where: str, verify:
     return reads
 
 
-def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder) -> LoadStats:
+def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder, device) -> LoadStats:
     stats = LoadStats()
     t_plan = time.monotonic()
     # Backends with high per-request latency (object stores) ask for more reads in flight
@@ -140,5 +159,13 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
             reads = order_reads(reads, comm.rank, comm.world, dict(manifest.files), manifest.world_size)
         if recorder is not None:
             recorder.add("plan", t_plan, time.monotonic())
-        execute_local(storage, reads, targets, block, verify, where, stats, window, threads, recorder)
+        if device is None:
+            execute_local(storage, reads, targets, block, verify, where, stats, window, threads, recorder)
+            return stats
+        window = max(window, BOUNCE_WINDOW) if window == DEFAULT_WINDOW else window
+        bounce = BounceRing(device, window)
+        try:
+            execute_local(storage, reads, targets, block, verify, where, stats, window, max(threads, BOUNCE_THREADS), recorder, bounce)
+        finally:
+            bounce.finish()
     return stats

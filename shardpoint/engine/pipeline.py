@@ -1,41 +1,116 @@
 """The staged save pipeline: copy into a bounded ring, then checksum and write.
 
-A copier stages each tensor's bytes into a :class:`StagingRing` in pieces; a
-writer drains the ring in order into a
+A copier stages each tensor's bytes into a :class:`StagingRing` in pieces,
+through the ring's :class:`~shardpoint.device.Device` (an accelerator queues
+the copies and signals their completion with events); a writer drains the ring in order into a
 :class:`~shardpoint.format.datafile.DataFileWriter`, which hashes
 ``block_size`` blocks incrementally (pieces need not align with blocks) and
-appends to the rank's data file.
-Copier and writer run concurrently, so a state larger than the ring streams
-through it with back-pressure.
+appends to the rank's data file. A piece is read only once its copy event
+has completed, and its ring space is reused only once it is written.
+Copier and writer run concurrently, so a state larger than the ring passes
+through it with back-pressure. With :class:`SinkThread` the storage writes
+run on one more thread, so hashing a piece overlaps writing the one before.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-import torch
-
+from ..device import Completed, CopyEvent
 from ..errors import ShapeMismatchError, StorageError
 from ..format.datafile import DataFileWriter
 from ..format.manifest import ChunkMeta
 from ..items import SaveTensor
 from ..storage.base import Storage
-from .staging import StagingRing, copy_to_host
+from .staging import StagingRing
 
-__all__ = ["StagedWrite"]
+__all__ = ["StagedWrite", "SinkThread", "WRITE_THREADS", "SPLIT_BYTES"]
 
 _END = object()
+WRITE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))  # parallel writes of one file, where the storage takes them
+SPLIT_BYTES = 4 << 20  # no parallel write smaller than this
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+class SinkThread:
+    """Storage writes off the hashing thread; ``then(fn)`` runs ``fn`` once all earlier bytes are written.
+
+    The hashing thread hands bytes over with :meth:`write` and goes on with
+    the next piece. A ``positional`` writer (:attr:`Writer.positional`) gets
+    each piece split over ``threads`` threads, each writing at its own
+    offset, so one file is written as fast as the storage takes parallel
+    writes; any other writer gets the pieces in order on one thread.
+    :meth:`close` waits for the last write and raises what a writing thread
+    raised; :attr:`error` is set as soon as a write failed.
+
+    Example::
+
+        sink = SinkThread(storage.open_writer(name))
+        sink.write(b"abc"); sink.then(lambda: ring.release(slot)); sink.close()
+    """
+
+    def __init__(self, writer: Any, on_error: Callable[[], None] | None = None, threads: int | None = None):
+        self.writer = writer
+        self.on_error = on_error  # unblocks whoever waits for space the failed writes would free
+        self.error: BaseException | None = None
+        self.pos = 0
+        self._threads = max(1, int(WRITE_THREADS if threads is None else threads))
+        self._pool = cf.ThreadPoolExecutor(self._threads, "shardpoint-pwrite") if writer.positional and self._threads > 1 else None
+        self._q: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="shardpoint-write", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            kind, item = self._q.get()
+            if kind is _END:
+                return
+            if self.error is not None:
+                continue  # drain: the hashing thread sees the error and stops
+            try:
+                if kind == "w":
+                    self.writer.write(item)
+                elif kind == "p":
+                    for f in item:  # this piece's parallel writes, in order: earlier bytes are written first
+                        f.result()
+                else:
+                    item()
+            except BaseException as e:  # noqa: BLE001 - raised by close() or seen through .error
+                self.error = e
+                if self.on_error is not None:
+                    self.on_error()
+
+    def write(self, data: Any) -> None:
+        """Queue ``data`` to be written after (or, positional, beside) everything queued before it."""
+        if self.error is not None:
+            raise self.error
+        if self._pool is None:
+            self._q.put(("w", data))
+            return
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        step = max(SPLIT_BYTES, -(-n // self._threads))
+        futs = [self._pool.submit(self.writer.write_at, self.pos + a, mv[a : a + step]) for a in range(0, n, step)]
+        self.pos += n
+        self._q.put(("p", futs))
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the writing thread once everything queued before it is written."""
+        self._q.put(("f", fn))
+
+    def close(self) -> None:
+        """Wait for every queued write; raise the first write error."""
+        self._q.put((_END, None))
+        self._thread.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self.error is not None:
+            raise self.error
 
 
 @dataclass
@@ -44,7 +119,10 @@ class StagedWrite:
 
     Call :meth:`copy` (any thread, in item order, possibly in two calls that
     split the item list), and :meth:`write` in another thread. ``piece`` caps
-    one staged piece so copying and writing overlap.
+    one staged piece so copying and writing overlap. ``after`` is the
+    snapshot point (:meth:`~shardpoint.device.Device.snapshot_point`) the
+    copies are ordered after; :meth:`wait_copied` blocks until every copy
+    queued so far is complete.
     """
 
     storage: Storage
@@ -58,18 +136,20 @@ class StagedWrite:
     size: int = 0
     copied_bytes: int = 0
     _q: "queue.Queue" = field(default_factory=queue.Queue)
-    _streams: dict = field(default_factory=dict)
     failed: threading.Event = field(default_factory=threading.Event)
     recorder: Any = None
+    after: CopyEvent | None = None
+    last_event: CopyEvent = field(default_factory=Completed)
 
     def copy(self, start: int, stop: int, last: bool) -> None:
         """Stage items ``[start, stop)``; ``last`` closes the queue afterwards."""
+        dev = self.ring.device
         try:
             for i in range(start, stop):
                 if self.failed.is_set():
                     break
                 it = self.items[i]
-                raw = _raw(it.data)
+                raw, temporary = dev.byte_view(it.data, self.after)
                 n = raw.numel()
                 if n != it.nbytes:
                     raise ShapeMismatchError(f"{it.fqn}: local data has {n} bytes, geometry says {it.nbytes}")
@@ -80,7 +160,11 @@ class StagedWrite:
                     m = min(self.piece, n - off)
                     slot = self.ring.acquire(m)
                     t0 = time.monotonic()
-                    ev = copy_to_host(slot.view, raw[off : off + m], self._streams)
+                    ev = dev.copy_to_host(slot.view, raw[off : off + m], self.after)
+                    if temporary:
+                        dev.keep_alive(raw, ev)  # the copy may run after this loop dropped it
+                    if not isinstance(ev, Completed):
+                        self.last_event = ev  # copies of one device complete in order
                     if self.recorder is not None:
                         self.recorder.add("copy", t0, time.monotonic(), m)
                     self.copied_bytes += m
@@ -93,41 +177,68 @@ class StagedWrite:
             if last:
                 self._q.put(_END)
 
+    def wait_copied(self) -> None:
+        """Block until every copy queued so far has completed (the snapshot is then in host memory)."""
+        self.last_event.synchronize()
+
     def abandon(self) -> None:
         """Give up before :meth:`write` started: a copier waiting for staging space stops instead of blocking."""
         self.failed.set()
         self.ring.close()
 
-    def write(self) -> None:
-        """Drain the queue into the data file; raises what the copier raised."""
+    def write(self, threaded: bool | None = None) -> None:
+        """Drain the queue into the data file; raises what the copier raised.
+
+        ``threaded`` writes to storage on a :class:`SinkThread` while this
+        thread hashes the next piece; by default where the machine has the
+        cores for parallel writes (:data:`WRITE_THREADS` above one).
+        """
         writer = None
+        sink = None
+        if threaded is None:
+            threaded = WRITE_THREADS > 1
         try:
             writer = self.storage.open_writer(self.file)
-            out = DataFileWriter(writer, self.file, self.block, self.rank, self.recorder)
-            while True:
-                msg = self._q.get()
-                if msg is _END:
-                    break
-                if isinstance(msg, BaseException):
-                    raise msg
-                i, off, slot, ev, final = msg
-                it = self.items[i]
-                if off == 0:
-                    out.begin()
-                if slot is not None:
-                    ev.synchronize()  # blocks this thread until the copy into the slot is done
-                    out.write(memoryview(slot.view.numpy()))
-                    self.ring.release(slot)
-                if final:
-                    self.records.append((it.fqn, out.end(it.box, it.flat)))
+            sink = SinkThread(writer, self.ring.close) if threaded else None
+            out = DataFileWriter(sink or writer, self.file, self.block, self.rank, self.recorder)
+            self._drain(out, sink)
+            if sink is not None:
+                sink, s = None, sink
+                s.close()
             writer.close()
             writer = None
             self.size = out.pos
         except BaseException as e:
             self.failed.set()
+            if sink is not None:
+                try:
+                    sink.close()
+                except BaseException as first:  # noqa: BLE001 - the write error is the cause
+                    e = first
             if writer is not None:
                 writer.abort()
             self.ring.close()  # unblock a copier waiting for space
             if isinstance(e, OSError):
                 raise StorageError(f"{self.storage.url}: writing {self.file} failed: {e}") from e
-            raise
+            raise e
+
+    def _drain(self, out: DataFileWriter, sink: SinkThread | None) -> None:
+        while True:
+            msg = self._q.get()
+            if msg is _END:
+                return
+            if isinstance(msg, BaseException):
+                raise msg
+            i, off, slot, ev, final = msg
+            it = self.items[i]
+            if off == 0:
+                out.begin()
+            if slot is not None:
+                ev.synchronize()  # blocks this thread until the copy into the slot is done
+                out.write(memoryview(slot.view.numpy()))
+                if sink is None:
+                    self.ring.release(slot)
+                else:
+                    sink.then(lambda s=slot: self.ring.release(s))
+            if final:
+                self.records.append((it.fqn, out.end(it.box, it.flat)))

@@ -4,7 +4,10 @@ A small pool of reader threads prefetches ahead of the loading thread under a
 byte budget. A span that lands whole on a contiguous destination is read
 straight into it; one whose bytes must be narrowed or hashed anyway is viewed
 in a mapping of its file where the backend offers one; the rest are read
-into buffers, neighbouring small spans with one request. The plan (which
+into buffers, neighbouring small spans with one request. Spans bound for an
+accelerator are read into bounce buffers and copied to the device in the
+background (:class:`~shardpoint.engine.bounce.BounceRing`)
+while the next spans are read. The plan (which
 spans, which segments, in which order) comes from
 :mod:`shardpoint.planning.reads`; its copy jobs name targets by index into
 ``targets``.
@@ -21,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from ..device import on_host
 from ..items import LoadTarget
 from ..errors import CorruptCheckpointError
 from ..geometry import row_major_strides, runs_within
@@ -28,8 +32,9 @@ from ..planning.reads import ChunkRead, at_blocks, batch_reads, extent, fault_pi
 from ..storage.base import ShortReadError, Storage
 from ..format.datafile import ALIGN, verify_blocks
 from .io import dest_view, read_chunk_into, short_file_error
+from .bounce import BounceRing
 
-__all__ = ["LoadStats", "execute_local", "fetch", "whole_span", "count_read", "copy_timed", "map_span", "fault_in"]
+__all__ = ["LoadStats", "execute_local", "fetch", "whole_span", "count_read", "copy_timed", "copy_pairs", "map_span", "fault_in"]
 
 
 @dataclass
@@ -53,19 +58,27 @@ def count_read(stats: LoadStats, r: ChunkRead) -> None:
     stats.per_file[r.chunk.file] += r.nread
 
 
-def _copy_jobs(r: ChunkRead, buf: torch.Tensor, targets: Sequence[LoadTarget]) -> None:
+def copy_pairs(r: ChunkRead, buf: torch.Tensor, targets: Sequence[LoadTarget]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every ``(destination view, view of buf)`` copy that lands ``r``'s span (``buf``: its bytes)."""
     if not r.jobs:
-        return
+        return []
     # Every job of a span fills the same tensor's shards, whose dtype the plan checked.
     typed = buf.view(targets[r.jobs[0].target].dest.dtype)
     base_e = r.lo // r.itemsize
+    out = []
     for job in r.jobs:
         tgt = targets[job.target]
         for op in job.ops:
             strides = row_major_strides(op.src.box.sizes)
             run = runs_within(op.src.box, op.region)
             src = typed.as_strided(op.region.sizes, strides, typed.storage_offset() + op.src.start + run.base - base_e)
-            dest_view(tgt, op).copy_(src)
+            out.append((dest_view(tgt, op), src))
+    return out
+
+
+def _copy_jobs(r: ChunkRead, buf: torch.Tensor, targets: Sequence[LoadTarget]) -> None:
+    for dst, src in copy_pairs(r, buf, targets):
+        dst.copy_(src)
 
 
 def copy_timed(r: ChunkRead, buf: torch.Tensor, targets: Sequence[LoadTarget], rec) -> None:
@@ -84,7 +97,7 @@ def _direct_view(r: ChunkRead, targets: Sequence[LoadTarget]) -> torch.Tensor | 
     if len(job.ops) != 1 or job.ops[0].region != job.ops[0].src.box:
         return None
     dv = dest_view(targets[job.target], job.ops[0])
-    if not dv.is_contiguous() or dv.device.type != "cpu" or dv.numel() * r.itemsize != r.chunk.nbytes:
+    if not dv.is_contiguous() or not on_host(dv) or dv.numel() * r.itemsize != r.chunk.nbytes:
         return None
     return dv.reshape(-1).view(torch.uint8)
 
@@ -229,9 +242,42 @@ def _size(group: Sequence[ChunkRead]) -> int:
     return b - a if len(group) > 1 else group[0].hi - group[0].lo
 
 
+def _submit(pool, storage: Storage, g, targets, block: int, verify: bool, where: str, stats: LoadStats, rec, slot):
+    """Start fetching group ``g``; what the loading thread needs to finish it."""
+    # Into a bounce slot (bound for a device), else straight into a host destination.
+    direct = _direct_view(g[0], targets) if len(g) == 1 and slot is None else None
+    # A batch of small spans is one request into one buffer; a mapping would cost a call per span.
+    view = map_span(storage, g[0]) if direct is None and slot is None and len(g) == 1 else None
+    # A span read into memory alone, or mapped, is verified by its reader, block by block.
+    pv = verify and len(g) == 1
+    if view is not None:
+        fut = pool.submit(_fault_in_or_fetch, storage, g[0], view, block, pv, where, rec)
+        count_read(stats, g[0])
+    elif len(g) == 1:
+        into = direct if slot is None else slot.view
+        fut = pool.submit(fetch, storage, g[0], block, pv, where, into, rec)
+        count_read(stats, g[0])
+    else:
+        fut = pool.submit(_fetch_group, storage, g, where, rec)
+        for r in g:
+            count_read(stats, r)
+        gap = _size(g) - sum(r.hi - r.lo for r in g)
+        stats.bytes_read += gap
+        stats.per_file[g[0].chunk.file] += gap
+    return g, direct, fut, pv, slot
+
+
+def _bounce_slot(bounce: BounceRing | None, g, targets, pending: list):
+    """A bounce slot for ``g`` when it lands on the device; ``False`` to wait for earlier spans first."""
+    if bounce is None or len(g) != 1 or not bounce.serves(targets, [j.target for j in g[0].jobs]):
+        return None
+    slot = bounce.slot(g[0].hi - g[0].lo)
+    return False if slot is None and pending else slot
+
+
 def execute_local(
     storage: Storage, reads: Sequence[ChunkRead], targets: Sequence[LoadTarget], block: int, verify: bool, where: str,
-    stats: LoadStats, window: int, threads: int, rec=None,
+    stats: LoadStats, window: int, threads: int, rec=None, bounce: BounceRing | None = None,
 ) -> None:
     """Fetch in a thread pool, at most ``window`` bytes ahead of the copies.
 
@@ -242,7 +288,8 @@ def execute_local(
     does every copy. Spans that land whole on their destination are read
     straight into it; the rest are viewed in a mapping of the file where
     the backend offers one (:func:`map_span`, :func:`fault_in`), else read
-    into a buffer.
+    into a buffer. With ``bounce``, a span bound for its device is read
+    into a bounce slot and its copies are queued on the device.
     """
     groups = batch_reads(reads, ALIGN)
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardpoint-read") as pool:
@@ -251,29 +298,13 @@ def execute_local(
         i = 0
         while i < len(groups) or pending:
             while i < len(groups) and (not pending or ahead + _size(groups[i]) <= window):
-                g = groups[i]
-                direct = _direct_view(g[0], targets) if len(g) == 1 else None
-                # A batch of small spans is one request into one buffer; a mapping would cost a call per span.
-                view = map_span(storage, g[0]) if direct is None and len(g) == 1 else None
-                # A span read into memory alone, or mapped, is verified by its reader, block by block.
-                pv = verify and len(g) == 1
-                if view is not None:
-                    fut = pool.submit(_fault_in_or_fetch, storage, g[0], view, block, pv, where, rec)
-                    count_read(stats, g[0])
-                elif len(g) == 1:
-                    fut = pool.submit(fetch, storage, g[0], block, pv, where, direct, rec)
-                    count_read(stats, g[0])
-                else:
-                    fut = pool.submit(_fetch_group, storage, g, where, rec)
-                    for r in g:
-                        count_read(stats, r)
-                    gap = _size(g) - sum(r.hi - r.lo for r in g)
-                    stats.bytes_read += gap
-                    stats.per_file[g[0].chunk.file] += gap
-                pending.append((g, direct, fut, pv))
-                ahead += _size(g)
+                slot = _bounce_slot(bounce, groups[i], targets, pending)
+                if slot is False:
+                    break
+                pending.append(_submit(pool, storage, groups[i], targets, block, verify, where, stats, rec, slot))
+                ahead += _size(groups[i])
                 i += 1
-            g, direct, fut, pv = pending.pop(0)
+            g, direct, fut, pv, slot = pending.pop(0)
             waiting = rec is not None and not fut.done()  # the loading thread idles until the read lands
             t0 = time.monotonic()
             bufs = fut.result()
@@ -287,5 +318,10 @@ def execute_local(
                     buf = _verified(storage, r, buf, block, where, direct, rec)
                 if direct is not None:
                     stats.direct_reads += 1
+                elif slot is not None:
+                    t0 = time.monotonic()
+                    bounce.land(slot, copy_pairs(r, buf, targets))
+                    if rec is not None:
+                        rec.add("copy", t0, time.monotonic(), r.hi - r.lo)
                 else:
                     copy_timed(r, buf, targets, rec)

@@ -82,78 +82,23 @@ def execute_shared(
     # Unshared spans: the ordinary prefetching path, beside the exchange.
     local_pool = ThreadPoolExecutor(1, thread_name_prefix="shardpoint-local")
     local_done = local_pool.submit(execute_local, storage, local, targets, block, verify, where, stats, window // 2, threads, rec)
-    reads_pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardpoint-shared")
-
-    def fetch_whole(r: ChunkRead, buf: torch.Tensor) -> None:
-        whole = whole_span(r)  # other needers may need other runs
-        fetch(storage, whole, block, verify, where, buf[:-1], rec)
-        count_read(stats, whole)
-
-    # Per span: ("read", future, buf) or ("recv", work, buf). Posted ahead in plan order.
-    posted: list = []
-    ahead = 0
-    nxt = 0
-    sends: list = []
-    in_flight = 0
-    half = max(1, window // 2)
+    ex = _Exchange(storage, comm, mine, by_id, block, verify, where, stats, rec, errors, max(1, window // 2), threads)
     try:
         for i, sp in enumerate(mine):
-            while nxt < len(mine) and (nxt <= i or ahead + mine[nxt].size <= half):
-                q = mine[nxt]
-                buf = torch.empty(q.size + 1, dtype=torch.uint8)  # last byte: 1 = good data, 0 = reader failed
-                if q.reader == me:
-                    posted.append(("read", reads_pool.submit(fetch_whole, by_id[q.sid], buf), buf))
-                else:
-                    posted.append(("recv", comm.irecv(buf, q.reader), buf))
-                ahead += q.size
-                nxt += 1
-            kind, work, buf = posted.pop(0)
-            ahead -= sp.size
-            r = by_id[sp.sid]
+            ex.post_ahead(i)
+            kind, work, buf = ex.posted.pop(0)
+            ex.ahead -= sp.size
             stats.shared_spans += 1
-            tc = time.monotonic()
-            if kind == "read":
+            ok = ex.finish_read(sp, work, buf) if kind == "read" else ex.finish_recv(sp, work, buf)
+            if ok and not errors:
                 try:
-                    work.result()
-                    buf[sp.size] = 1
-                except Exception as e:  # noqa: BLE001 - peers must still get an answer
-                    errors.append(e)
-                    buf[sp.size] = 0
-                for q in sp.needers:
-                    if q != me:
-                        sends.append((comm.isend(buf, q), sp.size))
-                        in_flight += sp.size
-                        stats.bytes_sent += sp.size
-                while in_flight > half and sends:
-                    h, n = sends.pop(0)
-                    h.wait()
-                    in_flight -= n
-            else:
-                work.wait()
-                stats.bytes_received += sp.size
-                if rec is not None:
-                    rec.add("communicate", tc, time.monotonic(), sp.size)
-                if int(buf[sp.size]) != 1:
-                    if not errors:
-                        errors.append(CorruptCheckpointError(
-                            f"{where}: rank {sp.reader} could not read {r.chunk.file} for tensor {r.fqn!r}; see its error"
-                        ))
-                    continue
-                if verify:  # what came over the wire is checked like what comes from storage
-                    try:
-                        verify_blocks(memoryview(buf[: sp.size].numpy()), r.chunk, r.lo // block, block, r.fqn, where)
-                    except Exception as e:  # noqa: BLE001
-                        errors.append(e)
-                        continue
-            if not errors:
-                try:
-                    copy_timed(r, buf[: sp.size], targets, rec)
+                    copy_timed(by_id[sp.sid], buf[: sp.size], targets, rec)
                 except Exception as e:  # noqa: BLE001
                     errors.append(e)
-        for h, _n in sends:
+        for h, _n in ex.sends:
             h.wait()
     finally:
-        reads_pool.shutdown(wait=True)
+        ex.pool.shutdown(wait=True)
         local_pool.shutdown(wait=True)
     try:
         local_done.result()
@@ -161,3 +106,80 @@ def execute_shared(
         errors.insert(0, e)
     if errors:
         raise errors[0]
+
+
+class _Exchange:
+    """The shared spans' traffic on one rank: reads and receives posted ahead, sends bounded in flight."""
+
+    def __init__(self, storage, comm, mine, by_id, block, verify, where, stats, rec, errors, half, threads):
+        self.storage, self.comm, self.mine, self.by_id = storage, comm, mine, by_id
+        self.block, self.verify, self.where, self.stats, self.rec, self.errors = block, verify, where, stats, rec, errors
+        self.half = half
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardpoint-shared")
+        # Per span: ("read", future, buf) or ("recv", work, buf). Posted ahead in plan order.
+        self.posted: list = []
+        self.ahead = 0
+        self.nxt = 0
+        self.sends: list = []
+        self.in_flight = 0
+
+    def _fetch_whole(self, r: ChunkRead, buf: torch.Tensor) -> None:
+        whole = whole_span(r)  # other needers may need other runs
+        fetch(self.storage, whole, self.block, self.verify, self.where, buf[:-1], self.rec)
+        count_read(self.stats, whole)
+
+    def post_ahead(self, i: int) -> None:
+        """Post span ``i`` and those after it while they fit in half the window."""
+        mine, me = self.mine, self.comm.rank
+        while self.nxt < len(mine) and (self.nxt <= i or self.ahead + mine[self.nxt].size <= self.half):
+            q = mine[self.nxt]
+            buf = torch.empty(q.size + 1, dtype=torch.uint8)  # last byte: 1 = good data, 0 = reader failed
+            if q.reader == me:
+                self.posted.append(("read", self.pool.submit(self._fetch_whole, self.by_id[q.sid], buf), buf))
+            else:
+                self.posted.append(("recv", self.comm.irecv(buf, q.reader), buf))
+            self.ahead += q.size
+            self.nxt += 1
+
+    def finish_read(self, sp, work, buf: torch.Tensor) -> bool:
+        """A span this rank read: send it (or the failure mark) to every other needer; whether it is good."""
+        ok = True
+        try:
+            work.result()
+            buf[sp.size] = 1
+        except Exception as e:  # noqa: BLE001 - peers must still get an answer
+            self.errors.append(e)
+            buf[sp.size] = 0
+            ok = False
+        for q in sp.needers:
+            if q != self.comm.rank:
+                self.sends.append((self.comm.isend(buf, q), sp.size))
+                self.in_flight += sp.size
+                self.stats.bytes_sent += sp.size
+        while self.in_flight > self.half and self.sends:
+            h, n = self.sends.pop(0)
+            h.wait()
+            self.in_flight -= n
+        return ok
+
+    def finish_recv(self, sp, work, buf: torch.Tensor) -> bool:
+        """A span another rank read: wait for it, check its mark and checksums; whether it is good."""
+        tc = time.monotonic()
+        r = self.by_id[sp.sid]
+        work.wait()
+        self.stats.bytes_received += sp.size
+        if self.rec is not None:
+            self.rec.add("communicate", tc, time.monotonic(), sp.size)
+        if int(buf[sp.size]) != 1:
+            if not self.errors:
+                self.errors.append(CorruptCheckpointError(
+                    f"{self.where}: rank {sp.reader} could not read {r.chunk.file} for tensor {r.fqn!r}; see its error"
+                ))
+            return False
+        if self.verify:  # what came over the wire is checked like what comes from storage
+            try:
+                verify_blocks(memoryview(buf[: sp.size].numpy()), r.chunk, r.lo // self.block, self.block, r.fqn, self.where)
+            except Exception as e:  # noqa: BLE001
+                self.errors.append(e)
+                return False
+        return True

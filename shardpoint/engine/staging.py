@@ -1,66 +1,56 @@
-"""Bounded host staging: a ring of reusable bytes with back-pressure, and the device seam.
+"""Bounded host staging: a ring of reusable bytes with back-pressure.
 
 The snapshot copies tensors into a fixed host buffer; the writer drains it in
 the same order. When the ring is full the copier waits for the writer, so a
-state larger than the budget streams through it: copy a piece, write it,
-reuse the space. The buffer is allocated once and reused by every later save,
-so steady state allocates nothing (a fresh ``clone()`` runs at a fraction of
-the speed of a copy into memory that is already mapped).
-
-Device seam: :func:`host_buffer` and :func:`copy_to_host` are the only places
-that know about CUDA (pinned memory, a side stream, non-blocking copies).
-Only the CPU path is exercised by the test suite on this project's machines;
-the CUDA path is untested here.
+state larger than the budget passes through it piece by piece: copy a piece,
+write it, reuse the space. The buffer comes from the ring's
+:class:`~shardpoint.device.Device` (memory an accelerator copies into at
+full speed), is allocated once and reused by every later save, so steady
+state allocates nothing (a fresh ``clone()`` runs at a fraction of the speed
+of a copy into memory that is already mapped).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-__all__ = ["host_buffer", "copy_to_host", "StagingRing", "Slot"]
+from ..device import CpuDevice, Device, device_for, device_of
+
+__all__ = ["StagingRing", "Slot", "SaverStaging", "optimizer_order", "DEFAULT_STAGING_BYTES"]
+
+DEFAULT_STAGING_BYTES = 2 << 30
+_ROUND = 64 << 20
 
 
-def host_buffer(nbytes: int, device: torch.device | None = None) -> torch.Tensor:
-    """A host byte buffer; pinned when staging from a CUDA device (untested here)."""
-    pin = device is not None and device.type == "cuda" and torch.cuda.is_available()
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-
-
-class _Done:
-    """A completed copy (the CPU path is synchronous)."""
-
-    def synchronize(self) -> None:
+def _storage_key(t: Any) -> int | None:
+    to_local = getattr(t, "to_local", None)  # a DTensor: its local shard holds the bytes
+    local = to_local() if callable(to_local) else t
+    try:
+        return local.untyped_storage().data_ptr()
+    except (RuntimeError, AttributeError, NotImplementedError):
         return None
 
 
-def copy_to_host(dst: torch.Tensor, src: torch.Tensor, streams: dict | None = None) -> Any:
-    """Copy raw bytes ``src`` (uint8, any device) into host ``dst``; return an object to ``synchronize()``.
+def optimizer_order(items: Sequence[Any], tensors: Sequence[Any]) -> list[Any]:
+    """``items`` (with ``.data``) sorted by where their memory first appears in ``tensors``; the rest last, as they were.
 
-    On CUDA the copy is issued on a side stream with ``non_blocking=True`` and
-    the caller must call the returned event's ``synchronize()`` (which blocks
-    the calling thread; an event's ``wait()`` only orders streams) before the
-    bytes are used. The CUDA branch is not exercised by the CPU test suite.
-    On CPU it is a plain copy.
+    Copies in this order deliver what the optimizer updates first, first.
+
+    Example::
+
+        optimizer_order(lazy_items, [p0, p0_exp_avg, p1, p1_exp_avg])
     """
-    if src.device.type == "cuda":  # pragma: no cover - no GPU in CI
-        key = src.device.index
-        stream = (streams or {}).get(key)
-        if stream is None:
-            stream = torch.cuda.Stream(device=src.device)
-            if streams is not None:
-                streams[key] = stream
-        stream.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-        return ev
-    dst.copy_(src)
-    return _Done()
+    rank: dict[int, int] = {}
+    for i, t in enumerate(tensors):
+        k = _storage_key(t)
+        if k is not None:
+            rank.setdefault(k, i)
+    end = len(tensors)
+    return sorted(items, key=lambda it: rank.get(_storage_key(it.data), end))
 
 
 @dataclass
@@ -85,12 +75,12 @@ class StagingRing:
         slot = ring.acquire(1 << 20); ...; ring.release(slot)
     """
 
-    def __init__(self, capacity: int, device: torch.device | None = None):
+    def __init__(self, capacity: int, device: Device | None = None):
         if capacity <= 0:
             raise ValueError("staging capacity must be positive")
         self.capacity = int(capacity)
         self._buf: torch.Tensor | None = None
-        self._device = device
+        self.device = device if device is not None else CpuDevice()
         self._cv = threading.Condition()
         self._head = 0  # next free byte
         self._tail = 0  # oldest held byte
@@ -103,7 +93,7 @@ class StagingRing:
 
     def _buffer(self) -> torch.Tensor:
         if self._buf is None:
-            self._buf = host_buffer(self.capacity, self._device)
+            self._buf = self.device.host_buffer(self.capacity)
             self.allocations += 1
         return self._buf
 
@@ -145,11 +135,26 @@ class StagingRing:
                     break
                 if not self._cv.wait(timeout):
                     raise TimeoutError(f"no staging space for {n} bytes within {timeout}s")
-            self._held.append((start, n + gap))
-            self._used += n + gap
-            self._head = (start + n) % self.capacity
-            self.high_water = max(self.high_water, self._used - gap)
-            return Slot(start, n, buf[start : start + n])
+            return self._take(buf, start, gap, n)
+
+    def try_acquire(self, n: int) -> Slot | None:
+        """Reserve ``n`` contiguous bytes if they are free now, else None (never waits)."""
+        if not 0 < n <= self.capacity:
+            return None
+        buf = self._buffer()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("staging ring closed")
+            start, gap = self._fit(n)
+            return None if start is None else self._take(buf, start, gap, n)
+
+    def _take(self, buf: torch.Tensor, start: int, gap: int, n: int) -> Slot:
+        # Called with the lock held.
+        self._held.append((start, n + gap))
+        self._used += n + gap
+        self._head = (start + n) % self.capacity
+        self.high_water = max(self.high_water, self._used - gap)
+        return Slot(start, n, buf[start : start + n])
 
     def _fit(self, n: int) -> tuple[int | None, int]:
         free = self.capacity - self._used
@@ -184,9 +189,79 @@ class StagingRing:
             self._closed = True
             self._cv.notify_all()
 
+    def free(self) -> None:
+        """Give the buffer back to its device (the ring allocates a new one if used again)."""
+        with self._cv:
+            buf, self._buf = self._buf, None
+            self._warm = 0
+        if buf is not None:
+            self.device.free_host_buffer(buf)
+
     def reopen(self) -> None:
         with self._cv:
             self._closed = False
             self._held.clear()
             self._used = 0
             self._head = self._tail = 0
+
+
+class SaverStaging:
+    """A saver's device and its one staging ring.
+
+    The device is the one given, or learned from the first tensor of the
+    first state seen (and learned again only if the state moves to another
+    device). ``budget=None`` sizes the ring automatically: the default, or
+    a state's bytes when more (rounded up to what the device's allocator
+    hands out), so that a whole snapshot fits and an eager save never waits
+    for storage; a given budget is kept as given. The ring
+    is made once and kept; it is made again only for another device or a
+    larger automatic budget, never from one save of the same state to the next.
+
+    Example::
+
+        staging = SaverStaging(None, 64 << 20)
+        staging.adopt(prep.mine)
+        ring = staging.ring_for(sum(t.nbytes for t in prep.mine))
+    """
+
+    def __init__(self, budget: int | None, piece: int, device: Any = None):
+        self.auto = budget is None
+        self.budget = DEFAULT_STAGING_BYTES if budget is None else int(budget)
+        self.max_piece = int(piece)
+        self.piece = max(1, min(self.max_piece, self.budget // 2 or 1))
+        self.given = device is not None
+        # Made now, on the constructing thread: what an accelerator needs for its copies is made once, here.
+        self.device: Device | None = None if device is None else device_for(device)
+        self.ring: StagingRing | None = None
+
+    def adopt(self, items: Sequence[Any]) -> Device:
+        """The device for ``items`` (objects with ``.data``): as given, else that of their first device tensor."""
+        if not self.given:
+            where = device_of(t.data for t in items)
+            if self.device is None or not self.device.serves(where):
+                self.device = device_for(where)
+        elif self.device is None:
+            self.device = device_for(None)
+        return self.device
+
+    def ring_for(self, need: int = 0) -> StagingRing:
+        """The staging ring on the current device; with an automatic budget, holding ``need`` bytes."""
+        if self.device is None:
+            self.device = device_for(None)
+        if self.auto and need > self.budget:
+            # All of what the device's allocator hands out anyway (its host blocks come in powers of two).
+            self.budget = self.device.held_size(-(-need // _ROUND) * _ROUND)
+            self.piece = max(1, min(self.max_piece, self.budget // 2 or 1))
+        ring = self.ring
+        if ring is None or ring.device is not self.device or ring.capacity < self.budget:
+            if ring is not None:
+                ring.free()
+            self.ring = ring = StagingRing(self.budget, self.device)
+        return ring
+
+    def close(self) -> None:
+        """Give the ring's memory back now (a later save allocates it again) and stop the device's helpers."""
+        if self.ring is not None:
+            self.ring.free()
+        if self.device is not None:
+            self.device.close()

@@ -81,10 +81,21 @@ class IOStats:
 
 
 class Writer(abc.ABC):
-    """A sequential writer of one data file. ``close()`` makes it durable."""
+    """A sequential writer of one data file. ``close()`` makes it durable.
+
+    ``positional`` writers also take :meth:`write_at` from several threads at
+    once, each at its own offset (the file's bytes are then written in
+    parallel); the others take only :meth:`write`, in order.
+    """
+
+    positional: bool = False
 
     @abc.abstractmethod
     def write(self, data: memoryview | bytes) -> None: ...
+
+    def write_at(self, offset: int, data: memoryview | bytes) -> None:
+        """Write ``data`` at byte ``offset`` (``positional`` writers only; safe from several threads)."""
+        raise NotImplementedError(f"{type(self).__name__} writes in order only")
 
     @abc.abstractmethod
     def close(self) -> None:

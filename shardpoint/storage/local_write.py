@@ -104,6 +104,8 @@ class DirectState:
 class LocalWriter(Writer):
     """Buffered positional writes; ``close()`` fsyncs the file and its folder."""
 
+    positional = True
+
     def __init__(self, storage: "LocalStorage", path: str):
         self._storage = storage
         self._path = path
@@ -116,6 +118,11 @@ class LocalWriter(Writer):
         mv = memoryview(data).cast("B")
         pwrite_all(self._fd, mv, self._pos)
         self._pos += len(mv)
+        self._storage.stats.add_write(len(mv))
+
+    def write_at(self, offset: int, data) -> None:
+        mv = memoryview(data).cast("B")
+        pwrite_all(self._fd, mv, offset)
         self._storage.stats.add_write(len(mv))
 
     def close(self) -> None:

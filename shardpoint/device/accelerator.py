@@ -1,0 +1,182 @@
+"""The accelerator path: page-locked host buffers, one copy stream, events for completion.
+
+Written against the device-generic API of PyTorch (``torch.accelerator``,
+``torch.Stream``, ``torch.Event``), with ``torch.cuda``'s own classes for a
+CUDA device, whose stream context and events every supported PyTorch has.
+
+Rules this module keeps:
+
+- The copy stream is made once, when the device object is made (on the
+  thread that makes the saver or the load), never per save and never in a
+  worker thread.
+- A copy waits for the work the caller queued before its snapshot point
+  (``wait_event``), so it reads the values as of the call, not older ones.
+- Completion is an event recorded on the copy stream after the copy: the
+  host blocks on it (``synchronize``), training work waits on it by stream
+  (``current_stream().wait_event``), and the host goes on.
+- A temporary made for a copy is tied to the copy stream
+  (``record_stream``), so the caching allocator does not hand its memory to
+  another tensor before the copy has read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+
+from .base import Completed, CopyEvent, Device, flat_bytes
+
+__all__ = ["AcceleratorDevice", "StreamEvent", "with_index"]
+
+
+def with_index(dev: torch.device) -> torch.device:
+    """``dev`` with its index: the current device's when it names none.
+
+    Example::
+
+        with_index(torch.device("cuda"))  # device(type='cuda', index=0)
+    """
+    if dev.index is not None:
+        return dev
+    if dev.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(dev.type, torch.accelerator.current_device_index())
+
+
+class StreamEvent(CopyEvent):
+    """An event recorded on a stream; ``raw`` is the framework's event object.
+
+    Example::
+
+        ev = device.copy_to_host(buf, src); ev.synchronize()
+    """
+
+    def __init__(self, raw: Any):
+        self.raw = raw
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def query(self) -> bool:
+        return bool(self.raw.query())
+
+
+class AcceleratorDevice(Device):
+    """A CUDA device, or any device ``torch.accelerator`` drives.
+
+    Example::
+
+        dev = AcceleratorDevice(torch.device("cuda", 0))
+        buf = dev.host_buffer(t.nbytes)   # pinned
+        ev = dev.copy_to_host(buf, t.reshape(-1).view(torch.uint8), dev.snapshot_point())
+        dev.order_after(ev)               # the training stream waits; the host does not
+    """
+
+    asynchronous = True
+    pins = True
+
+    def __init__(self, device: torch.device | str):
+        super().__init__()
+        dev = with_index(torch.device(device))
+        self._cuda = dev.type == "cuda"
+        self.device = dev
+        self.type = dev.type
+        # Made here, on the constructing thread, once for the life of this object.
+        self.stream = torch.cuda.Stream(device=dev) if self._cuda else torch.Stream(device=dev)
+        self._held: list[tuple[CopyEvent, torch.Tensor]] = []
+        self._held_lock = threading.Lock()
+
+    def serves(self, where: torch.device) -> bool:
+        where = torch.device(where)
+        return where.type == self.type and (where.index is None or where.index == self.device.index)
+
+    def held_size(self, nbytes: int) -> int:
+        # PyTorch's pinned allocator hands out blocks rounded up to a power of two.
+        return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _current_stream(self) -> Any:
+        if self._cuda:
+            return torch.cuda.current_stream(self.device)
+        return torch.accelerator.current_stream(self.device)
+
+    def _event(self) -> Any:
+        return torch.cuda.Event() if self._cuda else torch.Event(device=self.device)
+
+    def snapshot_point(self) -> CopyEvent:
+        ev = self._event()
+        ev.record(self._current_stream())
+        return StreamEvent(ev)
+
+    @contextlib.contextmanager
+    def _on_copy_stream(self, after: CopyEvent | None) -> Iterator[None]:
+        """Work queued inside runs on the copy stream, after ``after``; the caller's stream is restored after."""
+        if isinstance(after, StreamEvent):
+            self.stream.wait_event(after.raw)
+        if self._cuda:
+            with torch.cuda.stream(self.stream):
+                yield
+            return
+        prev_index = torch.accelerator.current_device_index()
+        prev = torch.accelerator.current_stream(self.device)
+        torch.accelerator.set_stream(self.stream)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(prev)
+            torch.accelerator.set_device_index(prev_index)
+
+    def _on_stream(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None) -> CopyEvent:
+        ev = self._event()
+        with self._on_copy_stream(after):
+            dst.copy_(src, non_blocking=True)
+            ev.record(self.stream)
+        return StreamEvent(ev)
+
+    def byte_view(self, t: torch.Tensor, after: CopyEvent | None = None) -> tuple[torch.Tensor, bool]:
+        if t.is_contiguous() or not self.owns(t):
+            return flat_bytes(t)
+        # The contiguous copy runs on the copy stream after the snapshot point: it then holds the
+        # values as of the call even when made from a worker thread, whose current stream is another.
+        with self._on_copy_stream(after):
+            raw, _ = flat_bytes(t)
+        return raw, True
+
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
+        if not self.owns(src):
+            # A host tensor in a device state (a step counter), or one on another device: a plain,
+            # synchronous copy (this device's stream and events do not order another device's work).
+            dst.copy_(src)
+            return Completed()
+        return self._on_stream(dst, src, after)
+
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
+        if not self.owns(dst):
+            dst.copy_(src)
+            return Completed()
+        return self._on_stream(dst, src, after)
+
+    def order_after(self, event: CopyEvent) -> None:
+        if isinstance(event, StreamEvent):
+            self._current_stream().wait_event(event.raw)
+        else:
+            event.synchronize()
+
+    def keep_alive(self, t: torch.Tensor, event: CopyEvent) -> None:
+        if self.owns(t):
+            # The allocator keeps the block from reuse until the copy stream's queued work is done.
+            t.record_stream(self.stream)
+            return
+        with self._held_lock:  # host memory: hold a reference until the copy completes
+            self._held = [(e, h) for e, h in self._held if not e.query()]
+            self._held.append((event, t))
+
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        out["device"] = str(self.device)
+        return out

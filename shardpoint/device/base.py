@@ -1,0 +1,187 @@
+"""What the engine needs from a device, declared once: host buffers, copies, events.
+
+Every ability the save and load engines use is declared on :class:`Device`
+with its contract; the engine never asks what kind of device it holds. The
+contract follows an asynchronous accelerator, where a copy is queued and
+completes later:
+
+- :meth:`Device.host_buffer` gives host memory the device copies to and from
+  at full speed (page-locked for an accelerator), counted in
+  :attr:`Device.pinned_bytes` until :meth:`Device.free_host_buffer`.
+- :meth:`Device.snapshot_point` marks "everything the caller's thread has
+  queued so far"; a copy given that mark reads the values as of then.
+- :meth:`Device.copy_to_host` and :meth:`Device.copy_to_device` queue a
+  copy and return a :class:`CopyEvent`. The bytes are there only once the
+  event completes: the host blocks with :meth:`CopyEvent.synchronize`, and
+  work queued later by the caller's thread waits without blocking the host
+  with :meth:`Device.order_after`.
+- :meth:`Device.keep_alive` ties a temporary's memory to a copy: a tensor
+  made only to be copied (a contiguous version of a strided one) must not be
+  reused before its copy has read it.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["CopyEvent", "Completed", "Device", "flat_bytes"]
+
+
+def flat_bytes(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``t``'s bytes as a flat uint8 tensor on ``t``'s device, and whether it is a temporary.
+
+    A strided tensor is made contiguous first: that copy is a temporary the
+    caller must keep alive until any copy reading it completes
+    (:meth:`Device.keep_alive`).
+
+    Example::
+
+        raw, temporary = flat_bytes(torch.ones(2, 3).t())  # temporary is True
+    """
+    t = t.detach()
+    temporary = not t.is_contiguous()
+    if temporary:
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8), temporary
+
+
+class CopyEvent(abc.ABC):
+    """The completion of queued copies.
+
+    Example::
+
+        ev = device.copy_to_host(buf, src, device.snapshot_point())
+        ev.synchronize()  # the bytes are in buf now
+    """
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block the calling thread until the copies before this event are complete."""
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True once the copies are complete (never blocks)."""
+
+
+class Completed(CopyEvent):
+    """An event that is complete when made: what a synchronous copy returns.
+
+    Example::
+
+        Completed().synchronize()  # returns at once
+    """
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class Device(abc.ABC):
+    """One device the engine copies from and to, and the host memory it stages through.
+
+    ``asynchronous`` is True where copies complete after the call that
+    queued them (an accelerator, the simulated device): the engine then
+    waits on events before it reads a staged byte, and the lazy save orders
+    the training work after the copies instead of blocking the host.
+    ``pinned_bytes`` counts the page-locked host bytes this object handed
+    out and has not yet freed.
+
+    Example::
+
+        dev = device_for(tensor)
+        buf = dev.host_buffer(1 << 20)
+        ev = dev.copy_to_host(buf[: t.nbytes], raw_bytes(t), dev.snapshot_point())
+        ev.synchronize()
+    """
+
+    type: str = "cpu"
+    asynchronous: bool = False
+    pins: bool = False
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.pinned_bytes = 0
+        self.host_allocations = 0
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host byte buffer of ``nbytes``, page-locked where this device pins (counted in ``pinned_bytes``)."""
+        buf = self._allocate(int(nbytes))
+        with self._lock:
+            self.host_allocations += 1
+            if self.pins:
+                self.pinned_bytes += self.held_size(int(nbytes))
+        return buf
+
+    def free_host_buffer(self, buf: torch.Tensor) -> None:
+        """Give back a buffer from :meth:`host_buffer` (its bytes leave ``pinned_bytes``); the caller drops it."""
+        if self.pins:
+            with self._lock:
+                self.pinned_bytes -= self.held_size(buf.numel())
+
+    def held_size(self, nbytes: int) -> int:
+        """The host bytes a buffer of ``nbytes`` really takes (an allocator may round it up)."""
+        return int(nbytes)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives on this device (so a copy to or from it goes through this object)."""
+        return self.serves(t.device)
+
+    def serves(self, where: torch.device) -> bool:
+        """Whether tensors on ``where`` are this device's."""
+        return torch.device(where).type == self.type
+
+    def byte_view(self, t: torch.Tensor, after: CopyEvent | None = None) -> tuple[torch.Tensor, bool]:
+        """``t``'s bytes, flat, and whether they are a temporary (see :func:`~shardpoint.device.byte_view`).
+
+        A temporary is made where the copy that reads it will run, after
+        ``after``, so that it holds the values as of the snapshot point.
+        """
+        return flat_bytes(t)
+
+    @abc.abstractmethod
+    def snapshot_point(self) -> CopyEvent:
+        """Mark the work the calling thread has queued so far; copies given it read values as of now."""
+
+    @abc.abstractmethod
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
+        """Queue a copy of ``src`` (this device) into host ``dst`` after ``after``; its completion event.
+
+        ``src`` must stay alive until the event completes: pass temporaries
+        to :meth:`keep_alive`.
+        """
+
+    @abc.abstractmethod
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
+        """Queue a copy of host ``src`` into ``dst`` (this device) after ``after``; its completion event.
+
+        ``src`` (a buffer from :meth:`host_buffer`) must not be reused before the event completes.
+        """
+
+    @abc.abstractmethod
+    def order_after(self, event: CopyEvent) -> None:
+        """Make the work the calling thread queues from now on run after ``event``.
+
+        An accelerator makes the caller's current stream wait on the event
+        (the host goes on at once); a synchronous device blocks until it completes.
+        """
+
+    @abc.abstractmethod
+    def keep_alive(self, t: torch.Tensor, event: CopyEvent) -> None:
+        """Keep ``t``'s memory from reuse until ``event`` completes (a temporary being copied)."""
+
+    def close(self) -> None:
+        """Stop what this device started (the simulated device's copy thread); idempotent."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """A summary for logs and benchmarks: the type, whether asynchronous, pinned bytes held."""
+        return {"type": self.type, "asynchronous": self.asynchronous, "pinned_bytes": self.pinned_bytes}

@@ -1,0 +1,145 @@
+"""A simulated asynchronous device, for tests on machines without an accelerator.
+
+It behaves like a copy engine: a copy is queued and runs later, in order, on
+a thread of its own, and signals an event when done. So the mistakes an
+accelerator punishes show up on a CPU:
+
+- reading a staged buffer before its event completes reads stale bytes;
+- changing a tensor after the save returned but before its copy ran puts
+  the changed values in the snapshot (a missing fence);
+- a temporary dropped before its copy ran is "reused": the copy reads
+  garbage (poison bytes) instead of its values, as the caching allocator of
+  a real device would hand the memory to another tensor. The simulation
+  holds only a weak reference to a source unless :meth:`keep_alive` was
+  called for it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from .base import CopyEvent, Device
+
+__all__ = ["SimulatedDevice", "SimEvent", "POISON"]
+
+POISON = 0xA5  # what a copy reads from memory freed before it ran
+
+
+class SimEvent(CopyEvent):
+    """Completion of one simulated copy (and of every copy queued before it).
+
+    Example::
+
+        ev = sim.copy_to_host(buf, src); ev.synchronize()
+    """
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.held: list[torch.Tensor] = []
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def complete(self) -> None:
+        """Mark done and let go of whatever was kept alive for the copy (called by the copy thread)."""
+        self.held.clear()
+        self._done.set()
+
+
+def _source(t: torch.Tensor) -> tuple[Any, int, tuple, tuple, torch.dtype]:
+    return weakref.ref(t.untyped_storage()), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def _resolve(src: tuple) -> torch.Tensor | None:
+    ref, offset, shape, stride, dtype = src
+    storage = ref()
+    if storage is None:
+        return None
+    return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+
+
+class SimulatedDevice(Device):
+    """Host tensors copied as if by an asynchronous copy engine; see the module docs.
+
+    ``delay`` is how long each copy waits before it runs (seconds).
+    ``copies`` counts the copies run. Buffers from :meth:`host_buffer`
+    count as pinned, so budgets can be tested.
+
+    Example::
+
+        sim = SimulatedDevice(delay=0.01)
+        ev = sim.copy_to_host(buf, src)   # buf still holds old bytes here
+        ev.synchronize()                  # now it holds src's
+        sim.close()
+    """
+
+    type = "cpu"
+    asynchronous = True
+    pins = True
+
+    def __init__(self, delay: float = 0.002):
+        super().__init__()
+        self.delay = float(delay)
+        self.copies = 0
+        self._q: "queue.Queue" = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def _submit(self, dst: torch.Tensor, src: torch.Tensor) -> SimEvent:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="shardpoint-simulated-copy", daemon=True)
+                self._thread.start()
+        ev = SimEvent()
+        self._q.put((dst, _source(src), ev))
+        return ev
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            dst, src, ev = job
+            time.sleep(self.delay)
+            view = _resolve(src)
+            if view is None:
+                dst.view(torch.uint8).fill_(POISON)
+            else:
+                dst.copy_(view)
+            self.copies += 1
+            del view, job, dst
+            ev.complete()
+
+    def snapshot_point(self) -> CopyEvent:
+        ev = SimEvent()
+        ev.complete()
+        return ev
+
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
+        return self._submit(dst, src)
+
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
+        return self._submit(dst, src)
+
+    def order_after(self, event: CopyEvent) -> None:
+        event.synchronize()  # no streams to order: the host waits
+
+    def keep_alive(self, t: torch.Tensor, event: CopyEvent) -> None:
+        if isinstance(event, SimEvent) and not event.query():
+            event.held.append(t)
+
+    def close(self) -> None:
+        with self._start_lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._q.put(None)
+            thread.join()
