@@ -375,7 +375,6 @@ LONG_FUNCTIONS_EXEMPT = {"cli.py: build_parser"}
 LONG_FUNCTIONS_TODAY = {
     "adapters/optimizer.py: OptimizerAdapter.load",
     "async_save.py: AsyncSaver.save",
-    "engine/read_shared.py: execute_shared",
 }
 
 
