@@ -23,6 +23,8 @@ from .adapters.optimizer import own_protocol
 from .dcp_names import dcp_to_native, is_dcp_optimizer_doc
 from .dist import Comm, raise_if_failed, run_guarded
 from .engine.claim import CommitPolicy, SaveClaim
+from .engine.inflight import wait_for_saves
+from .engine.uncommitted import describe_uncommitted
 from .engine.indexes import IndexReader, resolve, resolve_all, wanted_box
 from .engine.io import write_chunks
 from .format.datafile import DEFAULT_BLOCK_SIZE
@@ -244,15 +246,13 @@ def read_manifest(path: str | Storage, *, chunks: bool = True) -> Manifest:
 
 
 def _manifest_bytes(storage: Storage) -> bytes:
+    wait_for_saves(storage.url)  # an asynchronous save of this path in this process commits first
     try:
         return storage.get_limited(MANIFEST_NAME, Limits.from_env().manifest_bytes)
     except FileNotFoundError:
         if not storage.location_exists():
             raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: the path does not exist") from None
-        raise IncompleteCheckpointError(
-            f"{storage.url} holds no committed manifest: the save that wrote it was interrupted or is "
-            "still running; load an earlier checkpoint"
-        ) from None
+        raise IncompleteCheckpointError(describe_uncommitted(storage)) from None
 
 
 def _key_mismatch(where: str, missing: list[str], unexpected: list[str], strict: bool) -> None:

@@ -7,6 +7,7 @@ Messages name the checkpoint, the tensor and, where it helps, what to do.
 
 from __future__ import annotations
 
+import errno
 from typing import Mapping
 
 __all__ = [
@@ -35,8 +36,21 @@ class CheckpointError(Exception):
     """Base class of every error shardpoint raises on purpose."""
 
 
-class CheckpointNotFoundError(CheckpointError):
-    """The checkpoint path does not exist at all."""
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint path does not exist at all.
+
+    Also a ``FileNotFoundError`` (so an ``OSError``), as frameworks' checkpoint
+    hooks and user code expect of a missing checkpoint::
+
+        try:
+            sp.load("ckpt/missing", state)
+        except FileNotFoundError:
+            start_fresh()
+    """
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.errno = errno.ENOENT  # what code that inspects an OSError's errno expects of a missing path
 
 
 class IncompleteCheckpointError(CheckpointError):

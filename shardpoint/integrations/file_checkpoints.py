@@ -1,0 +1,152 @@
+"""Checkpoints that are single files: reading ``torch.save`` files, and replacing a file by a checkpoint folder.
+
+Frameworks' default checkpoint writers produce one file per checkpoint
+(``epoch=3.ckpt``, ``last.ckpt``). A run that switches to shardpoint meets
+those files twice: when it resumes from one, and when its first save lands
+on a path an old file still holds. Both are handled here for local paths.
+
+Example::
+
+    if is_local_file(path):
+        checkpoint = load_torch_file(path, map_location="cpu", allow_pickle=False)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import pickle
+import shutil
+import uuid
+from typing import Any, Callable
+
+import torch
+
+from ..errors import UnsupportedStateError
+
+__all__ = ["is_local_file", "load_torch_file", "replace_file"]
+
+log = logging.getLogger("shardpoint")
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _local(path: str) -> str | None:
+    if path.startswith("file://"):
+        return path[len("file://"):]
+    return None if "://" in path else path
+
+
+def is_local_file(path: str) -> bool:
+    """Whether ``path`` is a regular file on a local disk (a single-file checkpoint, not a shardpoint folder).
+
+    Example::
+
+        is_local_file("runs/last.ckpt")  # True for a file written by torch.save
+    """
+    local = _local(path)
+    return local is not None and os.path.isfile(local)
+
+
+def load_torch_file(path: str, map_location: Any = None, allow_pickle: bool = False) -> Any:
+    """Read a ``torch.save`` checkpoint file: ``weights_only=True`` unless ``allow_pickle``.
+
+    A file that ``weights_only`` refuses (it holds objects beyond tensors
+    and plain containers) raises :class:`~shardpoint.errors.UnsupportedStateError`
+    naming the file, what torch refused and how to opt in.
+
+    Example::
+
+        checkpoint = load_torch_file("runs/epoch=3.ckpt", map_location="cpu")
+    """
+    local = _local(path) or path
+    try:
+        return torch.load(local, map_location=map_location, weights_only=not allow_pickle)
+    except pickle.UnpicklingError as e:
+        if allow_pickle:
+            raise
+        first = str(e).strip().splitlines()
+        detail = next((line for line in first if "Unsupported global" in line or "GLOBAL" in line), first[0] if first else "")
+        raise UnsupportedStateError(
+            f"{path}: this torch checkpoint file holds objects that a safe load (torch.load(weights_only=True)) "
+            f"refuses: {detail.strip()}. If you trust the file, load it with pickle allowed: "
+            "ShardpointCheckpointIO(allow_pickle=True) (or load_from_checkpoint(..., weights_only=False)); "
+            "once saved again by shardpoint, such values are stored without pickle where they are plain types"
+        ) from e
+
+
+def replace_file(path: str, write: Callable[[str], None]) -> None:
+    """Replace the regular file ``path`` by the checkpoint folder that ``write(folder)`` writes.
+
+    The folder is written beside the file under a hidden name, then put in
+    its place: with one atomic exchange where the system offers it (Linux's
+    ``renameat2``), so ``path`` always holds either the old file or the new
+    checkpoint; elsewhere by moving the file aside first, so a crash in
+    between leaves it under ``.<name>.replaced-<id>``. If ``write`` fails,
+    the file is untouched and the hidden folder removed.
+
+    Example::
+
+        replace_file("runs/last.ckpt", lambda folder: sp.save(folder, state))
+    """
+    local = os.path.abspath(_local(path) or path)
+    parent, name = os.path.split(local)
+    tag = uuid.uuid4().hex[:12]
+    new = os.path.join(parent, f".{name}.new-{tag}")
+    try:
+        write(new)
+    except BaseException:
+        _remove(new)
+        raise
+    if _exchange(new, local):
+        _sync_dir(parent)
+        _remove(new)  # now the old file
+        return
+    aside = os.path.join(parent, f".{name}.replaced-{tag}")
+    os.replace(local, aside)
+    try:
+        os.replace(new, local)
+    except BaseException:
+        os.replace(aside, local)
+        raise
+    _sync_dir(parent)
+    _remove(aside)
+
+
+def _sync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap ``a`` and ``b`` atomically; False where the system or file system cannot."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.ENOTSUP, errno.EXDEV):
+        log.debug("atomic exchange of %s unavailable (%s); moving the old file aside", b, os.strerror(err))
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
