@@ -17,6 +17,7 @@ import ctypes
 import errno
 import logging
 import os
+import pathlib
 import pickle
 import shutil
 import uuid
@@ -26,9 +27,15 @@ import torch
 
 from ..errors import UnsupportedStateError
 
-__all__ = ["is_local_file", "load_torch_file", "replace_file"]
+__all__ = ["SAFE_CLASSES", "is_local_file", "load_torch_file", "replace_file"]
 
 log = logging.getLogger("shardpoint")
+
+# Classes a torch checkpoint file may hold that are safe to rebuild (their pickled form only names the class
+# and passes strings), allowed on top of what torch.load(weights_only=True) allows.
+SAFE_CLASSES = (
+    pathlib.PurePath, pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath,
+)
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -64,15 +71,17 @@ def load_torch_file(path: str, map_location: Any = None, allow_pickle: bool = Fa
     """
     local = _local(path) or path
     try:
-        return torch.load(local, map_location=map_location, weights_only=not allow_pickle)
+        with torch.serialization.safe_globals(list(SAFE_CLASSES)):
+            return torch.load(local, map_location=map_location, weights_only=not allow_pickle)
     except pickle.UnpicklingError as e:
         if allow_pickle:
             raise
-        first = str(e).strip().splitlines()
-        detail = next((line for line in first if "Unsupported global" in line or "GLOBAL" in line), first[0] if first else "")
+        lines = str(e).strip().splitlines()
+        detail = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+        detail = detail.split(" was not an allowed global", 1)[0].split("Unsupported global: ", 1)[-1].strip()
         raise UnsupportedStateError(
             f"{path}: this torch checkpoint file holds objects that a safe load (torch.load(weights_only=True)) "
-            f"refuses: {detail.strip()}. If you trust the file, load it with pickle allowed: "
+            f"refuses ({detail}). If you trust the file, load it with pickle allowed: "
             "ShardpointCheckpointIO(allow_pickle=True) (or load_from_checkpoint(..., weights_only=False)); "
             "once saved again by shardpoint, such values are stored without pickle where they are plain types"
         ) from e

@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from typing import Any
@@ -36,7 +37,7 @@ from ..api import load, read_manifest, save
 from ..async_handle import AsyncSaveHandle
 from ..async_save import async_save
 from ..engine.inflight import saving, wait_for_saves
-from ..errors import UnsupportedStateError
+from ..errors import FormatError, UnsupportedStateError
 from ..dist import LOCAL
 from ..extras import require
 from ..format.values import encode_value
@@ -47,6 +48,7 @@ from .hparams import decode_plain, encode_plain
 require("lightning", "lightning", "shardpoint.integrations.lightning")
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
 from lightning.pytorch.core.saving import load_hparams_from_tags_csv, load_hparams_from_yaml  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 from lightning.pytorch.utilities.migration import migrate_checkpoint  # noqa: E402
 
@@ -153,11 +155,38 @@ def _check_hparam(key: str, name: Any, value: Any, plugin: str) -> None:
     try:
         encode_value(value, f"{key}.{name}", lambda *_: None)
     except UnsupportedStateError as e:
+        what = str(e).split(";", 1)[0]  # "cannot encode <type> at '<where>' safely"
         raise UnsupportedStateError(
-            f"hyperparameter {name!r} (saved by save_hyperparameters(), under checkpoint key {key!r}) cannot be "
-            f"stored without pickle: {e}. Fix it one of two ways: make it a plain type ({PLAIN_TYPES}), or, if "
-            f"you will only load this checkpoint where you trust it, create the plugin as {plugin}(allow_pickle=True)"
+            f"hyperparameter {name!r} (saved by save_hyperparameters()) cannot be stored without pickle: {what}. "
+            f"Either make it a plain type ({PLAIN_TYPES}), or, if this checkpoint will only be loaded where it is "
+            f"trusted, create the plugin as {plugin}(allow_pickle=True)"
         ) from None
+
+
+def _drain_async_wrapper() -> None:
+    """Wait for the saves that Lightning's ``AsyncCheckpointIO`` queued, when it wraps this plugin and is the caller.
+
+    That wrapper runs saves on its own thread and passes removals and
+    loads straight through, so a removal could otherwise overtake the save
+    of the same path still waiting in its queue (leaving a checkpoint that
+    ``ModelCheckpoint`` believes deleted). Its queue runs in order, so once
+    a no-op submitted now has run, every earlier save has finished.
+    """
+    frame = inspect.currentframe()
+    try:
+        f = frame.f_back if frame is not None else None
+        for _ in range(6):
+            if f is None:
+                return
+            owner = f.f_locals.get("self")
+            if isinstance(owner, AsyncCheckpointIO):
+                executor = getattr(owner, "_executor", None)
+                if executor is not None:
+                    executor.submit(lambda: None).result()
+                return
+            f = f.f_back
+    finally:
+        del frame
 
 
 def _pickle_allowed(allow_pickle: bool, weights_only: bool | None) -> bool:
@@ -211,6 +240,7 @@ class ShardpointCheckpointIO(CheckpointIO):
         reads tensors on the CPU.
         """
         where = _where(path)
+        _drain_async_wrapper()
         wait_for_saves(where)
         pickle_ok = _pickle_allowed(self.allow_pickle, weights_only)
         if is_local_file(where):
@@ -222,7 +252,16 @@ class ShardpointCheckpointIO(CheckpointIO):
                 "ShardpointFSDPStrategy; resume it with ShardpointFSDPStrategy (on any number of ranks)"
             )
         state: dict[str, Any] = dict.fromkeys(keys)
-        load(where, state, verify=self.verify, process_group=LOCAL, allow_pickle=pickle_ok)
+        try:
+            load(where, state, verify=self.verify, process_group=LOCAL, allow_pickle=pickle_ok)
+        except FormatError as e:
+            if pickle_ok or "pickled value" not in str(e):
+                raise
+            raise FormatError(
+                f"{where}: this checkpoint holds values saved with pickle (it was saved with allow_pickle=True); "
+                f"if you trust it, load it with {type(self).__name__}(allow_pickle=True), Trainer.fit(..., "
+                "weights_only=False) or load_from_checkpoint(..., weights_only=False)"
+            ) from None
         checkpoint = decode_plain(from_state(state), pickle_ok, where)
         device = _target_device(map_location)
         return checkpoint if device is None else _mapped(checkpoint, device)
@@ -230,6 +269,7 @@ class ShardpointCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path``, once a save of it still running in this process has finished."""
         where = _where(path)
+        _drain_async_wrapper()
         wait_for_saves(where)
         remove_path(where)
 
