@@ -13,13 +13,17 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import dataclasses
+import enum
 import errno
 import logging
 import os
 import pathlib
 import pickle
 import shutil
+import sys
 import uuid
 from typing import Any, Callable
 
@@ -27,7 +31,7 @@ import torch
 
 from ..errors import UnsupportedStateError
 
-__all__ = ["SAFE_CLASSES", "is_local_file", "load_torch_file", "replace_file"]
+__all__ = ["SAFE_CLASSES", "is_local_file", "load_torch_file", "plain_classes_in", "replace_file"]
 
 log = logging.getLogger("shardpoint")
 
@@ -35,6 +39,7 @@ log = logging.getLogger("shardpoint")
 # and passes strings), allowed on top of what torch.load(weights_only=True) allows.
 SAFE_CLASSES = (
     pathlib.PurePath, pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath,
+    argparse.Namespace,
 )
 
 _AT_FDCWD = -100
@@ -71,7 +76,8 @@ def load_torch_file(path: str, map_location: Any = None, allow_pickle: bool = Fa
     """
     local = _local(path) or path
     try:
-        with torch.serialization.safe_globals(list(SAFE_CLASSES)):
+        allowed = [] if allow_pickle else [*SAFE_CLASSES, *plain_classes_in(local)]
+        with torch.serialization.safe_globals(allowed):
             return torch.load(local, map_location=map_location, weights_only=not allow_pickle)
     except pickle.UnpicklingError as e:
         if allow_pickle:
@@ -85,6 +91,43 @@ def load_torch_file(path: str, map_location: Any = None, allow_pickle: bool = Fa
             "ShardpointCheckpointIO(allow_pickle=True) (or load_from_checkpoint(..., weights_only=False)); "
             "once saved again by shardpoint, such values are stored without pickle where they are plain types"
         ) from e
+
+
+def plain_classes_in(path: str) -> list[type]:
+    """The classes a torch checkpoint file names that a safe load may rebuild: Enum, dataclass and namedtuple
+    classes, found among the modules this program has already imported (none is imported for the file).
+
+    Rebuilding them runs none of their code but the Enum's lookup of a member
+    by value; the same kinds shardpoint stores without pickle.
+
+    Example::
+
+        with torch.serialization.safe_globals(plain_classes_in("last.ckpt")):
+            checkpoint = torch.load("last.ckpt", weights_only=True)
+    """
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # noqa: BLE001 - not a zip checkpoint, or an older torch: the load itself will tell
+        return []
+    found = []
+    for name in names:
+        cls = _imported(name)
+        if isinstance(cls, type) and (
+            issubclass(cls, enum.Enum) or dataclasses.is_dataclass(cls) or (issubclass(cls, tuple) and hasattr(cls, "_fields"))
+        ):
+            found.append(cls)
+    return found
+
+
+def _imported(dotted: str) -> object:
+    parts = dotted.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        obj = sys.modules.get(".".join(parts[:i]))
+        for attr in parts[i:]:
+            obj = getattr(obj, attr, None)
+        if obj is not None:
+            return obj
+    return None
 
 
 def replace_file(path: str, write: Callable[[str], None]) -> None:
