@@ -173,11 +173,7 @@ def _decode(value: Any, allow_pickle: bool, where: str, depth: int) -> Any:
     tag = value.get(TYPE_TAG)
     if tag is None:
         out = {k: _decode(v, allow_pickle, where, d) for k, v in value.items()}
-        if all(out[k] is value[k] for k in value):
-            return value
-        copy = dict(value) if type(value) is not dict else out
-        copy.update(out)
-        return copy
+        return value if all(out[k] is value[k] for k in value) else out
     return _decode_tagged(tag, value, allow_pickle, where, d)
 
 

@@ -37,7 +37,7 @@ from ..api import load, read_manifest, save
 from ..async_handle import AsyncSaveHandle
 from ..async_save import async_save
 from ..engine.inflight import saving, wait_for_saves
-from ..errors import FormatError, UnsupportedStateError
+from ..errors import CheckpointNotFoundError, FormatError, UnsupportedStateError
 from ..dist import LOCAL
 from ..extras import require
 from ..format.values import encode_value
@@ -245,7 +245,12 @@ class ShardpointCheckpointIO(CheckpointIO):
         pickle_ok = _pickle_allowed(self.allow_pickle, weights_only)
         if is_local_file(where):
             return load_torch_file(where, map_location=map_location, allow_pickle=pickle_ok)
-        keys = top_level_keys(read_manifest(where, chunks=False))
+        try:
+            keys = top_level_keys(read_manifest(where, chunks=False))
+        except CheckpointNotFoundError:  # worded as Lightning's own CheckpointIO words it
+            raise CheckpointNotFoundError(
+                f"Checkpoint file not found: {where} (neither a shardpoint checkpoint folder nor a checkpoint file)"
+            ) from None
         if "model" in keys and "state_dict" not in keys:
             raise UnsupportedStateError(
                 f"{where}: this checkpoint holds sharded model and optimizer state written by "
