@@ -18,6 +18,7 @@ import ctypes
 import dataclasses
 import enum
 import errno
+import io
 import logging
 import os
 import pathlib
@@ -31,7 +32,7 @@ import torch
 
 from ..errors import UnsupportedStateError
 
-__all__ = ["SAFE_CLASSES", "is_local_file", "load_torch_file", "plain_classes_in", "replace_file"]
+__all__ = ["SAFE_CLASSES", "is_local_file", "is_remote_file", "load_torch_file", "plain_classes_in", "remove_remote_file", "replace_file"]
 
 log = logging.getLogger("shardpoint")
 
@@ -63,6 +64,40 @@ def is_local_file(path: str) -> bool:
     return local is not None and os.path.isfile(local)
 
 
+def is_remote_file(path: str) -> bool:
+    """Whether the storage URL ``path`` (``s3://...``, ``gcs://...``) names a single file, asked through fsspec.
+
+    ``False`` for local paths, ``memory://`` (shardpoint's own in-memory
+    storage) and URLs whose filesystem is not installed or cannot answer.
+
+    Example::
+
+        is_remote_file("s3://bucket/run/last.ckpt")  # True for a file written by torch.save
+    """
+    if _local(path) is not None or path.startswith("memory://"):
+        return False
+    try:
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(path)
+        return bool(fs.isfile(root))
+    except Exception:  # noqa: BLE001 - no such filesystem, no credentials: not a file we can read
+        return False
+
+
+def remove_remote_file(path: str) -> None:
+    """Delete the single file at the storage URL ``path`` (an old checkpoint file beside a checkpoint folder).
+
+    Example::
+
+        remove_remote_file("s3://bucket/run/epoch=0.ckpt")
+    """
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(path)
+    fs.rm_file(root)
+
+
 def load_torch_file(path: str, map_location: Any = None, allow_pickle: bool = False) -> Any:
     """Read a ``torch.save`` checkpoint file: ``weights_only=True`` unless ``allow_pickle``.
 
@@ -74,9 +109,16 @@ def load_torch_file(path: str, map_location: Any = None, allow_pickle: bool = Fa
 
         checkpoint = load_torch_file("runs/epoch=3.ckpt", map_location="cpu")
     """
-    local = _local(path) or path
+    local = _local(path)
     try:
+        if local is None:  # a storage URL: read the file into memory first
+            import fsspec
+
+            with fsspec.open(path, "rb") as f:
+                local = io.BytesIO(f.read())
         allowed = [] if allow_pickle else [*SAFE_CLASSES, *plain_classes_in(local)]
+        if isinstance(local, io.BytesIO):
+            local.seek(0)
         with torch.serialization.safe_globals(allowed):
             return torch.load(local, map_location=map_location, weights_only=not allow_pickle)
     except pickle.UnpicklingError as e:
@@ -93,7 +135,7 @@ def load_torch_file(path: str, map_location: Any = None, allow_pickle: bool = Fa
         ) from e
 
 
-def plain_classes_in(path: str) -> list[type]:
+def plain_classes_in(path: Any) -> list[type]:
     """The classes a torch checkpoint file names that a safe load may rebuild: Enum, dataclass and namedtuple
     classes, found among the modules this program has already imported (none is imported for the file).
 

@@ -37,12 +37,12 @@ from ..api import load, read_manifest, save
 from ..async_handle import AsyncSaveHandle
 from ..async_save import async_save
 from ..engine.inflight import saving, wait_for_saves
-from ..errors import CheckpointNotFoundError, FormatError, UnsupportedStateError
+from ..errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError, UnsupportedStateError
 from ..dist import LOCAL
 from ..extras import require
 from ..format.values import encode_value
 from .common import remove_path, top_level_keys
-from .file_checkpoints import is_local_file, load_torch_file, replace_file
+from .file_checkpoints import is_local_file, is_remote_file, load_torch_file, remove_remote_file, replace_file
 from .hparams import decode_plain, encode_plain
 
 require("lightning", "lightning", "shardpoint.integrations.lightning")
@@ -247,8 +247,12 @@ class ShardpointCheckpointIO(CheckpointIO):
             return load_torch_file(where, map_location=map_location, allow_pickle=pickle_ok)
         try:
             keys = top_level_keys(read_manifest(where, chunks=False))
-        except CheckpointNotFoundError:  # worded as Lightning's own CheckpointIO words it
-            raise CheckpointNotFoundError(
+        except (CheckpointNotFoundError, IncompleteCheckpointError) as e:
+            if is_remote_file(where):  # a torch checkpoint file in object storage
+                return load_torch_file(where, map_location=map_location, allow_pickle=pickle_ok)
+            if isinstance(e, IncompleteCheckpointError):
+                raise
+            raise CheckpointNotFoundError(  # worded as Lightning's own CheckpointIO words it
                 f"Checkpoint file not found: {where} (neither a shardpoint checkpoint folder nor a checkpoint file)"
             ) from None
         if "model" in keys and "state_dict" not in keys:
@@ -277,6 +281,8 @@ class ShardpointCheckpointIO(CheckpointIO):
         _drain_async_wrapper()
         wait_for_saves(where)
         remove_path(where)
+        if is_remote_file(where):  # object storage keeps a file and a folder of one name side by side
+            remove_remote_file(where)
 
 
 class AsyncShardpointCheckpointIO(ShardpointCheckpointIO):

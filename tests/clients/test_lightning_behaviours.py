@@ -355,3 +355,31 @@ def test_a_missing_checkpoint_is_a_file_not_found_error(tmp_path):
     except FileNotFoundError as e:
         assert isinstance(e, sp.CheckpointNotFoundError) and isinstance(e, sp.CheckpointError)
         assert e.errno == 2 and "nope.ckpt" in str(e)
+
+
+def test_a_torch_file_in_object_storage_loads_and_is_removed(monkeypatch):
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    import io
+
+    import boto3
+
+    from tests.storage.s3_helpers import make_bucket, moto_server
+
+    with moto_server() as endpoint:
+        for k, v in dict(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                         AWS_DEFAULT_REGION="us-east-1").items():
+            monkeypatch.setenv(k, v)
+        bucket = make_bucket(endpoint)
+        blob = io.BytesIO()
+        torch.save({"state_dict": {"w": torch.arange(3.0)}, "hyper_parameters": {"root": pathlib.Path("/r")}}, blob)
+        boto3.client("s3", endpoint_url=endpoint).put_object(Bucket=bucket, Key="run/last.ckpt", Body=blob.getvalue())
+        path = f"s3://{bucket}/run/last.ckpt"
+        plugin = ShardpointCheckpointIO()
+        got = plugin.load_checkpoint(path)
+        assert torch.equal(got["state_dict"]["w"], torch.arange(3.0)) and got["hyper_parameters"]["root"] == pathlib.Path("/r")
+        plugin.save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "epoch": 5}, path)
+        assert plugin.load_checkpoint(path)["epoch"] == 5  # the checkpoint folder wins over the old file
+        plugin.remove_checkpoint(path)  # both go: nothing of the old run resurfaces
+        with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
+            plugin.load_checkpoint(path)
