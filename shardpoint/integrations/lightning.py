@@ -159,7 +159,8 @@ def _check_hparam(key: str, name: Any, value: Any, plugin: str) -> None:
         raise UnsupportedStateError(
             f"hyperparameter {name!r} (saved by save_hyperparameters()) cannot be stored without pickle: {what}. "
             f"Either make it a plain type ({PLAIN_TYPES}), or, if this checkpoint will only be loaded where it is "
-            f"trusted, create the plugin as {plugin}(allow_pickle=True)"
+            f"trusted, create the plugin as {plugin}(allow_pickle=True). A module or other object that needs no "
+            f"saving can also be left out: save_hyperparameters(ignore=[{name!r}])"
         ) from None
 
 

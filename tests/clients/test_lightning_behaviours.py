@@ -231,6 +231,7 @@ def test_hyperparameters_needing_pickle_name_both_fixes(tmp_path):
     msg = str(err.value)
     assert "hyperparameter 'extra'" in msg and "partial" in msg
     assert "plain type" in msg and "ShardpointCheckpointIO(allow_pickle=True)" in msg
+    assert "save_hyperparameters(ignore=['extra'])" in msg
     with pytest.raises(sp.UnsupportedStateError, match=r"AsyncShardpointCheckpointIO\(allow_pickle=True\)"):
         AsyncShardpointCheckpointIO().save_checkpoint({"hyper_parameters": {"act": act}}, str(tmp_path / "b"))
     assert not (tmp_path / "b").exists()  # refused before anything was written
