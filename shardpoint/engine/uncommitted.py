@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+from ..errors import CheckpointError
 from ..storage import Storage
 from ..storage.local import LocalStorage
 from .claim import CLAIM_NAME
@@ -37,14 +38,18 @@ def describe_uncommitted(storage: Storage) -> str:
         )
     try:
         names = storage.list()
-    except (OSError, ValueError):
+    except (OSError, ValueError, CheckpointError):  # a listing that fails changes nothing about the missing manifest
         names = []
     ours = [n for n in names if n == CLAIM_NAME or n.startswith("data/") or n.endswith(".idx")]
-    if ours or not names:
-        empty = " (it is empty)" if not names else ""
+    if ours:
         return (
-            f"{where} holds no committed manifest{empty}: a shardpoint save to it was interrupted or is still running (in another "
+            f"{where} holds no committed manifest: a shardpoint save to it was interrupted or is still running (in another "
             "process); load an earlier checkpoint"
+        )
+    if not names:
+        return (
+            f"{where} holds no committed manifest: the folder is empty, so no checkpoint was ever committed there "
+            "(a save that failed before writing leaves it so); check the path, or load an earlier checkpoint"
         )
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     return (
