@@ -301,6 +301,10 @@ def test_trainer_save_checkpoint_over_a_file(tmp_path):
     assert target.is_dir()
     back = load_from_checkpoint(Regressor, target)
     assert torch.equal(back.net[2].weight, t.lightning_module.net[2].weight)
+    slim = tmp_path / "weights.ckpt"
+    t.save_checkpoint(slim, weights_only=True)  # model weights and loops, no optimizer state
+    assert "optimizer_states" not in ShardpointCheckpointIO().load_checkpoint(slim)
+    assert torch.equal(load_from_checkpoint(Regressor, slim).net[0].bias, t.lightning_module.net[0].bias)
 
 
 def test_a_second_async_plugin_loads_a_save_still_in_flight(tmp_path, uninterrupted):
