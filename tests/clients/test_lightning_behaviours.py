@@ -179,8 +179,8 @@ def test_load_from_checkpoint_rebuilds_the_trained_model_and_its_hyperparameters
     assert loaded.net[0].out_features == 12  # built from the saved width
     assert loaded.seen_checkpoint_keys is not None and "state_dict" in loaded.seen_checkpoint_keys
     # Keyword arguments override the saved hyperparameters.
-    wider = load_from_checkpoint(Regressor, path, mode=Mode.FAST, strict=True)
-    assert wider.hparams.mode is Mode.FAST and wider.hparams.width == 12
+    overridden = load_from_checkpoint(Regressor, path, mode=Mode.FAST, strict=True)
+    assert overridden.hparams.mode is Mode.FAST and overridden.hparams.width == 12
     # The datamodule of the same run comes back from the same checkpoint.
     dm = load_from_checkpoint(Data, path, batch_size=4)
     assert dm.hparams.batch_size == 4 and dm.hparams.root == pathlib.Path("/data") and dm.served == 1
