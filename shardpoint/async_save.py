@@ -67,6 +67,7 @@ from .async_handle import AsyncSaveHandle
 from .api import check_state
 from .save_steps import SaveCache, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, optimized_tensors, prepare_save
 from .engine.claim import CommitPolicy, SaveClaim
+from .engine.inflight import track_save
 from .monitor import Recorder, format_summary
 from .dist import Comm, close_at_exit, destroy_private_group, private_group, run_guarded
 from .format.datafile import DEFAULT_BLOCK_SIZE
@@ -442,6 +443,7 @@ class AsyncSaver:
                 handle._futures.insert(0, pool.submit(lazy_copy))
             if not early:
                 handle._futures.append(pool.submit(finish))
+        track_save(where, handle._finished)  # a load of this path in this process waits for the commit
         if not prep_out.ok:
             # This rank cannot save; its writer thread still joins the commit so no rank hangs.
             err = prep_out.exc

@@ -7,6 +7,7 @@ Messages name the checkpoint, the tensor and, where it helps, what to do.
 
 from __future__ import annotations
 
+import errno
 import warnings
 from typing import Mapping
 
@@ -39,12 +40,27 @@ class CheckpointError(Exception):
     """Base class of every error shardpoint raises on purpose."""
 
 
-class CheckpointNotFoundError(CheckpointError):
-    """The checkpoint path does not exist at all."""
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No shardpoint checkpoint at the path: it does not exist, or it holds something else.
+
+    The message says what the path holds instead (a manager's run folder and
+    its steps, a ``torch.save`` file, another tool's folder) and how to load it.
+    Also a ``FileNotFoundError`` (so an ``OSError``), as frameworks' checkpoint
+    hooks and user code expect of a missing checkpoint::
+
+        try:
+            sp.load("ckpt/missing", state)
+        except FileNotFoundError:
+            start_fresh()
+    """
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.errno = errno.ENOENT  # what code that inspects an OSError's errno expects of a missing path
 
 
 class IncompleteCheckpointError(CheckpointError):
-    """The path exists but holds no committed manifest (a crashed or running save)."""
+    """The path holds a shardpoint save's files but no committed manifest (a crashed or running save), or nothing at all."""
 
 
 class CorruptCheckpointError(CheckpointError):

@@ -21,6 +21,7 @@ from ..adapters import WholeEntry
 from ..adapters.landing import entry_tensors, live_storages, unlanded
 from ..adapters.loading import materialize_meta
 from ..dist import Comm, raise_if_failed, run_guarded
+from ..engine.inflight import wait_for_saves
 from ..engine.indexes import IndexReader, resolve, wanted_box
 from ..engine.load import execute_reads
 from ..format.manifest import MANIFEST_NAME, Manifest
@@ -47,6 +48,7 @@ def manifest_bytes(storage: Storage) -> bytes:
 
         manifest = Manifest.from_json(manifest_bytes(storage_for("ckpt/step_100")), "ckpt/step_100")
     """
+    wait_for_saves(storage.url)  # an asynchronous save of this path in this process commits first
     try:
         return storage.get_limited(MANIFEST_NAME, Limits.from_env().manifest_bytes)
     except (FileNotFoundError, NotADirectoryError):
