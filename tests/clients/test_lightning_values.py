@@ -143,11 +143,11 @@ def test_a_load_right_after_an_async_save_sees_it_committed(tmp_path):
 
 def test_a_path_without_manifest_says_what_it_holds(tmp_path):
     torch.save({"a": 1}, tmp_path / "f.ckpt")
-    with pytest.raises(sp.IncompleteCheckpointError, match="is a file, not a shardpoint checkpoint folder") as e:
+    with pytest.raises(sp.CheckpointNotFoundError, match="is a file, not a shardpoint checkpoint") as e:
         sp.load(str(tmp_path / "f.ckpt"), {}, strict=False)
     assert "interrupted" not in str(e.value)
     (tmp_path / "dcp").mkdir()
     (tmp_path / "dcp" / ".metadata").write_bytes(b"x")
-    with pytest.raises(sp.IncompleteCheckpointError, match=r"not a shardpoint checkpoint.*\.metadata") as e:
+    with pytest.raises(sp.CheckpointNotFoundError, match=r"not a shardpoint checkpoint.*\.metadata.*shardpoint import dcp") as e:
         sp.read_manifest(str(tmp_path / "dcp"))
     assert "interrupted" not in str(e.value)
