@@ -1,4 +1,4 @@
-"""The steps :func:`shardpoint.save` and :class:`~shardpoint.AsyncSaver` share.
+"""What the phases of the save transaction (:mod:`shardpoint.saving`) call.
 
 :func:`prepare_save` (blocking): adapters flatten the state, the planners
 choose writers. Then the data file is written (by the caller), and
