@@ -8,21 +8,16 @@ process group is initialised, so the same path runs everywhere.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import time
-import uuid
 import warnings
 from typing import Any, MutableMapping, Sequence
 
 import torch
 
-from .engine.claim import CommitPolicy, SaveClaim
+from .engine.claim import CommitPolicy
 from .engine.indexes import resolve, resolve_all
-from .engine.io import write_chunks
 from .engine.load import execute_reads
-from .errors import KeyMismatchError, UnsupportedStateError
+from .errors import KeyMismatchError
 from .format.datafile import DEFAULT_BLOCK_SIZE
 from .format.manifest import Manifest
 from .geometry import Box
@@ -31,37 +26,14 @@ from .layouts import Rule
 from .loading import LoadResult, LoadTransaction, manifest_bytes
 from .loading.diagnose import check_provided
 from .loading.names import close_names
-from .monitor import Recorder, format_summary
 from .progress import SAVE_PHASES, progress_for
-from .save_steps import SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
-from .dist import Comm, run_guarded
+from .save_steps import SaveResult
+from .saving import SaveOptions, SaveTransaction, check_state
 from .storage import Storage, storage_for
 
 __all__ = ["save", "load", "read_tensor", "read_manifest", "SaveResult", "LoadResult", "CommitPolicy", "check_state"]
 
 log = logging.getLogger("shardpoint")
-
-
-def check_state(state: Any, op: str = "save") -> None:
-    """Refuse a state that is not a dict of plain top-level names, before any collective.
-
-    A path where the state belongs (DCP's order, ``save(state, path)``) gets
-    the hint that the path comes first; ``op`` names the call in it.
-
-    Example::
-
-        check_state({"model": model, "optimizer": opt})
-    """
-    if isinstance(state, (str, os.PathLike, Storage)):
-        raise UnsupportedStateError(
-            f"sp.{op}(path, state): the path comes first (got {type(state).__name__} {str(state)!r} where the "
-            f"state belongs; torch.distributed.checkpoint's order is the other way round)"
-        )
-    if not isinstance(state, MutableMapping):
-        raise UnsupportedStateError(f"state must be a dict of name -> object, got {type(state).__name__}")
-    for k in state:
-        if not isinstance(k, str) or not k or "." in k:
-            raise UnsupportedStateError(f"state keys must be non-empty strings without '.', got {k!r}")
 
 
 def save(
@@ -122,73 +94,11 @@ def save(
         sp.save("ckpt/pp", {"model": stage, "optimizer": opt}, replicated_over=dp_group)
         sp.save("ckpt/rank0", {"model": ddp.module}, process_group=sp.LOCAL)  # rank 0 only
     """
-    comm, storage = _enter_save(path, state, process_group, block_size, replicated_over, collective_timeout)
-    where, t0 = storage.url, time.monotonic()
-    save_id = uuid.uuid4().hex  # each rank names its data file with its own id: no collective is needed to start
-    result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
-    policy = commit or CommitPolicy()
-    claims: list[SaveClaim] = []
-    bar = progress_for(progress, comm.rank, f"save {where}", SAVE_PHASES, result.recorder)
-
-    def local():
-        prep = prepare_save(state, comm, allow_pickle, where, result, layouts, replicated_over=replicated_over, rank_local=comm.local)
-        if comm.rank == 0:  # before any data is written; its failure reaches every rank at the commit
-            claims.append(SaveClaim.acquire(storage.primary, policy, where))
-        return _write_data_file(storage, comm, prep, save_id, block_size, result, bar)
-
-    out = run_guarded(local)
-    if comm.world == 1 and not out.ok:
-        _abandon(claims, bar)
-        raise out.exc
-    with bar or contextlib.nullcontext():  # a failed commit closes the bar without a "done" line
-        finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
-    _report_save(result, comm, t0, trace_dir, on_metrics)
-    return result
-
-
-def _enter_save(path, state, process_group, block_size: int, replicated_over, collective_timeout) -> tuple[Comm, Storage]:
-    """The save's enter phase: check the arguments, then every rank agrees it entered this save of this path."""
-    check_state(state)
-    check_block_size(block_size)
-    comm = Comm.resolve(process_group)
-    if comm.local and replicated_over is not None:
-        raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
-    storage = storage_for(path)
-    comm.enter("save", storage.url, collective_timeout)
-    return comm, storage
-
-
-def _write_data_file(storage: Storage, comm: Comm, prep, save_id: str, block_size: int, result: SaveResult, bar):
-    """The save's write phase on one rank: its data file, then the summary its commit needs."""
-    tb = time.monotonic()
-    records, files = [], {}
-    if bar is not None:
-        bar.set_total(sum(it.nbytes for it in prep.mine))
-    if prep.mine:
-        name = data_file_name(save_id, comm.rank)
-        records, size = write_chunks(storage, name, prep.mine, comm.rank, block_size, result.recorder)
-        files[name] = size
-        result.bytes_written = size
-    mark_phase(result, "data_file", tb)  # whole file incl. fsync; per-chunk spans are "write"
-    report = prep.summary(storage, records, files, comm)
-    result.bytes_written = sum(report.status.files.values())
-    return report
-
-
-def _abandon(claims: list[SaveClaim], bar) -> None:
-    """A save of one rank failed before its commit: release the claim and close the bar without a done line."""
-    for c in claims:
-        c.release()
-    if bar is not None:
-        bar.close(ok=False)
-
-
-def _report_save(result: SaveResult, comm: Comm, t0: float, trace_dir: str | None, on_metrics: Any) -> None:
-    """The save's last step: total time, timings, trace and metrics, and the log line."""
-    mark_phase(result, "total", t0)
-    result.timings = result.recorder.summary()
-    result.recorder.emit(trace_dir, on_metrics)
-    log.info("rank %s saved %s bytes to %s: %s", comm.rank, result.bytes_written, result.path, format_summary(result.timings))
+    options = SaveOptions(allow_pickle, block_size, layouts, replicated_over, collective_timeout, commit, trace_dir, on_metrics)
+    tx = SaveTransaction(path, state, options)
+    tx.check()
+    tx.enter(process_group)
+    return tx.run(progress_for(progress, tx.comm.rank, f"save {tx.where}", SAVE_PHASES, tx.result.recorder))
 
 
 def read_tensor(path: str | Storage, name: str, index: tuple | None = None, *, verify: bool = True) -> torch.Tensor:

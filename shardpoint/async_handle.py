@@ -1,7 +1,9 @@
 """The handle of one in-flight asynchronous save (see :mod:`shardpoint.async_save`).
 
-The saver fills its events and futures; the training loop waits on it,
-fences on it before mutating the state, or polls it.
+The save transaction tells it what happens through its methods
+(:meth:`~AsyncSaveHandle.attach_storage`, :meth:`~AsyncSaveHandle.add_future`,
+:meth:`~AsyncSaveHandle.mark_copied`, :meth:`~AsyncSaveHandle.fail`...); the
+training loop waits on it, fences on it before mutating the state, or polls it.
 
 The *fence* is the first of ``fence()``, an optimizer step pre-hook,
 ``done()`` once the copy is complete, and ``wait()``. A lazy save's guard
@@ -61,7 +63,9 @@ class AsyncSaveHandle:
         self._error: BaseException | None = None
         self._copy_error: BaseException | None = None
         self._futures: list[cf.Future] = []
-        self._futures_later: tuple | None = None
+        self._later: list[cf.Future] = []  # the writer, when another worker submits it
+        self._later_ready = threading.Event()
+        self._later_ready.set()
         self._hooks: list[Any] = []
         self._reported = False
         self._storage: Any = None
@@ -70,6 +74,94 @@ class AsyncSaveHandle:
         self._fenced.set()
         self._fence_lock = threading.Lock()
         self._torn: TornSnapshotError | None = None
+
+    def attach_storage(self, storage: Any) -> None:
+        """Remember the storage written, for ``wait(tier=...)``.
+
+        Example::
+
+            handle.attach_storage(storage_for("ckpt/step_100"))
+        """
+        self._storage = storage
+
+    def add_future(self, future: cf.Future) -> None:
+        """A worker's job that :meth:`wait` waits for (submitted from the training thread).
+
+        Example::
+
+            handle.add_future(pool.submit(job))
+        """
+        self._futures.append(future)
+
+    def expect_writer(self) -> None:
+        """The writer will be submitted by another worker; :meth:`wait` waits until it is.
+
+        Example::
+
+            handle.expect_writer(); handle.add_future(pool.submit(copier))
+        """
+        self._later_ready.clear()
+
+    def writer_started(self, future: cf.Future) -> None:
+        """The writer announced by :meth:`expect_writer` was submitted, as ``future``.
+
+        Example::
+
+            handle.writer_started(pool.submit(writer))
+        """
+        self._later.append(future)
+        self._later_ready.set()
+
+    def add_hook(self, hook: Any) -> None:
+        """A removable hook (a step pre-hook) that :meth:`wait` removes.
+
+        Example::
+
+            handle.add_hook(opt.register_step_pre_hook(handle.step_pre_hook))
+        """
+        self._hooks.append(hook)
+
+    def mark_copied(self) -> None:
+        """Every snapshot copy is complete (or failed): the fence may pass.
+
+        Example::
+
+            handle.mark_copied()
+        """
+        self._copied.set()
+
+    def mark_written(self) -> None:
+        """This rank's data is written; the commit runs next.
+
+        Example::
+
+            handle.mark_written()
+        """
+        self._written.set()
+
+    def fail(self, error: BaseException) -> None:
+        """The save failed with ``error``; :meth:`wait` raises it.
+
+        Example::
+
+            handle.fail(DistributedError("rank 1 failed", {}))
+        """
+        self._error = error
+
+    def finish(self) -> None:
+        """The save committed or failed: nothing more happens in the background.
+
+        Example::
+
+            handle.finish()
+        """
+        self._copied.set()
+        self._finished.set()
+
+    @property
+    def reported(self) -> bool:
+        """True once :meth:`wait` raised this save's error to the caller."""
+        return self._reported
 
     def guard(self, guard: SnapshotGuard | None) -> None:
         """Check ``guard`` at the fence, and hold the commit until then (the saver calls this).
@@ -112,6 +204,16 @@ class AsyncSaveHandle:
         """True once the fence has been passed (always true for an eager save)."""
         return self._fenced.is_set()
 
+    @property
+    def finished_event(self) -> threading.Event:
+        """An event set once the save has committed or failed (for waiting on it from elsewhere).
+
+        Example::
+
+            handle.finished_event.wait(10.0)
+        """
+        return self._finished
+
     def done(self) -> bool:
         """True once the save has committed or failed (non-blocking).
 
@@ -152,6 +254,15 @@ class AsyncSaveHandle:
         self._copy_event = event
         self._queued.set()
 
+    def step_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer step pre-hook of a lazy save: :meth:`before_step`.
+
+        Example::
+
+            opt.register_step_pre_hook(handle.step_pre_hook)
+        """
+        self.before_step()
+
     def before_step(self) -> None:
         """The lazy save's optimizer step pre-hook: the step's updates run only after the snapshot copy.
 
@@ -185,14 +296,10 @@ class AsyncSaveHandle:
     def _wait(self, timeout: float | None, tier: str | int | None) -> SaveResult:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.fence(timeout)
-        if self._futures_later is not None:  # the writer, submitted by the copier's thread
-            box, ready = self._futures_later
-            if not ready.wait(timeout):
-                raise TimeoutError(f"save to {self.path} still running after {timeout}s")
-            self._futures.extend(box)
-            self._futures_later = None
+        if not self._later_ready.wait(timeout):  # the writer, submitted by the copier's thread
+            raise TimeoutError(f"save to {self.path} still running after {timeout}s")
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        _, pending = cf.wait(self._futures, left)
+        _, pending = cf.wait(self._futures + self._later, left)
         if pending:
             raise TimeoutError(f"save to {self.path} still running after {timeout}s")
         self._remove_hooks()

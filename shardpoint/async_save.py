@@ -57,26 +57,20 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, MutableMapping, Sequence
 
-import torch
-
 from .async_handle import AsyncSaveHandle
-from .api import check_state
-from .save_steps import SaveCache, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, optimized_tensors, prepare_save
-from .engine.claim import CommitPolicy, SaveClaim
+from .save_steps import SaveCache, SaveResult, mark_phase
+from .saving import SaveOptions, SaveTransaction, check_state
+from .saving.background import BackgroundSave
+from .engine.claim import CommitPolicy
 from .engine.inflight import track_save
-from .monitor import Recorder, format_summary
-from .dist import Comm, close_at_exit, destroy_private_group, private_group, run_guarded
+from .dist import Comm, close_at_exit, destroy_private_group, private_group
 from .format.datafile import DEFAULT_BLOCK_SIZE
-from .engine.pipeline import StagedWrite
-from .engine.snapshot_guard import SnapshotGuard
-from .engine.staging import SaverStaging, StagingRing, optimizer_order
+from .engine.staging import SaverStaging, StagingRing
 from .engine.workers import start_workers
 from .errors import CheckpointError
-from .storage import storage_for
 from .device import Device
 
 __all__ = ["AsyncSaver", "AsyncSaveHandle", "Prewarmed", "async_save", "default_saver"]
@@ -192,8 +186,7 @@ class AsyncSaver:
         if state is not None:
             check_state(state)
             try:
-                result = SaveResult("prewarm", "")
-                prep = prepare_save(state, comm, False, "prewarm", result, (), self._cache(base, process_group), rank_local=base.local)
+                prep = SaveTransaction("prewarm", state, SaveOptions()).rehearse(base, comm, self._cache(base, process_group))
                 need = sum(t.nbytes for t in prep.mine)
                 self.staging.adopt(prep.mine)
             except CheckpointError as e:  # the save itself will raise it, with its path
@@ -274,7 +267,7 @@ class AsyncSaver:
     def wait(self) -> SaveResult | None:
         """Wait for the in-flight save, if any, and return its result."""
         h, self._inflight = self._inflight, None
-        if h is None or (h._reported and h.done()):
+        if h is None or (h.reported and h.done()):
             return None  # its failure was already raised to the caller once
         return h.wait()
 
@@ -305,163 +298,33 @@ class AsyncSaver:
         that another save is writing fails in ``wait()`` with
         :class:`~shardpoint.errors.ConcurrentSaveError`.
         """
-        if mode not in ("eager", "lazy"):
-            raise ValueError(f"mode must be 'eager' or 'lazy', got {mode!r}")
-        check_state(state, "async_save")
-        check_block_size(block_size)
+        options = SaveOptions(allow_pickle, block_size, layouts, replicated_over, collective_timeout, commit, trace_dir, on_metrics)
+        tx = BackgroundSave(path, state, options, mode)
+        tx.check()
         self.wait()
-        base = Comm.resolve(self._pg_arg if process_group is None else process_group)
-        if base.local and replicated_over is not None:
-            raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
-        storage = storage_for(path)
-        where = storage.url
-        base.enter("async_save", where, collective_timeout)  # every rank agrees before any group is made
-        comm = self._coordination(base)
-        cache = self._cache(base, process_group)
-        t0 = time.monotonic()
-        save_id = uuid.uuid4().hex  # per rank; the manifest takes rank 0's
-        result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
-        prep_out = run_guarded(lambda: prepare_save(state, comm, allow_pickle, where, result, layouts, cache, replicated_over=replicated_over, rank_local=base.local))
-        if comm.world == 1 and not prep_out.ok:
-            raise prep_out.exc
-        need = 0
-        if prep_out.ok:
-            self.staging.adopt(prep_out.value.mine)
-            need = sum(t.nbytes for t in prep_out.value.mine)
-        ring = self.staging.ring_for(need)
-        ring.reopen()
-        handle = AsyncSaveHandle(where, result, device=ring.device)
-        handle._storage = storage
-        staged = None
-        split = 0
-        if prep_out.ok:
-            prep = prep_out.value
-            lazy = set(prep.lazy_ok) if mode == "lazy" else set()
-            later = optimizer_order([t for t in prep.mine if t.fqn in lazy], _step_order(state))
-            items = [t for t in prep.mine if t.fqn not in lazy] + later
-            split = len(items) - len(later)
-            if items:
-                staged = StagedWrite(storage, data_file_name(save_id, comm.rank), items, ring, comm.rank, block_size, self.piece_bytes, recorder=result.recorder)
-                staged.after = ring.device.snapshot_point()  # here, on the training thread: copies read the state as of the call
-
-        policy = commit or CommitPolicy()
-        claims: list[SaveClaim] = []
-
-        def finish() -> None:
-            tb = time.monotonic()
-            out = prep_out
-            if prep_out.ok:
-                def write():
-                    if comm.rank == 0:
-                        try:
-                            claims.append(SaveClaim.acquire(storage.primary, policy, where))
-                        except BaseException:
-                            if staged is not None:
-                                staged.abandon()
-                            raise
-                    files = {}
-                    if staged is not None:
-                        staged.write()
-                        files[staged.file] = staged.size
-                        result.bytes_written = staged.size
-                    torn = handle.wait_for_fence()  # a lazy save commits only what held until its fence
-                    if torn is not None:
-                        raise torn
-                    mark_phase(result, "data_file", tb)
-                    report = prep_out.value.summary(storage, staged.records if staged else [], files, comm)
-                    result.bytes_written = sum(report.status.files.values())
-                    return report
-
-                out = run_guarded(write)
-            handle._written.set()
-            try:
-                finish_save(comm, storage, save_id, block_size, out, result, where, claims[0] if claims else None, policy)
-                mark_phase(result, "total", t0)
-                result.timings = result.recorder.summary()
-                result.recorder.emit(trace_dir, on_metrics)
-                log.info("rank %s saved %s bytes to %s in the background: %s", comm.rank, result.bytes_written, where, format_summary(result.timings))
-            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
-                handle._error = e
-            finally:
-                handle._copied.set()
-                handle._finished.set()
-
+        base = tx.enter(self._pg_arg if process_group is None else process_group, self._coordination)
+        tx.prepare_guarded(self._cache(base, process_group))
+        handle = tx.stage(self.staging, self.piece_bytes)
         pool = self._workers()
-        # An eager snapshot larger than the ring streams through it: the writer starts first. One
-        # that fits is copied before the writer wakes, which would compete with the copy for the CPU.
-        early = split > 0 and staged is not None and sum(t.nbytes for t in staged.items[:split]) > ring.capacity
+        early = tx.streams()
         if early:
-            handle._futures.append(pool.submit(finish))
-        ts = time.monotonic()
-        if staged is not None:
-            try:
-                staged.copy(0, split, last=(split == len(staged.items)))
-                staged.wait_copied()  # a snapshot counts once its copies are complete, not queued
-            except BaseException as e:  # noqa: BLE001 - the writer reports it via wait()
-                log.debug("snapshot copy failed: %s", e)
-                handle._copied.set()
-        mark_phase(result, "snapshot", ts)
-        lazy_copy = None
-        if staged is not None and split < len(staged.items):
-            handle.guard(SnapshotGuard.record(optimized_tensors(state, prep_out.value.ctx)))
-            def lazy_copy():
-                try:
-                    staged.copy(split, len(staged.items), last=True)
-                except BaseException as e:  # noqa: BLE001
-                    log.debug("lazy snapshot copy failed: %s", e)
-                finally:
-                    handle.copies_queued(staged.last_event)  # the step may now be ordered after them
-                    try:
-                        staged.wait_copied()
-                    finally:
-                        mark_phase(result, "lazy_copy", ts)
-                        handle._copied.set()
-
-            for obj in state.values():
-                if isinstance(obj, torch.optim.Optimizer):
-                    handle._hooks.append(obj.register_step_pre_hook(lambda *_a, **_k: handle.before_step()))
-        else:
-            handle._copied.set()
+            handle.add_future(pool.submit(tx.finish))
+        tx.snapshot()
         self._inflight = handle
-        mark_phase(result, "blocked", t0)
+        mark_phase(tx.result, "blocked", tx.t0)
         # Workers are woken last: once running they compete for the GIL, and
         # nothing of the training thread's own work should be left by then.
-        if lazy_copy is not None and split == 0:
-            # One hand-off from the training thread: the copier's thread starts the writer.
-            box: list = []
-            ready = threading.Event()
-
-            def copier() -> None:
-                box.append(pool.submit(finish))
-                ready.set()
-                lazy_copy()
-
-            handle._futures.append(pool.submit(copier))
-            handle._futures_later = (box, ready)
+        if tx.lazy and tx.split == 0:
+            handle.expect_writer()
+            handle.add_future(pool.submit(tx.copy_then_finish, pool))
         else:
-            if lazy_copy is not None:
-                handle._futures.insert(0, pool.submit(lazy_copy))
+            if tx.lazy:
+                handle.add_future(pool.submit(tx.copy_lazy))
             if not early:
-                handle._futures.append(pool.submit(finish))
-        track_save(where, handle._finished)  # a load of this path in this process waits for the commit
-        if not prep_out.ok:
-            # This rank cannot save; its writer thread still joins the commit so no rank hangs.
-            err = prep_out.exc
-            if isinstance(err, CheckpointError):
-                raise err
+                handle.add_future(pool.submit(tx.finish))
+        track_save(handle.path, handle.finished_event)  # a load of this path in this process waits for the commit
+        tx.raise_local_failure()
         return handle
-
-
-def _step_order(state: MutableMapping[str, Any]) -> list[torch.Tensor]:
-    """Tensors in the order the optimizers of ``state`` update them: each parameter, then its state."""
-    out: list[torch.Tensor] = []
-    for obj in state.values():
-        if isinstance(obj, torch.optim.Optimizer):
-            for group in obj.param_groups:
-                for p in group["params"]:
-                    out.append(p)
-                    out.extend(v for v in obj.state.get(p, {}).values() if isinstance(v, torch.Tensor))
-    return out
 
 
 def _group_key(comm: Comm) -> Any:

@@ -46,6 +46,9 @@ class SaveTensor:
     different tensors. ``grid`` describes the whole tensor's split over a mesh
     of ranks (format version 2 records it instead of every chunk); the save
     checks it against ``box`` and the copy index before trusting it.
+    ``step_only`` is the adapter's declaration that the tensor changes only
+    inside ``optimizer.step()`` (optimizer state), so a lazy save may copy it
+    after the call returns.
     """
 
     fqn: str
@@ -59,6 +62,7 @@ class SaveTensor:
     layout: str = ""
     replica_group: str = ""
     grid: Any = None  # a shardpoint.grid.Grid in global ranks, when the layout has one (DTensors)
+    step_only: bool = False  # changes only inside optimizer.step(): a lazy save may copy it in the background
 
     @property
     def nbytes(self) -> int:

@@ -1,4 +1,4 @@
-"""The steps :func:`shardpoint.save` and :class:`~shardpoint.AsyncSaver` share.
+"""What the phases of the save transaction (:mod:`shardpoint.saving`) call.
 
 :func:`prepare_save` (blocking): adapters flatten the state, the planners
 choose writers. Then the data file is written (by the caller), and
@@ -14,11 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Sequence
 
-import torch
-
 from .adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters
 from .items import dtype_name
-from .adapters.optimizer import own_protocol
+from .adapters.stepped import optimized_names, optimized_tensors, saves_optimizer_state
 from .adapters.reuse import PartCache
 from .dist import Comm, Outcome
 from .engine.claim import CommitPolicy, SaveClaim
@@ -196,7 +194,6 @@ def prepare_save(
     values, layout = {}, {}
     # Lazily copied: what an optimizer of the state changes in its step(), whose pre-hook fences the save.
     lazy_ok: set[str] = optimized_names(state, ctx)
-    opt_parts: list = []
     for key, obj in state.items():
         part = parts.get(key, obj, ctx) if parts is not None else None
         if part is None:
@@ -207,10 +204,8 @@ def prepare_save(
         tensors.extend(part.tensors)
         values[key] = part.value
         layout[key] = part.framework
-        if isinstance(obj, torch.optim.Optimizer) and not own_protocol(type(obj)):
-            opt_parts.append(part)
-            if rules:
-                values[key] = optimizer_doc_to_logical(key, part.value, rules)
+        if rules and saves_optimizer_state(obj):
+            values[key] = optimizer_doc_to_logical(key, part.value, rules)
     prev = cache.checked if cache is not None and not rules else None
     if prev is not None and len(prev.tensors) == len(tensors) and all(a is b for a, b in zip(prev.tensors, tensors)):
         # The very SaveTensor objects checked and planned last time: nothing to redo.
@@ -220,9 +215,7 @@ def prepare_save(
         cache.checked = CheckedSave(prev.tensors, prev.choice, prev.lazy_ok, prep)
         mark_phase(result, "plan", ta)
         return prep
-    for part in opt_parts:
-        # Optimizer state changes only inside step(): safe to copy lazily.
-        lazy_ok.update(t.fqn for t in part.tensors if ".state." in t.fqn)
+    lazy_ok.update(t.fqn for t in tensors if t.step_only)  # as each adapter declared it
     if rank_local:  # process_group=LOCAL: one writer, so every tensor must be whole here
         tensors = rank_local_tensors(tensors, where)
     if rules:
@@ -246,47 +239,6 @@ def prepare_save(
         cache.checked = CheckedSave(tuple(tensors), choice, lazy, prep)
     mark_phase(result, "plan", ta)
     return prep
-
-
-def optimized_names(state, ctx: AdapterContext) -> set[str]:
-    """The names of the parameters that the optimizers in ``state`` update in ``step()``.
-
-    Example::
-
-        optimized_names({"model": m, "optimizer": opt}, ctx)  # {"model.weight", "model.bias"}
-    """
-    names: set[str] = set()
-    for obj in state.values():
-        if isinstance(obj, torch.optim.Optimizer):
-            for group in obj.param_groups:
-                names.update(ctx.param_names[id(p)] for p in group["params"] if id(p) in ctx.param_names)
-    return names
-
-
-def optimized_tensors(state, ctx: AdapterContext) -> list[tuple[str, torch.Tensor]]:
-    """What a lazy save copies in the background, as live tensors: the optimizers' parameters and state.
-
-    These are the objects in-place changes go through (a DTensor parameter,
-    not its local shard), so their version counters witness every change.
-
-    Example::
-
-        optimized_tensors({"model": m, "optimizer": opt}, ctx)  # [("model.weight", w), ...]
-    """
-    out: list[tuple[str, torch.Tensor]] = []
-    for key, obj in state.items():
-        if not isinstance(obj, torch.optim.Optimizer):
-            continue
-        lazy_state = not own_protocol(type(obj))
-        for group in obj.param_groups:
-            for p in group["params"]:
-                name = ctx.param_names.get(id(p))
-                if name is None:
-                    continue
-                out.append((name, p))
-                if lazy_state:
-                    out.extend((f"{key}.state.{name}.{k}", v) for k, v in obj.state.get(p, {}).items() if isinstance(v, torch.Tensor))
-    return out
 
 
 def _logical(tensors: list[SaveTensor], lazy_ok: set[str], rules, comm: Comm) -> tuple[list[SaveTensor], set[str]]:

@@ -140,7 +140,10 @@ class OptimizerAdapter:
                 if s:
                     state[name] = encode_value(dict(s), f"{key}.state.{name}", _on_state(p, ctx, on_tensor, part), ctx.allow_pickle)
         part.value = {"groups": groups, "group_of": group_of, "state": state}
-        check_saved_state(key, opt, sum(1 for t in part.tensors if t.fqn.startswith(f"{key}.state.")))
+        stepped = [t for t in part.tensors if t.fqn.startswith(f"{key}.state.")]
+        for t in stepped:
+            t.step_only = True  # the optimizer's state changes only inside its step()
+        check_saved_state(key, opt, len(stepped))
         return part
 
     def load(self, key, opt, doc, tensors: Mapping[str, Any], ctx, where="<checkpoint>") -> LoadPart:

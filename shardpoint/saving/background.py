@@ -1,0 +1,182 @@
+"""The save transaction of an asynchronous save, with its phases split between threads.
+
+:class:`BackgroundSave` is a :class:`~shardpoint.saving.transaction.SaveTransaction`
+whose ``snapshot`` copies this rank's tensors into the saver's staging ring
+(all of them before the call returns in eager mode; in lazy mode the
+optimizers' parameters and state on a worker, fenced by a step pre-hook),
+and whose ``claim``, ``write`` and ``commit`` run on a worker
+(:meth:`BackgroundSave.finish`). The saver schedules these bound methods;
+the handle is told what happens through its methods.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import logging
+import time
+from typing import Any, MutableMapping
+
+from ..adapters.stepped import step_updates
+from ..async_handle import AsyncSaveHandle
+from ..dist import run_guarded
+from ..engine.pipeline import StagedWrite
+from ..engine.snapshot_guard import SnapshotGuard
+from ..engine.staging import SaverStaging, StagingRing, optimizer_order
+from ..errors import CheckpointError
+from ..planning.describe import RankReport
+from ..save_steps import SaveCache, data_file_name, mark_phase
+from .transaction import SaveOptions, SaveTransaction
+
+__all__ = ["BackgroundSave"]
+
+log = logging.getLogger("shardpoint")
+
+
+class BackgroundSave(SaveTransaction):
+    """One asynchronous save on one rank: ``mode`` is ``"eager"`` or ``"lazy"`` (see :mod:`shardpoint.async_save`).
+
+    Example::
+
+        tx = BackgroundSave("ckpt/step_200", state, SaveOptions(), "lazy")
+    """
+
+    background = True
+
+    def __init__(self, path: Any, state: MutableMapping[str, Any], options: SaveOptions, mode: str = "eager"):
+        if mode not in ("eager", "lazy"):
+            raise ValueError(f"mode must be 'eager' or 'lazy', got {mode!r}")
+        super().__init__(path, state, options, "async_save")
+        self.mode = mode
+        self.staged: StagedWrite | None = None
+        self.split = 0  # staged items [0, split) are copied before the call returns, the rest lazily
+        self.ring: StagingRing | None = None
+        self.handle: AsyncSaveHandle | None = None
+        self.snapshot_started = 0.0
+
+    # --- prepare ----------------------------------------------------------------------------------
+
+    def prepare_guarded(self, cache: SaveCache) -> None:
+        """The prepare phase; a failure waits for the commit (so no rank hangs) unless this rank saves alone."""
+        self.prepared = run_guarded(functools.partial(self.prepare, cache))
+        if self.comm.world == 1 and not self.prepared.ok:
+            raise self.prepared.exc
+
+    def stage(self, staging: SaverStaging, piece_bytes: int) -> AsyncSaveHandle:
+        """Size the staging ring for this save, order what it copies, and make the handle."""
+        mine = self.prep.mine if self.prepared.ok else []
+        if self.prepared.ok:
+            staging.adopt(mine)
+        ring = self.ring = staging.ring_for(sum(t.nbytes for t in mine))
+        ring.reopen()
+        handle = self.handle = AsyncSaveHandle(self.where, self.result, device=ring.device)
+        handle.attach_storage(self.storage)
+        if not self.prepared.ok:
+            return handle
+        lazy = set(self.prep.lazy_ok) if self.mode == "lazy" else set()
+        later = [t for t in mine if t.fqn in lazy]
+        if later:
+            later = optimizer_order(later, step_updates(self.state).order())
+        items = [t for t in mine if t.fqn not in lazy] + later
+        self.split = len(items) - len(later)
+        if items:
+            name = data_file_name(self.save_id, self.comm.rank)
+            self.staged = StagedWrite(self.storage, name, items, ring, self.comm.rank, self.options.block_size, piece_bytes, recorder=self.result.recorder)
+            self.staged.after = ring.device.snapshot_point()  # here, on the training thread: copies read the state as of the call
+        return handle
+
+    # --- snapshot ---------------------------------------------------------------------------------
+
+    def streams(self) -> bool:
+        """Whether the eager part is larger than the ring, so that it streams through it (the writer starts first).
+
+        One that fits is copied before the writer wakes, which would compete with the copy for the CPU.
+        """
+        staged = self.staged
+        return self.split > 0 and staged is not None and sum(t.nbytes for t in staged.items[: self.split]) > self.ring.capacity
+
+    @property
+    def lazy(self) -> bool:
+        """Whether part of the snapshot is copied after the call returns."""
+        return self.staged is not None and self.split < len(self.staged.items)
+
+    def snapshot(self) -> None:
+        """The snapshot phase on the training thread: the eager copies, then the lazy part's guard and hooks."""
+        staged, handle = self.staged, self.handle
+        self.snapshot_started = time.monotonic()
+        if staged is not None:
+            try:
+                staged.copy(0, self.split, last=(self.split == len(staged.items)))
+                staged.wait_copied()  # a snapshot counts once its copies are complete, not queued
+            except BaseException as e:  # noqa: BLE001 - the writer reports it via wait()
+                log.debug("snapshot copy failed: %s", e)
+                handle.mark_copied()
+        mark_phase(self.result, "snapshot", self.snapshot_started)
+        if not self.lazy:
+            handle.mark_copied()
+            return
+        updates = step_updates(self.state)
+        handle.guard(SnapshotGuard.record(updates.live(self.prep.ctx)))
+        for hook in updates.add_pre_hooks(handle.step_pre_hook):
+            handle.add_hook(hook)
+
+    def copy_lazy(self) -> None:
+        """The lazy part of the snapshot, on a worker; the optimizer's step is ordered after it."""
+        staged, handle = self.staged, self.handle
+        try:
+            staged.copy(self.split, len(staged.items), last=True)
+        except BaseException as e:  # noqa: BLE001
+            log.debug("lazy snapshot copy failed: %s", e)
+        finally:
+            handle.copies_queued(staged.last_event)  # the step may now be ordered after them
+            try:
+                staged.wait_copied()
+            finally:
+                mark_phase(self.result, "lazy_copy", self.snapshot_started)
+                handle.mark_copied()
+
+    def copy_then_finish(self, pool: cf.Executor) -> None:
+        """One hand-off from the training thread: this worker starts the writer, then copies the lazy part."""
+        self.handle.writer_started(pool.submit(self.finish))
+        self.copy_lazy()
+
+    # --- claim, write, commit ---------------------------------------------------------------------
+
+    def write_staged(self, started: float) -> RankReport:
+        """Claim the path, write the staged data file, and wait for the fence before the summary."""
+        staged = self.staged
+        try:
+            self.claim_path()
+        except BaseException:
+            if staged is not None:
+                staged.abandon()
+            raise
+        records, files = [], {}
+        if staged is not None:
+            staged.write()
+            records, files[staged.file] = staged.records, staged.size
+            self.result.bytes_written = staged.size
+        torn = self.handle.wait_for_fence()  # a lazy save commits only what held until its fence
+        if torn is not None:
+            raise torn
+        return self.summarize(records, files, started)
+
+    def finish(self) -> None:
+        """The worker's phases: claim and write (guarded), then commit and report; ``wait()`` raises a failure."""
+        out = self.prepared
+        if out.ok:
+            out = run_guarded(functools.partial(self.write_staged, time.monotonic()))
+        handle = self.handle
+        handle.mark_written()
+        try:
+            self.commit(out)
+            self.report()
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+            handle.fail(e)
+        finally:
+            handle.finish()
+
+    def raise_local_failure(self) -> None:
+        """This rank could not prepare: raise its typed error now (its writer still joins the commit)."""
+        if not self.prepared.ok and isinstance(self.prepared.exc, CheckpointError):
+            raise self.prepared.exc

@@ -1,0 +1,250 @@
+"""One save, as a transaction with named phases.
+
+:class:`SaveTransaction` runs ``enter`` (the arguments are checked and the
+ranks agree on the call), ``prepare`` (adapters flatten the state, the
+planners choose writers: :func:`~shardpoint.save_steps.prepare_save`),
+``claim`` (rank 0 claims the path before any data is written), ``snapshot``
+(the bytes to write are fixed), ``write`` (this rank's data and index files,
+then the summary its commit needs) and ``commit`` (rank 0 commits from two
+small gathers; the same error reaches every rank), then reports timings and
+metrics. Every phase that can fail on one rank runs guarded and meets the
+others in the commit.
+
+:func:`shardpoint.save` runs the phases in order on the calling thread; its
+snapshot is the write itself. :class:`~shardpoint.saving.background.BackgroundSave`
+(used by :class:`~shardpoint.AsyncSaver`) runs the same phases, with the
+snapshot copied into host staging memory and the claim, write and commit on
+the saver's workers. Sync and async differ only in that scheduling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, MutableMapping, Sequence
+
+from ..dist import Comm, Outcome, run_guarded
+from ..engine.claim import CommitPolicy, SaveClaim
+from ..engine.io import write_chunks
+from ..errors import UnsupportedStateError
+from ..format.datafile import DEFAULT_BLOCK_SIZE
+from ..monitor import Recorder, format_summary
+from ..planning.describe import RankReport
+from ..save_steps import PreparedSave, SaveCache, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
+from ..storage import Storage, storage_for
+
+__all__ = ["SaveTransaction", "SaveOptions", "check_state"]
+
+log = logging.getLogger("shardpoint")
+
+
+def check_state(state: Any, op: str = "save") -> None:
+    """Refuse a state that is not a dict of plain top-level names, before any collective.
+
+    A path where the state belongs (DCP's order, ``save(state, path)``) gets
+    the hint that the path comes first; ``op`` names the call in it.
+
+    Example::
+
+        check_state({"model": model, "optimizer": opt})
+    """
+    if isinstance(state, (str, os.PathLike, Storage)):
+        raise UnsupportedStateError(
+            f"sp.{op}(path, state): the path comes first (got {type(state).__name__} {str(state)!r} where the "
+            f"state belongs; torch.distributed.checkpoint's order is the other way round)"
+        )
+    if not isinstance(state, MutableMapping):
+        raise UnsupportedStateError(f"state must be a dict of name -> object, got {type(state).__name__}")
+    for k in state:
+        if not isinstance(k, str) or not k or "." in k:
+            raise UnsupportedStateError(f"state keys must be non-empty strings without '.', got {k!r}")
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """The arguments of a save that its phases read; they mean what they mean for :func:`shardpoint.save`.
+
+    Example::
+
+        SaveOptions(block_size=1 << 20, replicated_over=dp_group)
+    """
+
+    allow_pickle: bool = False
+    block_size: int = DEFAULT_BLOCK_SIZE
+    layouts: Sequence[Any] = ()
+    replicated_over: Any = None
+    collective_timeout: float | None = None
+    commit: CommitPolicy | None = None
+    trace_dir: str | None = None
+    on_metrics: Any = None
+
+
+class SaveTransaction:
+    """One save of ``state`` to ``path`` on one rank; :meth:`run` runs its phases in order.
+
+    ``op`` names the call in errors and in the ranks' agreement (``save`` or
+    ``async_save``).
+
+    Example::
+
+        tx = SaveTransaction("ckpt/step_100", state, SaveOptions())
+        tx.enter(None)
+        result = tx.run()
+    """
+
+    background = False
+
+    def __init__(self, path: Any, state: MutableMapping[str, Any], options: SaveOptions, op: str = "save"):
+        self.path = path
+        self.state = state
+        self.options = options
+        self.op = op
+        self.policy = options.commit or CommitPolicy()
+        self.base: Comm | None = None  # the caller's ranks
+        self.comm: Comm | None = None  # the ranks' coordination (a private group for background saves)
+        self.storage: Storage | None = None
+        self.where = ""
+        self.save_id = ""
+        self.result: SaveResult | None = None
+        self.t0 = 0.0
+        self.prepared: Outcome | None = None
+        self.claim: SaveClaim | None = None
+        self.bar: Any = None
+
+    @property
+    def prep(self) -> PreparedSave:
+        """The prepare phase's result (it succeeded on this rank)."""
+        return self.prepared.value
+
+    # --- enter ------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """The enter phase's local part: refuse bad arguments before any collective."""
+        check_state(self.state, self.op)
+        check_block_size(self.options.block_size)
+
+    def enter(self, process_group: Any, coordinate: Any = None) -> Comm:
+        """The enter phase: every rank agrees it entered this save of this path; return the caller's ranks.
+
+        ``coordinate`` maps the caller's ranks to the group the later phases
+        talk on (a background save's private group); default: the same.
+        """
+        base = Comm.resolve(process_group)
+        if base.local and self.options.replicated_over is not None:
+            raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
+        self.storage = storage_for(self.path)
+        self.where = self.storage.url
+        base.enter(self.op, self.where, self.options.collective_timeout)
+        self.base = base
+        self.comm = base if coordinate is None else coordinate(base)
+        self.t0 = time.monotonic()
+        self.save_id = uuid.uuid4().hex  # each rank names its data file with its own id: no collective is needed to start
+        self.result = SaveResult(self.where, self.save_id, recorder=Recorder("save", self.where, self.comm.rank))
+        return base
+
+    # --- prepare ----------------------------------------------------------------------------------
+
+    def prepare(self, cache: SaveCache | None = None) -> PreparedSave:
+        """The prepare phase: this rank's tensors and documents, and who writes what."""
+        o = self.options
+        prep = prepare_save(
+            self.state, self.comm, o.allow_pickle, self.where, self.result, o.layouts, cache,
+            replicated_over=o.replicated_over, rank_local=self.base.local,
+        )
+        self.prepared = Outcome(True, prep)
+        return prep
+
+    def rehearse(self, base: Comm, comm: Comm, cache: SaveCache) -> PreparedSave:
+        """Pre-warming's run of the prepare phase alone: no path, no agreement, the plan lands in ``cache``.
+
+        Example::
+
+            prep = SaveTransaction("prewarm", state, SaveOptions()).rehearse(base, comm, cache)
+        """
+        self.check()
+        self.base, self.comm, self.where = base, comm, "prewarm"
+        self.result = SaveResult("prewarm", "")
+        return self.prepare(cache)
+
+    # --- claim ------------------------------------------------------------------------------------
+
+    def claim_path(self) -> None:
+        """The claim phase: rank 0 claims the path before any data is written.
+
+        Its failure reaches every rank at the commit.
+        """
+        if self.comm.rank == 0:
+            self.claim = SaveClaim.acquire(self.storage.primary, self.policy, self.where)
+
+    # --- write ------------------------------------------------------------------------------------
+
+    def write(self) -> RankReport:
+        """The write phase of a save on the calling thread: its data file, read from the live state."""
+        tb = time.monotonic()
+        records, files = [], {}
+        mine = self.prep.mine
+        if self.bar is not None:
+            self.bar.set_total(sum(it.nbytes for it in mine))
+        if mine:
+            name = data_file_name(self.save_id, self.comm.rank)
+            records, size = write_chunks(self.storage, name, mine, self.comm.rank, self.options.block_size, self.result.recorder)
+            files[name] = size
+            self.result.bytes_written = size
+        return self.summarize(records, files, tb)
+
+    def summarize(self, records: list, files: dict, started: float) -> RankReport:
+        """The write phase's end: the index file, then the summary this rank's commit needs."""
+        mark_phase(self.result, "data_file", started)  # whole file incl. fsync; per-chunk spans are "write"
+        report = self.prep.summary(self.storage, records, files, self.comm)
+        self.result.bytes_written = sum(report.status.files.values())
+        return report
+
+    def local_phases(self) -> RankReport:
+        """Prepare, claim and write on this rank (the sync save runs them guarded, as one)."""
+        self.prepare()
+        self.claim_path()
+        return self.write()
+
+    # --- commit -----------------------------------------------------------------------------------
+
+    def commit(self, out: Outcome) -> None:
+        """The commit phase: rank 0 commits from every rank's outcome; the claim is released whatever happens."""
+        o = self.options
+        finish_save(self.comm, self.storage, self.save_id, o.block_size, out, self.result, self.where, self.claim, self.policy)
+
+    def report(self) -> SaveResult:
+        """After the commit: total time, timings, trace and metrics, and the log line."""
+        result = self.result
+        mark_phase(result, "total", self.t0)
+        result.timings = result.recorder.summary()
+        result.recorder.emit(self.options.trace_dir, self.options.on_metrics)
+        how = " in the background" if self.background else ""
+        log.info("rank %s saved %s bytes to %s%s: %s", self.comm.rank, result.bytes_written, self.where, how, format_summary(result.timings))
+        return result
+
+    def abandon(self) -> None:
+        """A save of one rank failed before its commit: release the claim and close the bar without a done line."""
+        if self.claim is not None:
+            self.claim.release()
+        if self.bar is not None:
+            self.bar.close(ok=False)
+
+    def run(self, bar: Any = None) -> SaveResult:
+        """Every phase after ``enter``, on the calling thread; ``bar`` shows the bytes written.
+
+        Example::
+
+            tx.enter(None); result = tx.run()
+        """
+        self.bar = bar
+        out = run_guarded(self.local_phases)
+        if self.comm.world == 1 and not out.ok:
+            self.abandon()
+            raise out.exc
+        with bar or contextlib.nullcontext():  # a failed commit closes the bar without a "done" line
+            self.commit(out)
+        return self.report()
