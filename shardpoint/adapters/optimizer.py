@@ -147,102 +147,119 @@ class OptimizerAdapter:
         return part
 
     def load(self, key, opt, doc, tensors: Mapping[str, Any], ctx, where="<checkpoint>") -> LoadPart:
-        part = LoadPart()
-        saved_state, saved_groups, group_of = check_optimizer_doc(doc, f"{where}: entry {key!r}")
-        new_state: dict[int, tuple[torch.Tensor, Any]] = {}
-        cleared: list[torch.Tensor] = []
-        seen = set()
+        return _OptimizerLoad(key, opt, doc, tensors, ctx, where).plan()
+
+
+class _OptimizerLoad:
+    """One optimizer's load: which saved state goes to which live parameter, and the groups' hyper-parameters."""
+
+    def __init__(self, key, opt, doc, tensors: Mapping[str, Any], ctx, where: str):
+        self.key, self.opt, self.tensors, self.ctx, self.where = key, opt, tensors, ctx, where
+        self.part = LoadPart()
+        self.saved_state, self.saved_groups, self.group_of = check_optimizer_doc(doc, f"{where}: entry {key!r}")
+        self.new_state: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.cleared: list[torch.Tensor] = []
+        self.seen: set[str] = set()
+        self.decoded_groups: list[tuple[dict, Any]] = []
+
+    def plan(self) -> LoadPart:
+        """Match every live parameter to its saved state and group; the part installs them in ``finish``."""
         group_updates = []
-        for gi, g in enumerate(opt.param_groups):
+        for gi, g in enumerate(self.opt.param_groups):
             sgi = None
             for i, p in enumerate(g["params"]):
-                views = ctx.views.get(id(p))
-                if views is not None:
-                    for v in views:
-                        seen.add(v.fqn)
-                        if sgi is None and v.fqn in group_of:
-                            sgi = group_of[v.fqn]
-                    got = _load_views(key, p, views, saved_state, group_of, tensors, part, ctx, where)
-                    if got is None:
-                        cleared.append(p)
-                    else:
-                        new_state[id(p)] = (p, got)
-                    continue
-                name = param_name(key, p, gi, i, ctx)
-                seen.add(name)
-                if sgi is None and name in group_of:
-                    sgi = group_of[name]
-                if name not in saved_state:
-                    # A parameter the saved optimizer knew but held no state for (never got a
-                    # gradient) is fine; one it never knew is missing.
-                    if name not in group_of:
-                        part.missing.append(f"{key}.state.{name}")
-                    cleared.append(p)
-                    continue
-
-                prefix = f"{key}.state.{name}."
-
-                def get_tensor(fqn, p=p, prefix=prefix):
-                    meta = tensors.get(fqn)
-                    if meta is None:
-                        part.missing.append(fqn)
-                        return None
-                    part.consumed.add(fqn)
-                    dt = torch_dtype(meta.dtype)
-                    shard = (getattr(ctx, "shards", None) or {}).get(id(p))
-                    if shard is not None and tuple(meta.shape) == shard.shape:  # sharded like p (Megatron TP)
-                        dest = torch.zeros_like(p.detach(), dtype=dt)
-                        part.targets.extend(shard.targets(fqn, dest))
-                        return dest
-                    dest = reusable_state(opt.state.get(p), fqn[len(prefix):] if fqn.startswith(prefix) else None, p, tuple(meta.shape), dt)
-                    if dest is None:
-                        dest = empty_like_target(p, tuple(meta.shape), dt)
-                    if dest.dtype != dt:
-                        raise ShapeMismatchError(f"{where}: tensor {fqn!r}: cannot allocate {meta.dtype}, got {dtype_name(dest.dtype)}")
-                    tgt = load_target(fqn, dest)
-                    if tgt is not None:
-                        part.targets.append(tgt)
-                    return dest
-
-                new_state[id(p)] = (p, decode_value(saved_state[name], get_tensor, ctx.allow_pickle, where))
-            if sgi is None:
-                sgi = gi
-            if sgi < len(saved_groups):
-                group_updates.append((g, saved_groups[sgi], f"{key}.groups.{sgi}"))
+                found = self._param(gi, i, p)
+                if sgi is None:
+                    sgi = found
+            sgi = gi if sgi is None else sgi
+            if sgi < len(self.saved_groups):
+                group_updates.append((g, self.saved_groups[sgi]))
             else:
-                part.missing.append(f"{key}.groups.{gi}")
-        for name in saved_state:
-            if name not in seen:
-                part.unexpected.append(f"{key}.state.{name}")
+                self.part.missing.append(f"{self.key}.groups.{gi}")
+        self.part.unexpected.extend(f"{self.key}.state.{name}" for name in self.saved_state if name not in self.seen)
         # Hyper-parameters may hold tensors (e.g. a tensor lr): decode them now so targets exist.
-        decoded_groups = []
-        for g, gdoc, gpath in group_updates:
-            def get_tensor(fqn):
-                meta = tensors.get(fqn)
-                if meta is None:
-                    part.missing.append(fqn)
-                    return None
-                part.consumed.add(fqn)
-                dest = empty_like_target(None, tuple(meta.shape), torch_dtype(meta.dtype)).zero_()
-                part.targets.append(load_target(fqn, dest))
-                return dest
+        for g, gdoc in group_updates:
+            self.decoded_groups.append((g, decode_value(gdoc, self._group_tensor, self.ctx.allow_pickle, self.where)))
+        self.part.finish = self._install
+        opt = self.opt
+        self.part.landed = lambda targets: unlanded(targets, live_storages(optimizer_tensors(opt)))
+        return self.part
 
-            decoded_groups.append((g, decode_value(gdoc, get_tensor, ctx.allow_pickle, where)))
+    def _param(self, gi: int, i: int, p: torch.Tensor) -> int | None:
+        """Plan ``p``'s state; return the saved group its name belongs to, if known."""
+        views = self.ctx.views.get(id(p))
+        if views is not None:
+            sgi = None
+            for v in views:
+                self.seen.add(v.fqn)
+                if sgi is None and v.fqn in self.group_of:
+                    sgi = self.group_of[v.fqn]
+            got = _load_views(self.key, p, views, self.saved_state, self.group_of, self.tensors, self.part, self.ctx, self.where)
+            if got is None:
+                self.cleared.append(p)
+            else:
+                self.new_state[id(p)] = (p, got)
+            return sgi
+        name = param_name(self.key, p, gi, i, self.ctx)
+        self.seen.add(name)
+        sgi = self.group_of.get(name)
+        if name not in self.saved_state:
+            # A parameter the saved optimizer knew but held no state for (never got a
+            # gradient) is fine; one it never knew is missing.
+            if name not in self.group_of:
+                self.part.missing.append(f"{self.key}.state.{name}")
+            self.cleared.append(p)
+            return sgi
+        prefix = f"{self.key}.state.{name}."
+        state = decode_value(self.saved_state[name], lambda fqn: self._state_tensor(fqn, p, prefix), self.ctx.allow_pickle, self.where)
+        self.new_state[id(p)] = (p, state)
+        return sgi
 
-        def finish():
-            for p in cleared:  # the checkpoint had no state for it: drop stale state
-                opt.state.pop(p, None)
-            for p, s in new_state.values():
-                opt.state[p] = s
-            for g, hyper in decoded_groups:
-                for k, v in hyper.items():
-                    if k != "params":
-                        g[k] = v
-            return opt
+    def _state_tensor(self, fqn: str, p: torch.Tensor, prefix: str) -> torch.Tensor | None:
+        """The tensor a saved state entry ``fqn`` of ``p`` loads into (reused in place where it can be)."""
+        meta = self.tensors.get(fqn)
+        if meta is None:
+            self.part.missing.append(fqn)
+            return None
+        self.part.consumed.add(fqn)
+        dt = torch_dtype(meta.dtype)
+        shard = (getattr(self.ctx, "shards", None) or {}).get(id(p))
+        if shard is not None and tuple(meta.shape) == shard.shape:  # sharded like p (Megatron TP)
+            dest = torch.zeros_like(p.detach(), dtype=dt)
+            self.part.targets.extend(shard.targets(fqn, dest))
+            return dest
+        field = fqn[len(prefix):] if fqn.startswith(prefix) else None
+        dest = reusable_state(self.opt.state.get(p), field, p, tuple(meta.shape), dt)
+        if dest is None:
+            dest = empty_like_target(p, tuple(meta.shape), dt)
+        if dest.dtype != dt:
+            raise ShapeMismatchError(f"{self.where}: tensor {fqn!r}: cannot allocate {meta.dtype}, got {dtype_name(dest.dtype)}")
+        tgt = load_target(fqn, dest)
+        if tgt is not None:
+            self.part.targets.append(tgt)
+        return dest
 
-        part.finish = finish
-        part.landed = lambda targets: unlanded(targets, live_storages(optimizer_tensors(opt)))
-        return part
+    def _group_tensor(self, fqn: str) -> torch.Tensor | None:
+        meta = self.tensors.get(fqn)
+        if meta is None:
+            self.part.missing.append(fqn)
+            return None
+        self.part.consumed.add(fqn)
+        dest = empty_like_target(None, tuple(meta.shape), torch_dtype(meta.dtype)).zero_()
+        self.part.targets.append(load_target(fqn, dest))
+        return dest
+
+    def _install(self):
+        opt = self.opt
+        for p in self.cleared:  # the checkpoint had no state for it: drop stale state
+            opt.state.pop(p, None)
+        for p, s in self.new_state.values():
+            opt.state[p] = s
+        for g, hyper in self.decoded_groups:
+            for k, v in hyper.items():
+                if k != "params":
+                    g[k] = v
+        return opt
 
 
 def reusable_state(current: Any, field: str | None, p: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
