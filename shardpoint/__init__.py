@@ -35,6 +35,8 @@ from .errors import (
     IncompleteStateError,
     KeyMismatchError,
     MissingDependencyError,
+    ReplicaMismatchError,
+    ExpertLayoutError,
     ShapeMismatchError,
     StateNotRestoredError,
     StorageError,
@@ -98,4 +100,6 @@ __all__ = [
     "MissingDependencyError",
     "StateNotRestoredError",
     "IncompleteStateError",
+    "ReplicaMismatchError",
+    "ExpertLayoutError",
 ]

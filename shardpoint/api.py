@@ -40,6 +40,7 @@ from .format.values import check_optimizer_doc
 from .geometry import Box
 from .load_steps import check_provided, entry_keys, entry_selected, materialize_meta, name_selected, param_names, physical_shapes
 from .layouts import LayoutView, Rule, apply_load, optimizer_doc_to_physical
+from .replicas import with_copies
 from .monitor import Recorder, format_summary
 from .save_steps import SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
 from .storage import Storage, storage_for
@@ -348,6 +349,8 @@ def load(
         fill, state = state, {k: WholeEntry() for k in entry_keys(manifest)}
     result = LoadResult(where, recorder=Recorder("load", where, comm.rank))
     mark_phase(result, "manifest", t0)
+
+    layouts = with_copies(layouts, manifest.tensors)  # names saved as one copy per replica group
 
     def prepare() -> dict:
         ctx = build_context(state, comm.rank, comm.world, allow_pickle)

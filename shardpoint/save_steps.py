@@ -31,6 +31,7 @@ from .monitor import Recorder
 from .planning.describe import CandidateGrids, Description, RankReport, RankStatus, cover_of, describe, values_doc
 from .planning.writers import WriterChoice, WriterPlan, choose_writers, plan_signature
 from .rank_local import rank_local_tensors
+from .replicas import check_replicas
 from .storage import Storage
 
 __all__ = [
@@ -212,7 +213,8 @@ def prepare_save(
                 values[key] = optimizer_doc_to_logical(key, part.value, rules)
     prev = cache.checked if cache is not None and not rules else None
     if prev is not None and len(prev.tensors) == len(tensors) and all(a is b for a, b in zip(prev.tensors, tensors)):
-        # The very SaveTensor objects checked and planned last time: nothing to redo.
+        # The very SaveTensor objects checked and planned last time: only the values are checked again.
+        check_replicas(list(prev.tensors), comm, where)
         result.plan_cached = True
         mine = [tensors[i] for i in prev.choice.picked]
         prep = PreparedSave(tensors, mine, values, layout, prev.lazy_ok, prev.choice, ctx, prev.prepared.described)
@@ -227,6 +229,7 @@ def prepare_save(
     if rules:
         tensors, lazy_ok = _logical(tensors, lazy_ok, rules, comm)
     _check_tensors(tensors, where)
+    tensors = check_replicas(tensors, comm, where)  # before anything is written; copies per group get their own names
 
     # Plan cache: the same names, shapes, dtypes and geometry give the same writers.
     sig = plan_signature(tensors)
