@@ -44,6 +44,7 @@ from .errors import (
 )
 from .format.manifest import FORMAT_VERSION
 from .data import ResumableLoader, ResumableSampler
+from .adapters.experts import Experts
 from .layouts import Fused, Padded, Reduced
 from .manager import CheckpointManager, EveryNSteps, EveryTSeconds, OnDemand
 from .peer import PeerMemory
@@ -77,6 +78,7 @@ __all__ = [
     "Fused",
     "Padded",
     "Reduced",
+    "Experts",
     "CheckpointManager",
     "EveryNSteps",
     "EveryTSeconds",

@@ -19,6 +19,7 @@ import torch
 from .adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters
 from .items import dtype_name
 from .adapters.optimizer import own_protocol
+from .adapters.experts import place_experts
 from .adapters.reuse import PartCache
 from .dist import Comm, Outcome
 from .engine.claim import CommitPolicy, SaveClaim
@@ -260,6 +261,7 @@ def _logical(tensors: list[SaveTensor], lazy_ok: set[str], rules, comm: Comm) ->
         logical.extend(pieces)
         if t.fqn in lazy_ok:
             lazy_logical.update(x.fqn for x in pieces)
+    logical = place_experts(logical, rules, comm)  # global experts: held by the ranks of one EP rank
     return logical, lazy_ok | lazy_logical
 
 
