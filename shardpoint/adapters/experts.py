@@ -36,7 +36,7 @@ from ..errors import ExpertLayoutError, UnsupportedStateError
 from ..items import SaveTensor
 from ..layouts import Rule, Segment
 
-__all__ = ["Experts", "megatron_expert_prefixes", "rename_prefix", "expert_replicas", "place_experts", "check_divides"]
+__all__ = ["Experts", "megatron_expert_prefixes", "rename_prefix", "place_experts", "check_divides"]
 
 
 def check_divides(num_experts: int, ep: int, where: str) -> int:
@@ -173,51 +173,38 @@ class Experts(Rule):
         return logical[""]
 
 
-def expert_replicas(rules: Sequence[Any], comm: Any) -> dict[str, tuple[int, int, str]]:
-    """Per :class:`Experts` prefix: (index, count, group name) of this rank among the ranks holding its experts.
-
-    Ranks with the same EP rank hold the same experts; one gather of every
-    rank's (EP rank, EP degree) finds them. Not a collective when no rule is
-    an :class:`Experts`.
-
-    Example::
-
-        expert_replicas([sp.Experts("model.experts", 8, ep_group)], comm)  # {"model.experts": (0, 2, "0,2")}
-    """
-    rules = [r for r in rules if isinstance(r, Experts)]
-    if not rules:
-        return {}
-    import torch.distributed as dist
-
-    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    mine = [(r.prefix, *r.ep()[:2]) for r in rules]
-    table = comm.all_gather((me, mine))
-    out = {}
-    for k, (prefix, ep_rank, ep) in enumerate(mine):
-        check_divides(rules[k].num_experts, ep, prefix)
-        ranks = sorted(g for g, rows in table if rows[k][1:] == (ep_rank, ep))
-        out[prefix] = (ranks.index(me), len(ranks), ",".join(str(x) for x in ranks))
-    return out
-
-
 def place_experts(tensors: list[SaveTensor], rules: Sequence[Any], comm: Any) -> list[SaveTensor]:
     """Give the tensors of :class:`Experts` lists the replica placement of their global experts.
+
+    After renaming, the ranks holding a piece of a global expert are those
+    that list the same name and box: one gather of those keys finds them
+    (for plain tensors and for experts sharded as DTensors alike). Not a
+    collective when no rule is an :class:`Experts`.
 
     Example::
 
         tensors = place_experts(apply_save(tensors, rules), rules, comm)
     """
-    placed = expert_replicas(rules, comm)
-    if not placed:
-        return tensors
     rules = [r for r in rules if isinstance(r, Experts)]
-    out = []
-    for t in tensors:
-        rule = next((r for r in rules if r.param_match(t.fqn) is not None), None)
-        if rule is None or t.grid is not None:  # a DTensor expert keeps its own mesh's placement
-            out.append(t)
-            continue
-        index, count, group = placed[rule.prefix]
-        out.append(replace(t, replica_index=index, replica_count=count, replica_group=group,
-                           layout="replicated" if count > 1 else "local"))
+    if not rules:
+        return tensors
+    for r in rules:
+        r.offset()  # the EP degree must divide the experts
+    import torch.distributed as dist
+
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    picked = [i for i, t in enumerate(tensors) if any(r.param_match(t.fqn) is not None for r in rules)]
+    keys = [(tensors[i].fqn, tuple(tensors[i].box.offsets), tuple(tensors[i].box.sizes), tensors[i].flat) for i in picked]
+    holders: dict[tuple, list[int]] = {}
+    for rank, theirs in comm.all_gather((me, keys)):
+        for k in theirs:
+            holders.setdefault(k, []).append(rank)
+    out = list(tensors)
+    for i, k in zip(picked, keys):
+        t, ranks = tensors[i], sorted(holders[k])
+        plain = t.layout in ("replicated", "local")
+        out[i] = replace(
+            t, replica_index=ranks.index(me), replica_count=len(ranks), replica_group=",".join(str(r) for r in ranks),
+            grid=None, layout=("replicated" if len(ranks) > 1 else "local") if plain else t.layout,
+        )
     return out
