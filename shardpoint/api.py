@@ -41,6 +41,7 @@ from .geometry import Box
 from .load_steps import check_provided, entry_keys, entry_selected, materialize_meta, name_selected, param_names, physical_shapes
 from .layouts import LayoutView, Rule, apply_load, optimizer_doc_to_physical
 from .replicas import with_copies
+from .adapters.experts import deepspeed_expert_rules
 from .monitor import Recorder, format_summary
 from .save_steps import SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
 from .storage import Storage, storage_for
@@ -350,7 +351,8 @@ def load(
     result = LoadResult(where, recorder=Recorder("load", where, comm.rank))
     mark_phase(result, "manifest", t0)
 
-    layouts = with_copies(layouts, manifest.tensors)  # names saved as one copy per replica group
+    # Names saved as one copy per replica group; DeepSpeed MoE experts at their global index.
+    layouts = with_copies([*layouts, *deepspeed_expert_rules(state)], manifest.tensors)
 
     def prepare() -> dict:
         ctx = build_context(state, comm.rank, comm.world, allow_pickle)

@@ -19,7 +19,7 @@ import torch
 from .adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters
 from .items import dtype_name
 from .adapters.optimizer import own_protocol
-from .adapters.experts import place_experts
+from .adapters.experts import deepspeed_expert_rules, place_experts
 from .adapters.reuse import PartCache
 from .dist import Comm, Outcome
 from .engine.claim import CommitPolicy, SaveClaim
@@ -185,6 +185,7 @@ def prepare_save(
         prep = prepare_save(state, comm, False, "ckpt", SaveResult("ckpt", save_id))
     """
     ta = time.monotonic()
+    rules = [*rules, *deepspeed_expert_rules(state)]  # DeepSpeed MoE experts: stored at their global index
     # Repeated saves (AsyncSaver) reuse the context and the unchanged module and
     # optimizer parts; layout rules reduce across ranks, so they take the full path.
     parts = cache.parts if cache is not None and not rules else None

@@ -36,7 +36,7 @@ from ..errors import ExpertLayoutError, UnsupportedStateError
 from ..items import SaveTensor
 from ..layouts import Rule, Segment
 
-__all__ = ["Experts", "megatron_expert_prefixes", "rename_prefix", "place_experts", "check_divides"]
+__all__ = ["Experts", "megatron_expert_prefixes", "rename_prefix", "place_experts", "check_divides", "deepspeed_expert_rules"]
 
 
 def check_divides(num_experts: int, ep: int, where: str) -> int:
@@ -208,3 +208,48 @@ def place_experts(tensors: list[SaveTensor], rules: Sequence[Any], comm: Any) ->
             grid=None, layout=("replicated" if len(ranks) > 1 else "local") if plain else t.layout,
         )
     return out
+
+
+def deepspeed_expert_rules(state: Mapping[str, Any]) -> list[Experts]:
+    """An :class:`Experts` rule for every DeepSpeed MoE expert list in the state's modules.
+
+    DeepSpeed keeps a layer's local experts in ``<...>.deepspeed_experts``
+    and tags their parameters with the name of the expert-parallel group
+    it created for the layer (``group_name``), from which the EP group and
+    the number of global experts follow.
+
+    Example::
+
+        rules = deepspeed_expert_rules({"model": model_with_deepspeed_moe})
+    """
+    from .module import unwrap_module
+
+    rules: list[Experts] = []
+    for key, obj in state.items():
+        if not isinstance(obj, nn.Module):
+            continue
+        for name, mod in unwrap_module(obj).named_modules():
+            local = getattr(mod, "deepspeed_experts", None)
+            if not isinstance(local, nn.ModuleList) or not type(mod).__module__.startswith("deepspeed."):
+                continue
+            group = _deepspeed_group(mod)
+            if group is None:
+                continue
+            import torch.distributed as dist
+
+            prefix = f"{key}.{name}.deepspeed_experts" if name else f"{key}.deepspeed_experts"
+            rules.append(Experts(prefix, len(local) * dist.get_world_size(group), group))
+    return rules
+
+
+def _deepspeed_group(mod: nn.Module) -> Any:
+    """The expert-parallel group DeepSpeed made for an expert list, or ``None`` before it made one."""
+    name = next((getattr(p, "group_name", None) for p in mod.parameters()), None)
+    if name is None:
+        return None
+    try:
+        from deepspeed.utils import groups
+    except ImportError:
+        return None
+    table = groups._get_expert_parallel_group_dict()
+    return table.get(name)
