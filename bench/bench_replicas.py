@@ -96,7 +96,7 @@ def gpu_job(cfg: dict, repeats: int) -> dict:
     import torch
 
     import shardpoint as sp
-    from shardpoint.replicas import digest_all
+    from shardpoint.digest import digest_all
     from shardpoint.testing import GPTConfig, TinyGPT, batch, loss_of
 
     c = GPTConfig(**cfg)

@@ -6,27 +6,13 @@ data is written each rank computes a small digest of every copy it holds
 where the data lives, the digests of all tensors travel in one gather, and
 every rank compares the same table and reaches the same verdict.
 
-Digests compare bit patterns, so ``-0.0`` and ``0.0`` differ and NaNs are
-compared exactly:
-
-- a CPU tensor of at most :data:`HOST_FULL_BYTES`: ``xxh3_64`` of all its
-  bytes, so any difference is caught; a larger one: ``xxh3_64`` of a strided
-  sample of :data:`SAMPLES` elements, one in every ``numel / SAMPLES``-element
-  stretch, the first and last included (on the CPU a pass over every byte
-  would cost a third of a data-parallel save, whose ranks each write only
-  their share of the state). ``SHARDPOINT_REPLICA_CHECK=full`` hashes every
-  byte of every tensor; ``off`` skips the check;
-- a tensor on an accelerator, with torch ops on its own device (nothing is
-  copied to the host but the digest): its elements viewed as integers of the
-  same width give the first element's bit pattern (copies that differ
-  everywhere, such as expert weights, always differ in it), a
-  position-weighted sum of a strided sample of :data:`SAMPLES` elements, one
-  in every ``numel / SAMPLES``-element stretch (the last element included),
-  and the plain sum of all bit patterns (exact: integer addition wraps the
-  same way in any order).
-
-Copies digested both ways (one on the CPU, one on a GPU) cannot be compared
-and are passed over.
+Digests (:mod:`shardpoint.digest`) compare bit patterns: on the CPU an
+``xxh3_64`` of the whole tensor up to 64 KiB, else of a strided sample that
+always includes elements from every stretch of the tensor; on an accelerator,
+torch ops on the device (a sample plus the exact sum of every bit pattern).
+Copies that differ everywhere, such as per-rank expert weights, are always
+caught. The gather sends int64 tables only; names follow in a second gather
+only when the tables show a mismatch or a name held by several groups.
 
 The same table tells where ranks of different declared groups hold one name
 with possibly different values: those tensors are stored as one copy per
@@ -40,138 +26,23 @@ Example::
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import xxhash
 
+from .digest import HOST, check_mode, digest_all
 from .errors import ReplicaMismatchError
 from .items import SaveTensor
 from .layouts import Rule, Segment
 
 __all__ = [
-    "SAMPLES", "HOST_FULL_BYTES", "COPY_MARK", "check_mode", "digest_tensor", "digest_all", "Row", "rows_of", "mismatches",
-    "copied_names", "encode_rows", "suspicious", "copy_name", "parse_copy_name", "check_replicas", "CopyRule", "copy_rule", "with_copies",
+    "COPY_MARK", "Row", "rows_of", "mismatches", "copied_names", "encode_rows", "suspicious", "Gate", "FAILED",
+    "copy_name", "parse_copy_name", "check_replicas", "CopyRule", "copy_rule", "with_copies",
 ]
 
-SAMPLES = 1024
-HOST_FULL_BYTES = 1 << 16
 COPY_MARK = "@ranks"
-HOST, DEVICE = 0, 1  # the first field of a digest: how it was computed
-
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as integers of the same width (a view where torch allows one)."""
-    dt = _INT.get(t.element_size())
-    if dt is None:  # complex128: 16-byte elements as two 8-byte halves
-        return torch.view_as_real(t.resolve_conj()).view(torch.int64)
-    if t.dtype == dt:
-        return t
-    try:
-        return t.view(dt)
-    except RuntimeError:  # a dtype torch will not reinterpret in place (e.g. a conjugate view)
-        return t.resolve_conj().resolve_neg().contiguous().view(dt)
-
-
-def check_mode() -> str:
-    """How much of each CPU tensor the replica check hashes: ``SHARDPOINT_REPLICA_CHECK`` (``sample``, ``full``, ``off``).
-
-    Example::
-
-        check_mode()  # 'sample' unless the environment says otherwise
-    """
-    mode = os.environ.get("SHARDPOINT_REPLICA_CHECK", "sample").strip().lower() or "sample"
-    if mode not in ("sample", "full", "off"):
-        raise ValueError(f"SHARDPOINT_REPLICA_CHECK must be 'sample', 'full' or 'off', got {mode!r}")
-    return mode
-
-
-def _sample_index(n: int, device: torch.device, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """One index in each of ``min(n, SAMPLES)`` equal stretches of ``[0, n)`` (the last element included), and odd weights."""
-    key = (n, device)
-    if key not in cache:
-        k = min(n, SAMPLES)
-        idx = torch.arange(k, dtype=torch.int64) * n // k
-        idx[-1] = n - 1
-        idx = idx.to(device)
-        cache[key] = (idx, idx * 2 + 1)  # odd weights: a swap of two sampled values changes the sum
-    return cache[key]
-
-
-def _host_digest(t: torch.Tensor, full: bool, cache: dict) -> tuple[int, ...]:
-    """``xxh3_64`` of a CPU tensor's bytes in row-major order, or of a strided sample of its elements.
-
-    Plain numpy on the tensor's memory: a few microseconds per tensor, where
-    each torch op costs tens.
-    """
-    bits = _bits(t)
-    n = bits.numel()
-    sample = not full and n * bits.element_size() > HOST_FULL_BYTES
-    if not bits.is_contiguous():
-        bits = torch.take(bits, _sample_index(n, bits.device, cache)[0]) if sample else bits.contiguous()
-        sample = False
-    arr = bits.reshape(-1).numpy()
-    if sample:
-        key = ("np", n)
-        if key not in cache:
-            cache[key] = _sample_index(n, bits.device, cache)[0].numpy()
-        arr = arr[cache[key]]
-    return (HOST, xxhash.xxh3_64_intdigest(memoryview(arr).cast("B")) if arr.size else xxhash.xxh3_64_intdigest(b""), n, 0)
-
-
-def _device_parts(t: torch.Tensor, cache: dict) -> tuple[torch.Tensor, ...]:
-    """The three device digest scalars of ``t`` as 0-d int64 tensors on ``t``'s device."""
-    bits = _bits(t)
-    n = bits.numel()
-    if n == 0:
-        z = torch.zeros((), dtype=torch.int64, device=t.device)
-        return z, z, z
-    idx, weights = _sample_index(n, bits.device, cache)
-    sample = torch.take(bits, idx).to(torch.int64)
-    return sample[0], (sample * weights).sum(), bits.sum(dtype=torch.int64)
-
-
-def digest_tensor(t: torch.Tensor, host: bool = True) -> tuple[int, ...]:
-    """The replica digest of one tensor; see the module documentation.
-
-    ``host=False`` computes a CPU tensor's digest the way an accelerator's
-    is computed (for tests of that path).
-
-    Example::
-
-        digest_tensor(torch.ones(4))  # equal for equal bit patterns
-    """
-    return digest_all([t], host)[0]
-
-
-def digest_all(tensors: Sequence[torch.Tensor], host: bool = True) -> list[tuple[int, ...]]:
-    """Digests of many tensors: CPU ones hashed in place, others on their devices with one host copy per device.
-
-    Example::
-
-        digest_all([w1, w2])  # [(kind, a, b, c), ...]
-    """
-    out: list[tuple[int, ...]] = [(HOST, 0, 0, 0)] * len(tensors)
-    by_dev: dict[torch.device, list[int]] = {}
-    parts: dict[int, tuple[torch.Tensor, ...]] = {}
-    cache: dict = {}
-    full = check_mode() == "full"
-    for i, t in enumerate(tensors):
-        t = t.detach()
-        if host and t.device.type == "cpu":
-            out[i] = _host_digest(t, full, cache)
-            continue
-        parts[i] = _device_parts(t, cache)
-        by_dev.setdefault(t.device, []).append(i)
-    for idx in by_dev.values():
-        table = torch.stack([torch.stack(parts[i]) for i in idx]).cpu().tolist()
-        for i, row in zip(idx, table):
-            out[i] = (DEVICE, int(row[0]), int(row[1]), int(row[2]))
-    return out
 
 
 @dataclass(frozen=True)
@@ -328,6 +199,55 @@ def suspicious(tables: Sequence[torch.Tensor]) -> bool:
     return any(len(v) > 1 for v in values.values()) or any(len(g) > 1 for g in groups.values())
 
 
+FAILED = -(1 << 63)  # the piece key of the marker row a failed rank sends
+
+
+class Gate:
+    """The gathers of one save's preparation, which a rank that fails before them still joins.
+
+    Every rank calls :meth:`gather` the same number of times while its
+    preparation goes well. A rank that fails calls :meth:`abstain`, which
+    joins the next gather with a marker row; every rank then sees the
+    marker, skips the remaining gathers and the checks, and the failing
+    rank's own error reaches all of them at the commit. :meth:`close` marks
+    the last gather done, after which a failure needs no marker.
+
+    Example::
+
+        gate = Gate(comm)
+        tables = gate.gather(encode_rows(rows))  # None: a rank failed
+    """
+
+    def __init__(self, comm: Any):
+        self.comm = comm
+        # A stand-in without a process group (a simulation of many ranks in one process) gathers nothing.
+        self.active = bool(getattr(comm, "active", False)) and comm.world > 1
+        self.failed = False
+        self.closed = False
+
+    def gather(self, table: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's int64 ``[n, 6]`` table, or ``None`` once any rank has failed."""
+        if not self.active:
+            return [table]
+        if self.failed or self.closed:
+            return None
+        tables = self.comm.all_gather_rows(table)
+        if any(bool((t[:, 0] == FAILED).any()) for t in tables if t.numel()):
+            self.failed = True
+            return None
+        return tables
+
+    def abstain(self) -> None:
+        """This rank failed: join one gather with the marker, unless the gathers are over."""
+        if self.active and not self.failed and not self.closed:
+            self.failed = True
+            self.comm.all_gather_rows(torch.full((1, 6), FAILED, dtype=torch.int64))
+
+    def close(self) -> None:
+        """The last gather is done."""
+        self.closed = True
+
+
 def _message(where: str, fqn: str, groups: list[list[int]], others: list[str]) -> str:
     shown = "; ".join(f"ranks {g}" for g in groups)
     more = f" (also differing: {others[:8]}{' ...' if len(others) > 8 else ''})" if others else ""
@@ -340,33 +260,36 @@ def _message(where: str, fqn: str, groups: list[list[int]], others: list[str]) -
     )
 
 
-def check_replicas(tensors: list[SaveTensor], comm: Any, where: str) -> list[SaveTensor]:
-    """Compare every rank's copies in one gather; raise on a mismatch, store per-group copies apart.
+def check_replicas(tensors: list[SaveTensor], comm: Any, where: str, gate: Gate | None = None) -> list[SaveTensor]:
+    """Compare every rank's copies; raise on a mismatch, store per-group copies apart.
 
     Returns ``tensors`` itself when no name is held by several groups, else
     a list in which those tensors carry their copy names. Every rank reaches
-    the same verdict, so every rank raises the same error.
+    the same verdict, so every rank raises the same error. ``gate`` carries
+    the gathers of the preparation (see :class:`Gate`); this is its last.
 
     Example::
 
         tensors = check_replicas(tensors, comm, "ckpt/step_100")
     """
-    if not comm.active or comm.world == 1:
+    gate = gate if gate is not None else Gate(comm)
+    if not gate.active:
+        gate.close()
         return tensors
+    failure: Exception | None = None
     try:
-        mine: Any = rows_of(tensors, check_mode() != "off")
+        mine = rows_of(tensors, check_mode() != "off")
         encoded = encode_rows(mine)
-    except Exception as e:  # noqa: BLE001 - the gathers must still happen on every rank
-        mine = f"{type(e).__name__}: {e}"
-        encoded = torch.zeros((2, 6), dtype=torch.int64)  # marker rows: one piece in two groups
-        encoded[1, 1] = 1
+    except Exception as e:  # noqa: BLE001 - the gather must still happen on every rank
+        failure, mine, encoded = e, [], torch.full((1, 6), FAILED, dtype=torch.int64)
     # Fast path: int64 tables only. Every rank sees the same tables, so all take the slow path or none.
-    if not suspicious(comm.all_gather_rows(encoded)):
-        return tensors
+    tables = gate.gather(encoded)
+    gate.close()
+    if failure is not None:
+        raise failure
+    if tables is None or not suspicious(tables):
+        return tensors  # nothing to compare, or a rank failed and the commit reports its error
     table = comm.all_gather(mine)
-    failed = [(r, m) for r, m in enumerate(table) if isinstance(m, str)]
-    if failed:
-        raise ReplicaMismatchError(f"{where}: the replica check failed on rank {failed[0][0]}: {failed[0][1]}")
     bad = mismatches(table)
     if bad:
         fqn, groups = bad[0]

@@ -32,7 +32,7 @@ from .monitor import Recorder
 from .planning.describe import CandidateGrids, Description, RankReport, RankStatus, cover_of, describe, values_doc
 from .planning.writers import WriterChoice, WriterPlan, choose_writers, plan_signature
 from .rank_local import rank_local_tensors
-from .replicas import check_replicas
+from .replicas import Gate, check_replicas
 from .storage import Storage
 
 __all__ = [
@@ -184,6 +184,16 @@ def prepare_save(
 
         prep = prepare_save(state, comm, False, "ckpt", SaveResult("ckpt", save_id))
     """
+    gate = Gate(comm)  # a rank that fails still joins the gathers of the checks, so none waits on it
+    try:
+        return _prepare(state, comm, allow_pickle, where, result, rules, cache, replicated_over, rank_local, gate)
+    except BaseException:
+        gate.abstain()
+        raise
+
+
+def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules, cache: SaveCache | None,
+             replicated_over: Any, rank_local: bool, gate: Gate) -> PreparedSave:
     ta = time.monotonic()
     rules = [*rules, *deepspeed_expert_rules(state)]  # DeepSpeed MoE experts: stored at their global index
     # Repeated saves (AsyncSaver) reuse the context and the unchanged module and
@@ -216,7 +226,7 @@ def prepare_save(
     prev = cache.checked if cache is not None and not rules else None
     if prev is not None and len(prev.tensors) == len(tensors) and all(a is b for a, b in zip(prev.tensors, tensors)):
         # The very SaveTensor objects checked and planned last time: only the values are checked again.
-        check_replicas(list(prev.tensors), comm, where)
+        check_replicas(list(prev.tensors), comm, where, gate)
         result.plan_cached = True
         mine = [tensors[i] for i in prev.choice.picked]
         prep = PreparedSave(tensors, mine, values, layout, prev.lazy_ok, prev.choice, ctx, prev.prepared.described)
@@ -229,9 +239,9 @@ def prepare_save(
     if rank_local:  # process_group=LOCAL: one writer, so every tensor must be whole here
         tensors = rank_local_tensors(tensors, where)
     if rules:
-        tensors, lazy_ok = _logical(tensors, lazy_ok, rules, comm)
+        tensors, lazy_ok = _logical(tensors, lazy_ok, rules, comm, gate)
     _check_tensors(tensors, where)
-    tensors = check_replicas(tensors, comm, where)  # before anything is written; copies per group get their own names
+    tensors = check_replicas(tensors, comm, where, gate)  # before anything is written; copies per group get their own names
 
     # Plan cache: the same names, shapes, dtypes and geometry give the same writers.
     sig = plan_signature(tensors)
@@ -252,7 +262,7 @@ def prepare_save(
     return prep
 
 
-def _logical(tensors: list[SaveTensor], lazy_ok: set[str], rules, comm: Comm) -> tuple[list[SaveTensor], set[str]]:
+def _logical(tensors: list[SaveTensor], lazy_ok: set[str], rules, comm: Comm, gate: Gate) -> tuple[list[SaveTensor], set[str]]:
     """The tensors as the layout rules' logical tensors, and which of them may be copied lazily."""
     tensors = apply_reduce(tensors, rules, comm)
     logical: list[SaveTensor] = []
@@ -262,7 +272,7 @@ def _logical(tensors: list[SaveTensor], lazy_ok: set[str], rules, comm: Comm) ->
         logical.extend(pieces)
         if t.fqn in lazy_ok:
             lazy_logical.update(x.fqn for x in pieces)
-    logical = place_experts(logical, rules, comm)  # global experts: held by the ranks of one EP rank
+    logical = place_experts(logical, rules, gate)  # global experts: held by the ranks of one EP rank
     return logical, lazy_ok | lazy_logical
 
 

@@ -173,31 +173,38 @@ class Experts(Rule):
         return logical[""]
 
 
-def place_experts(tensors: list[SaveTensor], rules: Sequence[Any], comm: Any) -> list[SaveTensor]:
+def place_experts(tensors: list[SaveTensor], rules: Sequence[Any], gate: Any) -> list[SaveTensor]:
     """Give the tensors of :class:`Experts` lists the replica placement of their global experts.
 
     After renaming, the ranks holding a piece of a global expert are those
-    that list the same name and box: one gather of those keys finds them
-    (for plain tensors and for experts sharded as DTensors alike). Not a
-    collective when no rule is an :class:`Experts`.
+    that list the same name and box: one gather of those keys through
+    ``gate`` (a :class:`~shardpoint.replicas.Gate`) finds them, for plain
+    tensors and for experts sharded as DTensors alike. Not a collective when
+    no rule is an :class:`Experts`.
 
     Example::
 
-        tensors = place_experts(apply_save(tensors, rules), rules, comm)
+        tensors = place_experts(apply_save(tensors, rules), rules, Gate(comm))
     """
     rules = [r for r in rules if isinstance(r, Experts)]
     if not rules:
         return tensors
     for r in rules:
         r.offset()  # the EP degree must divide the experts
+    import torch
     import torch.distributed as dist
+    import xxhash
 
     me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     picked = [i for i, t in enumerate(tensors) if any(r.param_match(t.fqn) is not None for r in rules)]
-    keys = [(tensors[i].fqn, tuple(tensors[i].box.offsets), tuple(tensors[i].box.sizes), tensors[i].flat) for i in picked]
-    holders: dict[tuple, list[int]] = {}
-    for rank, theirs in comm.all_gather((me, keys)):
-        for k in theirs:
+    keys = [xxhash.xxh3_64_intdigest(repr((t.fqn, tuple(t.box.offsets), tuple(t.box.sizes), t.flat)).encode()) >> 1
+            for t in (tensors[i] for i in picked)]
+    tables = gate.gather(torch.tensor([[k, me, 0, 0, 0, 0] for k in keys], dtype=torch.int64).reshape(-1, 6))
+    if tables is None:  # a rank failed: its error ends the save
+        return tensors
+    holders: dict[int, list[int]] = {}
+    for table in tables:
+        for k, rank, *_ in table.tolist():
             holders.setdefault(k, []).append(rank)
     out = list(tensors)
     for i, k in zip(picked, keys):

@@ -14,9 +14,9 @@ from shardpoint.errors import ReplicaMismatchError
 from shardpoint.geometry import Box
 from shardpoint.items import LoadTarget
 from shardpoint.layouts import apply_load
+from shardpoint.digest import HOST_FULL_BYTES, SAMPLES, digest_all, digest_tensor
 from shardpoint.replicas import (
-    HOST_FULL_BYTES, SAMPLES, Row, copied_names, copy_name, copy_rule, digest_all, digest_tensor, encode_rows, mismatches,
-    parse_copy_name, suspicious,
+    Row, copied_names, copy_name, copy_rule, encode_rows, mismatches, parse_copy_name, suspicious,
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
