@@ -39,8 +39,8 @@ def on_cpu():
         torch.cuda.current_device = old
 
 
-def build(ep: int, seed: int):
-    """A ``MoELayer`` with ``EXPERTS`` SequentialMLP experts at EP ``ep`` (parallel state initialised here)."""
+def build(ep: int, seed: int, tp: int = 1):
+    """A ``MoELayer`` with ``EXPERTS`` SequentialMLP experts at EP ``ep`` and TP ``tp`` (parallel state initialised here)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer import TransformerConfig
@@ -49,13 +49,14 @@ def build(ep: int, seed: int):
 
     moe_utils.te_general_gemm = None
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(expert_model_parallel_size=ep)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     cfg = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN, num_moe_experts=EXPERTS,
         moe_router_topk=2, moe_token_dispatcher_type="allgather", use_cpu_initialization=True,
         params_dtype=torch.float32, add_bias_linear=False, gradient_accumulation_fusion=False,
         moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep, moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True, hidden_dropout=0.0, bias_activation_fusion=False,
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
     )
     spec = get_moe_module_spec(use_te=False, num_experts=EXPERTS, moe_grouped_gemm=False)
     torch.manual_seed(seed)
@@ -122,4 +123,65 @@ def load_job(rank: int, world: int, root: str, saved_world: int = 2) -> dict:
     return {"indices": list(layer.local_expert_indices), "checked": len(got), "bad": bad}
 
 
-__all__ = ["build", "on_cpu", "save_job", "load_job"]
+__all__ = ["build", "on_cpu", "save_job", "load_job", "etp_save_job", "etp_load_job"]
+
+
+def _global(g: int, name: str, shape, salt: int) -> torch.Tensor:
+    """The full tensor ``name`` of global expert ``g`` (``shape`` its global shape), from a seed."""
+    gen = torch.Generator().manual_seed(salt + 97 * g + len(name))
+    return torch.randn(*shape, generator=gen)
+
+
+def _shard_spec(p, r: int) -> tuple[int, int, int]:
+    """(dim, offset, size) of expert TP rank ``r``'s rows of ``p`` in its global tensor."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return 0, 0, p.shape[0]
+    dim = int(p.partition_dim)
+    return dim, r * p.shape[dim], p.shape[dim]
+
+
+def etp_save_job(rank: int, world: int, root: str) -> dict:
+    """TP 2 x EP 2 on 4 ranks: each expert split over the expert TP group; values and grads from global seeds."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    layer = build(2, seed=0, tp=2)
+    etp, er = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    opt = torch.optim.AdamW([p for e in layer.experts.local_experts for p in e.parameters()], lr=0.01)
+    with torch.no_grad():
+        for i, g in enumerate(layer.local_expert_indices):
+            for n, p in layer.experts.local_experts[i].named_parameters():
+                dim, off, size = _shard_spec(p, er)
+                shape = list(p.shape)
+                shape[dim] = size * (etp if getattr(p, "tensor_model_parallel", False) else 1)
+                p.copy_(_global(g, n, shape, 1).narrow(dim, off, size))
+                p.grad = _global(g, n, shape, 2).narrow(dim, off, size).clone()
+    opt.step()
+    sp.save(os.path.join(root, "etp"), {"model": layer, "optimizer": opt})
+    return {"indices": list(layer.local_expert_indices), "etp": [etp, er]}
+
+
+def etp_load_job(rank: int, world: int, root: str) -> dict:
+    """The TP 2 x EP 2 checkpoint into EP 1, TP 1: each expert whole, checked against its global seeds."""
+    layer = build(1, seed=3)
+    opt = torch.optim.AdamW([p for e in layer.experts.local_experts for p in e.parameters()], lr=0.01)
+    refs = {}
+    for g, e in enumerate(layer.experts.local_experts):
+        for n, p in e.named_parameters():
+            whole = torch.nn.Parameter(_global(g, n, p.shape, 1))
+            whole.grad = _global(g, n, p.shape, 2)
+            ref = torch.optim.AdamW([whole], lr=0.01)
+            ref.step()  # elementwise: the same bits as the step on each TP shard
+            refs[(g, n)] = (whole.detach(), ref.state[whole])
+            p.grad = torch.ones_like(p)
+    opt.step()
+    sp.load(os.path.join(root, "etp"), {"model": layer, "optimizer": opt}, strict=False)
+    bad = []
+    for (g, n), (w, st) in refs.items():
+        p = layer.experts.local_experts[g].get_parameter(n)
+        if not torch.equal(p, w):
+            bad.append(f"e{g}.{n}")
+        for k in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(opt.state[p][k], st[k]):
+                bad.append(f"e{g}.{n}.{k}")
+    return {"checked": len(refs), "bad": bad}

@@ -39,3 +39,13 @@ def test_every_global_expert_router_and_moment_bit_exact(saved, world):
     for r in results:
         # 2 matrices x (weight + exp_avg + exp_avg_sq + step) per expert, and the router's 4 + expert bias
         assert r["bad"] == [] and r["checked"] == 8 * len(r["indices"]) + 5, r
+
+
+def test_expert_tensor_parallel_experts_load_whole_at_ep1(tmp_path):
+    """TP 2 x EP 2 on 4 ranks (experts split over the expert TP group) into one process at EP 1, TP 1."""
+    root = str(tmp_path)
+    saved = launch(4, "tests.dist.moe_cases:etp_save_job", {"root": root})
+    assert [r["indices"] for r in saved] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["etp"] for r in saved] == [[2, 0], [2, 1], [2, 0], [2, 1]]
+    (r,) = launch(1, "tests.dist.moe_cases:etp_load_job", {"root": root})
+    assert r == {"checked": 8, "bad": []}
