@@ -122,7 +122,14 @@ def save(
     Plain (non-DTensor) tensors are taken to be identical on every rank;
     where they are not, say which ranks hold the same copy as this one with
     ``replicated_over``: a process group, a device mesh or a list of global
-    ranks, or a dict from state keys to those. Under pipeline parallelism
+    ranks, or a dict from state keys to those; keys with a dot or a glob
+    character are patterns over tensor names (``{"model.experts.*":
+    expert_group}``; also as a list of ``(pattern, group)`` pairs), and
+    ranks of different groups holding one name are stored as one copy per
+    group. Before writing, ranks that are to hold the same copy compare
+    digests of it; copies that differ raise
+    :class:`~shardpoint.errors.ReplicaMismatchError` on every rank and
+    nothing is committed. Under pipeline parallelism
     each rank passes its stage's data-parallel group (``[rank]`` with no
     data parallelism), since other stages hold other layers.
     ``process_group`` limits the save to that group's ranks (the others take
@@ -296,6 +303,7 @@ def load(
     trace_dir: str | None = None,
     on_metrics: Any = None,
     collective_timeout: float | None = None,
+    replicated_over: Any = None,
 ) -> MutableMapping[str, Any]:
     """Load a checkpoint into ``state``, resharding to the current layout.
 
@@ -325,7 +333,11 @@ def load(
     as plain full tensors on the CPU (a module or optimizer entry as the dict
     of its value document and tensors by name). ``process_group`` and
     ``collective_timeout`` mean what they mean for :func:`save`
-    (:data:`~shardpoint.LOCAL`: this rank alone, no collective).
+    (:data:`~shardpoint.LOCAL`: this rank alone, no collective). Tensors
+    that ranks of different replica groups saved as one copy per group
+    (see :func:`save`'s ``replicated_over``) load from the copy of the group
+    that holds this rank; ``replicated_over`` may be passed here as at save,
+    and is checked the same way, but is not needed.
 
     Example::
 
@@ -355,7 +367,7 @@ def load(
     layouts = with_copies([*layouts, *deepspeed_expert_rules(state)], manifest.tensors)
 
     def prepare() -> dict:
-        ctx = build_context(state, comm.rank, comm.world, allow_pickle)
+        ctx = build_context(state, comm.rank, comm.world, allow_pickle, replicated_over)
         adapters = default_adapters()
         tensors = manifest.tensors
         view = None

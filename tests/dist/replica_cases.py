@@ -117,7 +117,7 @@ def groups_job(rank: int, world: int, root: str) -> dict:
     fresh = _seeded(7)
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     _step(fresh, opt2, 50)
-    sp.load(path, {"model": fresh, "optimizer": opt2})
+    sp.load(path, {"model": fresh, "optimizer": opt2}, replicated_over=decl)  # the same declaration, optional here
     out["p2_model"] = _same(ref, fresh.state_dict())
     out["p2_opt"] = [
         f"{i}.{k}" for i, p in enumerate(fresh.parameters()) for k, v in opt2.state[p].items() if not torch.equal(ref_opt[(i, k)], v)
