@@ -36,7 +36,7 @@ from ..errors import ExpertLayoutError, UnsupportedStateError
 from ..items import SaveTensor
 from ..layouts import Rule, Segment
 
-__all__ = ["Experts", "megatron_expert_prefixes", "rename_prefix", "place_experts", "check_divides", "deepspeed_expert_rules"]
+__all__ = ["Experts", "megatron_expert_prefixes", "megatron_grouped_experts", "rename_prefix", "place_experts", "check_divides", "deepspeed_expert_rules"]
 
 
 def check_divides(num_experts: int, ep: int, where: str) -> int:
@@ -92,6 +92,27 @@ def megatron_expert_prefixes(m: nn.Module) -> dict[str, str]:
             )
         for i, g in enumerate(idx):
             out[f"{base}{i}."] = f"{base}{int(g)}."
+    return out
+
+
+def megatron_grouped_experts(m: nn.Module) -> dict[str, int]:
+    """Local names of Megatron ``GroupedMLP`` weights -> the dim along which their local experts are concatenated.
+
+    ``weight1`` (``[hidden, experts x ffn]``) concatenates experts along dim 1
+    and ``weight2`` (``[experts x ffn, hidden]``) along dim 0, so EP rank
+    ``r``'s local tensor is one box of the global tensor holding every expert.
+
+    Example::
+
+        megatron_grouped_experts(moe_layer)  # {"experts.weight1": 1, "experts.weight2": 0}
+    """
+    out: dict[str, int] = {}
+    for name, mod in m.named_modules():
+        if type(mod).__name__ != "GroupedMLP" or not type(mod).__module__.startswith("megatron."):
+            continue
+        base = f"{name}." if name else ""
+        out[f"{base}weight1"] = 1
+        out[f"{base}weight2"] = 0
     return out
 
 

@@ -31,9 +31,12 @@ experts at their global index (the layer's ``local_expert_indices``; see
 :mod:`shardpoint.adapters.experts`), split over the expert tensor-parallel
 group and replicated over the expert data-parallel group, so a checkpoint
 saved at one EP degree loads at another. Router weights and expert-bias
-buffers are replicated like any dense tensor. Other expert-parallel
-parameters (``allreduce=False`` outside such experts, e.g. ``GroupedMLP``)
-and tied embeddings across pipeline stages are refused with
+buffers are replicated like any dense tensor. A ``GroupedMLP``'s
+``weight1``/``weight2`` concatenate the local experts, so EP rank ``r``
+holds box ``r`` of a global tensor holding every expert (expert tensor
+parallelism is refused there). Other expert-parallel parameters
+(``allreduce=False`` outside such experts, e.g. ``TEGroupedMLP``) and tied
+embeddings across pipeline stages are refused with
 :class:`~shardpoint.errors.UnsupportedStateError`.
 """
 
@@ -49,7 +52,7 @@ from torch import nn
 from ..errors import UnsupportedStateError
 from ..geometry import Box
 from .base import AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor
-from .experts import megatron_expert_prefixes, rename_prefix
+from .experts import megatron_expert_prefixes, megatron_grouped_experts, rename_prefix
 from .module import unwrap_module
 
 __all__ = ["MegatronAdapter", "MegatronShard", "is_megatron", "megatron_names", "megatron_shards", "megatron_global_shapes"]
@@ -150,6 +153,35 @@ def _expert_holders(ps) -> tuple[tuple[int, int], str]:
     return (ranks.index(me), len(ranks)), ",".join(str(r) for r in ranks)
 
 
+def _grouped_shard(name: str, p: torch.Tensor, dim: int) -> MegatronShard:
+    """A ``GroupedMLP`` weight: EP rank ``r``'s local experts are box ``r`` along ``dim`` of the global tensor."""
+    ps = _ps()
+    shape = tuple(int(s) for s in p.shape)
+    if not ps.model_parallel_is_initialized():
+        return MegatronShard(shape, dim, ((0, Box.full(shape)),), (0, 1), "")
+    if ps.get_expert_tensor_parallel_world_size() > 1:
+        raise UnsupportedStateError(
+            f"{name}: GroupedMLP experts with expert tensor parallelism are not supported yet; use "
+            "moe_grouped_gemm=False (SequentialMLP) or expert_tensor_parallel_size=1"
+        )
+    import torch.distributed as dist
+
+    ep, r = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    gshape, offs = list(shape), [0] * len(shape)
+    gshape[dim], offs[dim] = shape[dim] * ep, shape[dim] * r
+    dpg = ps.get_expert_data_parallel_group()
+    hg = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)  # every EP rank holds a box of it
+    holders, hname = (dist.get_rank(hg), dist.get_world_size(hg)), _group_name(hg)
+    replica = (dist.get_rank(dpg), dist.get_world_size(dpg))
+    return MegatronShard(tuple(gshape), dim, ((0, Box(tuple(offs), shape)),), replica, _group_name(dpg), holders, hname)
+
+
+def _shard_for(name: str, local: str, p: torch.Tensor, experts: Mapping[str, str], grouped: Mapping[str, int]) -> MegatronShard:
+    if local in grouped:
+        return _grouped_shard(name, p, grouped[local])
+    return _shard_of(name, p, _is_expert(local, experts))
+
+
 def _shard_of(name: str, p: torch.Tensor, expert: bool = False) -> MegatronShard:
     import torch.distributed as dist
 
@@ -158,7 +190,7 @@ def _shard_of(name: str, p: torch.Tensor, expert: bool = False) -> MegatronShard
     if not getattr(p, "allreduce", True) and not expert:
         raise UnsupportedStateError(
             f"{name}: a Megatron expert-parallel parameter (allreduce=False) outside the local experts of a "
-            "MoE layer's SequentialMLP is not supported yet (GroupedMLP: use moe_grouped_gemm=False)"
+            "MoE layer's SequentialMLP or GroupedMLP is not supported yet (TEGroupedMLP: use moe_grouped_gemm=False)"
         )
     if not ps.model_parallel_is_initialized():
         if getattr(p, "tensor_model_parallel", False):
@@ -242,12 +274,12 @@ def megatron_shards(key: str, m: nn.Module) -> tuple[dict[int, str], dict[int, M
     m = unwrap_module(m)
     _check_tied(m)
     glob = megatron_names(m)
-    experts = megatron_expert_prefixes(m)
+    experts, grouped = megatron_expert_prefixes(m), megatron_grouped_experts(m)
     names, shards = {}, {}
     for n, p in m.named_parameters():
         g = f"{key}.{glob.get(n, n)}"
         names[id(p)] = g
-        shards[id(p)] = _shard_of(g, p, _is_expert(n, experts))
+        shards[id(p)] = _shard_for(g, n, p, experts, grouped)
     return names, shards
 
 
@@ -276,7 +308,7 @@ class MegatronAdapter:
         m = unwrap_module(m)
         _check_tied(m)
         glob = megatron_names(m)
-        experts = megatron_expert_prefixes(m)
+        experts, grouped = megatron_expert_prefixes(m), megatron_grouped_experts(m)
         params = dict(m.named_parameters())
         out, extra = [], {}
         for n, t in m.state_dict(keep_vars=True).items():
@@ -285,7 +317,7 @@ class MegatronAdapter:
                 extra[n] = t
                 continue
             src = params.get(n, t)
-            out.append((fqn, n, t, _shard_of(fqn, src, _is_expert(n, experts))))
+            out.append((fqn, n, t, _shard_for(fqn, n, src, experts, grouped)))
         return out, extra
 
     def save(self, key: str, obj: nn.Module, ctx: AdapterContext) -> SavePart:
