@@ -10,6 +10,7 @@ The decisions live in :mod:`shardpoint.planning`; the I/O in
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Sequence
@@ -187,8 +188,9 @@ def prepare_save(
     gate = Gate(comm)  # a rank that fails still joins the gathers of the checks, so none waits on it
     try:
         return _prepare(state, comm, allow_pickle, where, result, rules, cache, replicated_over, rank_local, gate)
-    except BaseException:
-        gate.abstain()
+    except Exception:
+        with contextlib.suppress(Exception):  # the original error is the one to report
+            gate.abstain()
         raise
 
 
