@@ -180,8 +180,9 @@ class AdapterContext:
 def match_replicas(patterns, fqn: str) -> tuple[bool, Replicas | None]:
     """The first ``(pattern, replicas)`` pair whose pattern matches ``fqn``: (found, replicas).
 
-    A pattern matches a tensor's fully qualified name (fnmatch rules), or a
-    prefix of it ending at a dot; for optimizer state
+    A pattern matches a tensor's fully qualified name (fnmatch rules), the
+    name's tail after a dot (as layout rules match: ``"experts.*"`` matches
+    ``model.experts.0.w``), or a prefix of it ending at a dot; for optimizer state
     (``<entry>.state.<param>.<name>``) it may match the parameter's name
     instead, so moments follow their parameter's declaration.
 
@@ -197,7 +198,7 @@ def match_replicas(patterns, fqn: str) -> tuple[bool, Replicas | None]:
             names.append(param)
     for pattern, r in patterns:
         for n in names:
-            if fnmatch.fnmatchcase(n, pattern) or n.startswith(pattern + "."):
+            if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n, "*." + pattern) or n.startswith(pattern + "."):
                 return True, r
     return False, None
 

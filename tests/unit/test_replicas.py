@@ -148,6 +148,9 @@ def test_patterns_match_names_prefixes_and_optimizer_state_of_the_parameter():
     assert match_replicas(pats, "model.router.weight") == (True, None)
     assert match_replicas(pats, "model.dense.weight") == (True, None)
     assert match_replicas((("model.experts.*", r),), "model.dense.weight") == (False, None)
+    # Like layout rules, a pattern may name the tail of a name after a dot.
+    assert match_replicas((("experts.*", r),), "model.layers.1.experts.0.w") == (True, r)
+    assert match_replicas((("experts.*", r),), "model.shared_experts.0.w") == (False, None)
     assert is_name_pattern("model.experts.*") and is_name_pattern("*") and not is_name_pattern("model")
 
 
