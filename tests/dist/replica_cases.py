@@ -64,6 +64,7 @@ def per_rank_job(rank: int, world: int, root: str) -> dict:
     with torch.no_grad():
         bad.experts[0].weight.add_(rank)  # differs on every rank but rank 0
     out["p1"] = _error(lambda: sp.save(path, {"model": bad}))
+    out["p1_async"] = _error(lambda: sp.async_save(path, {"model": bad}).wait())
     back = _seeded(5)
     sp.load(path, {"model": back})
     out["p1_kept"] = _same(good.state_dict(), back.state_dict())
@@ -127,6 +128,12 @@ def groups_job(rank: int, world: int, root: str) -> dict:
     again = _seeded(8)
     sp.load(os.path.join(root, "pairs"), {"model": again})
     out["pairs"] = _same(ref, again.state_dict())
+    # The asynchronous saver runs the same check and stores the same per-group copies, twice in a row.
+    for _ in range(2):
+        sp.async_save(os.path.join(root, "async"), {"model": model}, replicated_over=decl).wait()
+    again = _seeded(9)
+    sp.load(os.path.join(root, "async"), {"model": again})
+    out["async"] = _same(ref, again.state_dict())
     # P2w: every rank declared a replica of every other while the groups differ.
     out["p2w"] = _error(lambda: sp.save(path, {"model": model}, replicated_over=[0, 1, 2, 3]))
     out["p2w_pattern"] = _error(lambda: sp.save(path, {"model": model}, replicated_over={"model.experts.*": [0, 1, 2, 3]}))

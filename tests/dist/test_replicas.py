@@ -28,7 +28,8 @@ def test_per_rank_plain_tensors_are_refused_naming_the_tensor_and_ranks(per_rank
         name, msg, tensor, ranks = r["p1"]
         assert name == "ReplicaMismatchError" and tensor == "model.experts.0.weight", r["p1"]
         assert ranks == [[0], [1]] and "'model.experts.0.weight'" in msg and "replicated_over" in msg
-        # The failed save left the earlier checkpoint at the path whole.
+        assert r["p1_async"][0] == "ReplicaMismatchError" and r["p1_async"][2] == "model.experts.0.weight", r["p1_async"]
+        # The failed saves left the earlier checkpoint at the path whole.
         assert r["p1_kept"] == []
 
 
@@ -44,7 +45,7 @@ def test_ddp_replicas_pass_and_load_bit_exact(per_rank):
 
 def test_groups_declared_by_pattern_keep_each_groups_values(groups):
     for r in groups:
-        assert r["p2_model"] == [] and r["p2_opt"] == [] and r["pairs"] == [], r
+        assert r["p2_model"] == [] and r["p2_opt"] == [] and r["pairs"] == [] and r["async"] == [], r
         names = r["names"]
         assert "model.dense.weight" in names and "model.experts.0.weight@ranks0,1" in names
         assert "model.experts.0.weight@ranks2,3" in names and "model.experts.0.weight" not in names
