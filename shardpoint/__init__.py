@@ -35,6 +35,8 @@ from .errors import (
     IncompleteStateError,
     KeyMismatchError,
     MissingDependencyError,
+    ReplicaMismatchError,
+    ExpertLayoutError,
     ShapeMismatchError,
     StateNotRestoredError,
     StorageError,
@@ -44,6 +46,7 @@ from .errors import (
 )
 from .format.manifest import FORMAT_VERSION
 from .data import ResumableLoader, ResumableSampler
+from .adapters.experts import Experts
 from .layouts import Fused, Padded, Reduced
 from .manager import CheckpointManager, EveryNSteps, EveryTSeconds, OnDemand
 from .peer import PeerMemory
@@ -78,6 +81,7 @@ __all__ = [
     "Fused",
     "Padded",
     "Reduced",
+    "Experts",
     "CheckpointManager",
     "EveryNSteps",
     "EveryTSeconds",
@@ -102,6 +106,8 @@ __all__ = [
     "MissingDependencyError",
     "StateNotRestoredError",
     "IncompleteStateError",
+    "ReplicaMismatchError",
+    "ExpertLayoutError",
 ]
 
 

@@ -66,7 +66,14 @@ def save(
     Plain (non-DTensor) tensors are taken to be identical on every rank;
     where they are not, say which ranks hold the same copy as this one with
     ``replicated_over``: a process group, a device mesh or a list of global
-    ranks, or a dict from state keys to those. Under pipeline parallelism
+    ranks, or a dict from state keys to those; keys with a dot or a glob
+    character are patterns over tensor names (``{"model.experts.*":
+    expert_group}``; also as a list of ``(pattern, group)`` pairs), and
+    ranks of different groups holding one name are stored as one copy per
+    group. Before writing, ranks that are to hold the same copy compare
+    digests of it; copies that differ raise
+    :class:`~shardpoint.errors.ReplicaMismatchError` on every rank and
+    nothing is committed. Under pipeline parallelism
     each rank passes its stage's data-parallel group (``[rank]`` with no
     data parallelism), since other stages hold other layers.
     ``process_group`` limits the save to that group's ranks (the others take
@@ -172,6 +179,7 @@ def load(
     collective_timeout: float | None = None,
     progress: bool = False,
     return_result: bool = False,
+    replicated_over: Any = None,
 ) -> Any:
     """Load a checkpoint into ``state``, resharding to the current layout.
 
@@ -204,7 +212,11 @@ def load(
     as plain full tensors on the CPU (a module or optimizer entry as the dict
     of its value document and tensors by name). ``process_group`` and
     ``collective_timeout`` mean what they mean for :func:`save`
-    (:data:`~shardpoint.LOCAL`: this rank alone, no collective).
+    (:data:`~shardpoint.LOCAL`: this rank alone, no collective). Tensors
+    that ranks of different replica groups saved as one copy per group
+    (see :func:`save`'s ``replicated_over``) load from the copy of the group
+    that holds this rank; ``replicated_over`` may be passed here as at save,
+    and is checked the same way, but is not needed.
 
     Example::
 
@@ -222,7 +234,7 @@ def load(
     result = LoadTransaction(
         path, state, process_group=process_group, strict=strict, allow_pickle=allow_pickle, verify=verify,
         share_reads=share_reads, keys=keys, layouts=layouts, collective_timeout=collective_timeout,
-        progress=progress, trace_dir=trace_dir, on_metrics=on_metrics,
+        progress=progress, trace_dir=trace_dir, on_metrics=on_metrics, replicated_over=replicated_over,
     ).run()
     if report is not None:
         for f in ("path", "bytes_read", "index_bytes", "bytes_needed", "bytes_received", "missing", "unexpected", "not_restored", "timings", "recorder", "state"):

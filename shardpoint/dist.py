@@ -51,7 +51,9 @@ def run_guarded(fn: Callable[[], T]) -> Outcome:
         return Outcome(True, fn())
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
         log.debug("local failure: %s", traceback.format_exc())
-        attrs = {k: list(getattr(e, k)) for k in ("missing", "unexpected", "tensors") if isinstance(getattr(e, k, None), list)}
+        attrs = {k: list(getattr(e, k)) for k in ("missing", "unexpected", "tensors", "groups") if isinstance(getattr(e, k, None), list)}
+        if isinstance(getattr(e, "tensor", None), str):
+            attrs["tensor"] = e.tensor
         return Outcome(False, None, type(e).__name__, str(e), e, attrs or None)
 
 

@@ -33,6 +33,10 @@ __all__ = [
     "ConversionError",
     "TornSnapshotError",
     "deprecated_error",
+
+
+    "ReplicaMismatchError",
+    "ExpertLayoutError",
 ]
 
 
@@ -308,3 +312,39 @@ def __getattr__(name: str):
         return deprecated_error(name)
     except AttributeError:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+class ReplicaMismatchError(CheckpointError):
+    """Ranks that are to hold the same copy of a tensor hold different values; the save stopped.
+
+    A plain (non-DTensor) tensor is taken to be the same on every rank of its
+    replica group (every rank, unless ``replicated_over`` says otherwise), and
+    only one copy is written. Before anything is written the ranks compare a
+    digest of their copies; when they differ, saving one copy would lose the
+    others' values, so every rank raises this error and the path keeps what
+    it held. ``tensor`` names the tensor and ``groups`` lists the ranks that
+    agree with each other (one list per distinct value).
+
+    Example::
+
+        try:
+            sp.save(path, state)
+        except sp.ReplicaMismatchError as e:
+            print(e.tensor, e.groups)  # declare replicated_over={"model.experts.*": group}
+    """
+
+    def __init__(self, message: str, tensor: str = "", groups: list | None = None):
+        super().__init__(message)
+        self.tensor = tensor
+        self.groups = [list(g) for g in (groups or [])]
+
+
+class ExpertLayoutError(CheckpointError):
+    """An expert-parallel layout that cannot hold the experts: the EP degree does not divide their number.
+
+    Raised at save and at load, naming the number of experts and the EP degree.
+
+    Example::
+
+        sp.Experts("model.experts", num_experts=6, group=ep_group)  # EP 4: raises at save
+    """

@@ -10,6 +10,7 @@ The decisions live in :mod:`shardpoint.planning`; the I/O in
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Sequence
@@ -17,6 +18,7 @@ from typing import AbstractSet, Any, Sequence
 from .adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters
 from .items import dtype_name
 from .adapters.stepped import optimized_names, optimized_tensors, saves_optimizer_state
+from .adapters.experts import deepspeed_expert_rules, place_experts
 from .adapters.reuse import PartCache
 from .dist import Comm, Outcome
 from .engine.claim import CommitPolicy, SaveClaim
@@ -29,6 +31,7 @@ from .monitor import Recorder
 from .planning.describe import CandidateGrids, Description, RankReport, RankStatus, cover_of, describe, values_doc
 from .planning.writers import WriterChoice, WriterPlan, choose_writers, plan_signature
 from .rank_local import rank_local_tensors
+from .replicas import Gate, check_replicas
 from .storage import Storage
 
 __all__ = [
@@ -180,7 +183,19 @@ def prepare_save(
 
         prep = prepare_save(state, comm, False, "ckpt", SaveResult("ckpt", save_id))
     """
+    gate = Gate(comm)  # a rank that fails still joins the gathers of the checks, so none waits on it
+    try:
+        return _prepare(state, comm, allow_pickle, where, result, rules, cache, replicated_over, rank_local, gate)
+    except Exception:
+        with contextlib.suppress(Exception):  # the original error is the one to report
+            gate.abstain()
+        raise
+
+
+def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules, cache: SaveCache | None,
+             replicated_over: Any, rank_local: bool, gate: Gate) -> PreparedSave:
     ta = time.monotonic()
+    rules = [*rules, *deepspeed_expert_rules(state)]  # DeepSpeed MoE experts: stored at their global index
     # Repeated saves (AsyncSaver) reuse the context and the unchanged module and
     # optimizer parts; layout rules reduce across ranks, so they take the full path.
     parts = cache.parts if cache is not None and not rules else None
@@ -208,7 +223,8 @@ def prepare_save(
             values[key] = optimizer_doc_to_logical(key, part.value, rules)
     prev = cache.checked if cache is not None and not rules else None
     if prev is not None and len(prev.tensors) == len(tensors) and all(a is b for a, b in zip(prev.tensors, tensors)):
-        # The very SaveTensor objects checked and planned last time: nothing to redo.
+        # The very SaveTensor objects checked and planned last time: only the values are checked again.
+        check_replicas(list(prev.tensors), comm, where, gate)
         result.plan_cached = True
         mine = [tensors[i] for i in prev.choice.picked]
         prep = PreparedSave(tensors, mine, values, layout, prev.lazy_ok, prev.choice, ctx, prev.prepared.described)
@@ -219,8 +235,9 @@ def prepare_save(
     if rank_local:  # process_group=LOCAL: one writer, so every tensor must be whole here
         tensors = rank_local_tensors(tensors, where)
     if rules:
-        tensors, lazy_ok = _logical(tensors, lazy_ok, rules, comm)
+        tensors, lazy_ok = _logical(tensors, lazy_ok, rules, comm, gate)
     _check_tensors(tensors, where)
+    tensors = check_replicas(tensors, comm, where, gate)  # before anything is written; copies per group get their own names
 
     # Plan cache: the same names, shapes, dtypes and geometry give the same writers.
     sig = plan_signature(tensors)
@@ -241,7 +258,7 @@ def prepare_save(
     return prep
 
 
-def _logical(tensors: list[SaveTensor], lazy_ok: set[str], rules, comm: Comm) -> tuple[list[SaveTensor], set[str]]:
+def _logical(tensors: list[SaveTensor], lazy_ok: set[str], rules, comm: Comm, gate: Gate) -> tuple[list[SaveTensor], set[str]]:
     """The tensors as the layout rules' logical tensors, and which of them may be copied lazily."""
     tensors = apply_reduce(tensors, rules, comm)
     logical: list[SaveTensor] = []
@@ -251,6 +268,7 @@ def _logical(tensors: list[SaveTensor], lazy_ok: set[str], rules, comm: Comm) ->
         logical.extend(pieces)
         if t.fqn in lazy_ok:
             lazy_logical.update(x.fqn for x in pieces)
+    logical = place_experts(logical, rules, gate)  # global experts: held by the ranks of one EP rank
     return logical, lazy_ok | lazy_logical
 
 

@@ -11,6 +11,7 @@ The rest of shardpoint never imports a framework. :class:`SaveTensor`,
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
@@ -30,6 +31,7 @@ __all__ = [
     "ParamView",
     "Replicas",
     "Adapter",
+    "match_replicas",
     "dtype_name",
     "torch_dtype",
 ]
@@ -137,9 +139,16 @@ class AdapterContext:
     allow_pickle: bool = False
     views: Mapping[int, tuple[ParamView, ...]] = field(default_factory=dict)
     replicas: Mapping[str, Replicas] = field(default_factory=dict)
+    patterns: tuple[tuple[str, Replicas | None], ...] = ()
 
     def _replicas(self, fqn: str | None) -> Replicas | None:
-        if fqn is None or not self.replicas:
+        if fqn is None:
+            return None
+        if self.patterns:
+            found, r = match_replicas(self.patterns, fqn)
+            if found:
+                return r
+        if not self.replicas:
             return None
         return self.replicas.get(fqn.split(".", 1)[0])
 
@@ -163,6 +172,32 @@ class AdapterContext:
         """A name for the replica group of ``fqn``, the same on every rank of that group."""
         ranks = self.replica_ranks(fqn)
         return "" if ranks is None else ",".join(str(r) for r in sorted(ranks))
+
+
+def match_replicas(patterns, fqn: str) -> tuple[bool, Replicas | None]:
+    """The first ``(pattern, replicas)`` pair whose pattern matches ``fqn``: (found, replicas).
+
+    A pattern matches a tensor's fully qualified name (fnmatch rules), the
+    name's tail after a dot (as layout rules match: ``"experts.*"`` matches
+    ``model.experts.0.w``), or a prefix of it ending at a dot; for optimizer state
+    (``<entry>.state.<param>.<name>``) it may match the parameter's name
+    instead, so moments follow their parameter's declaration.
+
+    Example::
+
+        match_replicas((("model.experts.*", r),), "optim.state.model.experts.0.w.exp_avg")  # (True, r)
+    """
+    names = [fqn]
+    i = fqn.find(".state.")
+    if i >= 0:
+        param = fqn[i + len(".state."):].rpartition(".")[0]
+        if param:
+            names.append(param)
+    for pattern, r in patterns:
+        for n in names:
+            if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n, "*." + pattern) or n.startswith(pattern + "."):
+                return True, r
+    return False, None
 
 
 class Adapter(Protocol):

@@ -20,7 +20,7 @@ from .fsdp1 import fsdp1_names_and_views, is_fsdp1
 from .megatron import is_megatron, megatron_shards
 from .module import unwrap_module
 
-__all__ = ["build_context", "resolve_replicas"]
+__all__ = ["build_context", "resolve_replicas", "resolve_patterns", "is_name_pattern"]
 
 
 def _global_rank() -> int:
@@ -52,20 +52,53 @@ def _one(spec: Any, what: str) -> Replicas | None:
     return Replicas(ranks.index(me), len(ranks), frozenset(ranks))
 
 
+def is_name_pattern(key: Any) -> bool:
+    """Whether a ``replicated_over`` key is a pattern over tensor names rather than a state key.
+
+    Patterns hold a dot or a glob character: ``"model.experts.*"``, ``"*"``.
+    """
+    return isinstance(key, str) and any(c in key for c in ".*?[")
+
+
+def _pairs(replicated_over: Any) -> list[tuple[Any, Any]] | None:
+    if isinstance(replicated_over, Mapping):
+        return list(replicated_over.items())
+    if isinstance(replicated_over, (list, tuple)) and replicated_over and all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in replicated_over
+    ):
+        return list(replicated_over)
+    return None
+
+
+def resolve_patterns(replicated_over: Any) -> tuple[tuple[str, Replicas | None], ...]:
+    """The ``replicated_over`` entries keyed by patterns over tensor names, in order (``None``: every rank).
+
+    Example::
+
+        resolve_patterns({"model.experts.*": [0, 1], "*": None})
+    """
+    pairs = _pairs(replicated_over) or []
+    return tuple((k, _one(v, f"[{k!r}]")) for k, v in pairs if is_name_pattern(k))
+
+
 def resolve_replicas(replicated_over: Any, keys: Sequence[str]) -> dict[str, Replicas]:
     """Per state key, the replica group of its plain tensors (keys left out: the whole group).
 
     ``replicated_over`` is ``None``, a process group, a 1-D device mesh, a
-    sequence of global ranks, or a mapping from state keys to any of these.
+    sequence of global ranks, or a mapping (or list of pairs) from state keys
+    or patterns over tensor names to any of these; patterns are resolved by
+    :func:`resolve_patterns`.
     """
     if replicated_over is None:
         return {}
-    if isinstance(replicated_over, Mapping):
-        unknown = sorted(set(replicated_over) - set(keys))
+    pairs = _pairs(replicated_over)
+    if pairs is not None:
+        plain = {k: v for k, v in pairs if not is_name_pattern(k)}
+        unknown = sorted(set(plain) - set(keys))
         if unknown:
             raise ValueError(f"replicated_over names state keys {unknown} that are not in the state")
         out = {}
-        for k, v in replicated_over.items():
+        for k, v in plain.items():
             r = _one(v, f"[{k!r}]")
             if r is not None:
                 out[k] = r
@@ -103,6 +136,9 @@ def build_context(
     n, v = deepspeed_names_and_views(state)  # engines: the module's names; ZeRO partitions: views
     names.update(n)
     views.update(v)
-    ctx = AdapterContext(rank, world, names, allow_pickle, views, resolve_replicas(replicated_over, list(state)))
+    ctx = AdapterContext(
+        rank, world, names, allow_pickle, views, resolve_replicas(replicated_over, list(state)),
+        resolve_patterns(replicated_over),
+    )
     ctx.shards = shards  # id(param) -> MegatronShard: optimizer state follows it
     return ctx

@@ -26,8 +26,18 @@ Optimizer state shaped like a parameter follows the parameter's boxes (see
     ]
     sp.save("ckpt", {"model": gpt, "optimizer": adamw}, layouts=rules)
 
-Expert-parallel parameters (``allreduce=False``) and tied embeddings across
-pipeline stages are refused with :class:`~shardpoint.errors.UnsupportedStateError`.
+MoE layers: the local experts of a ``SequentialMLP`` are stored as global
+experts at their global index (the layer's ``local_expert_indices``; see
+:mod:`shardpoint.adapters.experts`), split over the expert tensor-parallel
+group and replicated over the expert data-parallel group, so a checkpoint
+saved at one EP degree loads at another. Router weights and expert-bias
+buffers are replicated like any dense tensor. A ``GroupedMLP``'s
+``weight1``/``weight2`` concatenate the local experts, so EP rank ``r``
+holds box ``r`` of a global tensor holding every expert (expert tensor
+parallelism is refused there). Other expert-parallel parameters
+(``allreduce=False`` outside such experts, e.g. ``TEGroupedMLP``) and tied
+embeddings across pipeline stages are refused with
+:class:`~shardpoint.errors.UnsupportedStateError`.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from torch import nn
 from ..errors import UnsupportedStateError
 from ..geometry import Box
 from .base import AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor
+from .experts import megatron_expert_prefixes, megatron_grouped_experts, rename_prefix
 from .module import unwrap_module
 
 __all__ = ["MegatronAdapter", "MegatronShard", "is_megatron", "megatron_names", "megatron_shards", "megatron_global_shapes"]
@@ -125,25 +136,80 @@ def _group_name(group) -> str:
     return ",".join(str(r) for r in sorted(dist.get_process_group_ranks(group)))
 
 
-def _shard_of(name: str, p: torch.Tensor) -> MegatronShard:
+def _expert_holders(ps) -> tuple[tuple[int, int], str]:
+    """(index, count) and name of the ranks holding a piece of this rank's experts (same EP rank and stage).
+
+    Megatron numbers ranks linearly in each coordinate, so they are the sums
+    of the expert tensor-parallel and expert data-parallel peers, less this rank.
+    """
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    etp = dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group())
+    edp = dist.get_process_group_ranks(ps.get_expert_data_parallel_group())
+    ranks = sorted({a + b - me for a in etp for b in edp})
+    if me not in ranks or len(ranks) != len(etp) * len(edp):
+        raise UnsupportedStateError(f"Megatron expert groups {etp} x {edp} do not form a grid around rank {me}")
+    return (ranks.index(me), len(ranks)), ",".join(str(r) for r in ranks)
+
+
+def _grouped_shard(name: str, p: torch.Tensor, dim: int) -> MegatronShard:
+    """A ``GroupedMLP`` weight: EP rank ``r``'s local experts are box ``r`` along ``dim`` of the global tensor."""
+    ps = _ps()
+    shape = tuple(int(s) for s in p.shape)
+    if not ps.model_parallel_is_initialized():
+        return MegatronShard(shape, dim, ((0, Box.full(shape)),), (0, 1), "")
+    if ps.get_expert_tensor_parallel_world_size() > 1:
+        raise UnsupportedStateError(
+            f"{name}: GroupedMLP experts with expert tensor parallelism are not supported yet; use "
+            "moe_grouped_gemm=False (SequentialMLP) or expert_tensor_parallel_size=1"
+        )
+    import torch.distributed as dist
+
+    ep, r = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    gshape, offs = list(shape), [0] * len(shape)
+    gshape[dim], offs[dim] = shape[dim] * ep, shape[dim] * r
+    dpg = ps.get_expert_data_parallel_group()
+    hg = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)  # every EP rank holds a box of it
+    holders, hname = (dist.get_rank(hg), dist.get_world_size(hg)), _group_name(hg)
+    replica = (dist.get_rank(dpg), dist.get_world_size(dpg))
+    return MegatronShard(tuple(gshape), dim, ((0, Box(tuple(offs), shape)),), replica, _group_name(dpg), holders, hname)
+
+
+def _shard_for(name: str, local: str, p: torch.Tensor, experts: Mapping[str, str], grouped: Mapping[str, int]) -> MegatronShard:
+    if local in grouped:
+        return _grouped_shard(name, p, grouped[local])
+    return _shard_of(name, p, _is_expert(local, experts))
+
+
+def _shard_of(name: str, p: torch.Tensor, expert: bool = False) -> MegatronShard:
     import torch.distributed as dist
 
     ps = _ps()
     shape = tuple(int(s) for s in p.shape)
-    if not getattr(p, "allreduce", True):
-        raise UnsupportedStateError(f"{name}: Megatron expert-parallel parameters are not supported yet")
+    if not getattr(p, "allreduce", True) and not expert:
+        raise UnsupportedStateError(
+            f"{name}: a Megatron expert-parallel parameter (allreduce=False) outside the local experts of a "
+            "MoE layer's SequentialMLP or GroupedMLP is not supported yet (TEGroupedMLP: use moe_grouped_gemm=False)"
+        )
     if not ps.model_parallel_is_initialized():
         if getattr(p, "tensor_model_parallel", False):
             raise UnsupportedStateError(f"{name}: Megatron parallel_state is not initialized")
         return MegatronShard(shape, 0, ((0, Box.full(shape)),), (0, 1), "")
-    # Ranks of this pipeline stage: all hold a piece of every parameter of the stage.
-    hg = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    holders, hname = (dist.get_rank(hg), dist.get_world_size(hg)), _group_name(hg)
+    if expert:  # split over the expert TP group, copies over the expert DP group
+        holders, hname = _expert_holders(ps)
+        tp, r = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+        dpg = ps.get_expert_data_parallel_group()
+    else:
+        # Ranks of this pipeline stage: all hold a piece of every parameter of the stage.
+        hg = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        holders, hname = (dist.get_rank(hg), dist.get_world_size(hg)), _group_name(hg)
+        tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        dpg = ps.get_data_parallel_group(with_context_parallel=True)
     if not getattr(p, "tensor_model_parallel", False):
         return MegatronShard(shape, 0, ((0, Box.full(shape)),), holders, hname, holders, hname)
     dim = int(getattr(p, "partition_dim", 0))
     stride = int(getattr(p, "partition_stride", 1))
-    tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     if stride < 1 or shape[dim] % stride:
         raise UnsupportedStateError(f"{name}: local size {shape[dim]} on dim {dim} is not a multiple of partition_stride {stride}")
     n = shape[dim] // stride  # rows per chunk
@@ -156,7 +222,6 @@ def _shard_of(name: str, p: torch.Tensor) -> MegatronShard:
         sizes = list(shape)
         sizes[dim] = n
         pieces.append((j * n, Box(tuple(offs), tuple(sizes))))
-    dpg = ps.get_data_parallel_group(with_context_parallel=True)
     replica = (dist.get_rank(dpg), dist.get_world_size(dpg))
     return MegatronShard(tuple(gshape), dim, tuple(pieces), replica, _group_name(dpg), holders, hname)
 
@@ -165,10 +230,11 @@ _LAYER = re.compile(r"^(.*?layers\.)(\d+)(\..*|)$")
 
 
 def megatron_names(m: nn.Module) -> dict[str, str]:
-    """Local state-dict names -> global names (layer indices from ``layer_number``).
+    """Local state-dict names -> global names (layer indices from ``layer_number``, experts from ``local_expert_indices``).
 
     Example: on pipeline stage 1 of 2 of a 4-layer GPT,
-    ``decoder.layers.0.mlp.linear_fc1.weight`` -> ``decoder.layers.2.mlp.linear_fc1.weight``.
+    ``decoder.layers.0.mlp.linear_fc1.weight`` -> ``decoder.layers.2.mlp.linear_fc1.weight``;
+    on EP rank 1 of 2 with 4 experts, ``...experts.local_experts.0.`` -> ``...experts.local_experts.2.``.
     """
     m = unwrap_module(m)
     prefixes: dict[str, str] = {}
@@ -177,15 +243,20 @@ def megatron_names(m: nn.Module) -> dict[str, str]:
         mm = _LAYER.match(name)
         if isinstance(ln, int) and mm and not mm.group(3) and type(mod).__name__.endswith("TransformerLayer"):
             prefixes[name + "."] = f"{mm.group(1)}{ln - 1}."
+    experts = megatron_expert_prefixes(m)
     out = {}
     for k in m.state_dict():
-        new = k
+        new = rename_prefix(k, experts)  # expert first: the layer prefix is a prefix of it
         for old, glob in prefixes.items():
-            if k.startswith(old):
-                new = glob + k[len(old):]
+            if new.startswith(old):
+                new = glob + new[len(old):]
                 break
         out[k] = new
     return out
+
+
+def _is_expert(name: str, experts: Mapping[str, str]) -> bool:
+    return any(name.startswith(p) for p in experts)
 
 
 def _check_tied(m: nn.Module) -> None:
@@ -203,11 +274,12 @@ def megatron_shards(key: str, m: nn.Module) -> tuple[dict[int, str], dict[int, M
     m = unwrap_module(m)
     _check_tied(m)
     glob = megatron_names(m)
+    experts, grouped = megatron_expert_prefixes(m), megatron_grouped_experts(m)
     names, shards = {}, {}
     for n, p in m.named_parameters():
         g = f"{key}.{glob.get(n, n)}"
         names[id(p)] = g
-        shards[id(p)] = _shard_of(g, p)
+        shards[id(p)] = _shard_for(g, n, p, experts, grouped)
     return names, shards
 
 
@@ -236,6 +308,7 @@ class MegatronAdapter:
         m = unwrap_module(m)
         _check_tied(m)
         glob = megatron_names(m)
+        experts, grouped = megatron_expert_prefixes(m), megatron_grouped_experts(m)
         params = dict(m.named_parameters())
         out, extra = [], {}
         for n, t in m.state_dict(keep_vars=True).items():
@@ -244,7 +317,7 @@ class MegatronAdapter:
                 extra[n] = t
                 continue
             src = params.get(n, t)
-            out.append((fqn, n, t, _shard_of(fqn, src)))
+            out.append((fqn, n, t, _shard_for(fqn, n, src, experts, grouped)))
         return out, extra
 
     def save(self, key: str, obj: nn.Module, ctx: AdapterContext) -> SavePart:

@@ -37,7 +37,7 @@ class EntryPlan:
 
 def plan_entries(
     state: Mapping[str, Any], manifest: Manifest, *, rank: int, world: int, allow_pickle: bool,
-    layouts: Sequence[Any], selected: list[str] | None, where: str,
+    layouts: Sequence[Any], selected: list[str] | None, where: str, replicated_over: Any = None,
 ) -> EntryPlan:
     """Targets for every selected entry of ``state``, with the names missing from or unexpected in the checkpoint.
 
@@ -45,7 +45,7 @@ def plan_entries(
 
         plan = plan_entries(state, manifest, rank=0, world=1, allow_pickle=False, layouts=(), selected=None, where="ckpt")
     """
-    ctx = build_context(state, rank, world, allow_pickle)
+    ctx = build_context(state, rank, world, allow_pickle, replicated_over)
     adapters = default_adapters()
     view = LayoutView(manifest.tensors, layouts, physical_shapes(state)) if layouts else None
     plan = EntryPlan()

@@ -19,6 +19,7 @@ from typing import Any, MutableMapping, Sequence
 
 from ..adapters import WholeEntry
 from ..adapters.landing import entry_tensors, live_storages, unlanded
+from ..adapters.experts import deepspeed_expert_rules
 from ..adapters.loading import materialize_meta
 from ..dist import Comm, raise_if_failed, run_guarded
 from ..engine.inflight import wait_for_saves
@@ -30,6 +31,7 @@ from ..geometry import Box
 from ..monitor import Recorder, format_summary
 from ..progress import LOAD_PHASES, progress_for
 from ..save_steps import mark_phase
+from ..replicas import with_copies
 from ..storage import Storage, storage_for
 from .diagnose import key_mismatch, missing_manifest_error, not_restored
 from .entries import plan_entries
@@ -83,8 +85,10 @@ class LoadTransaction:
         progress: bool = False,
         trace_dir: str | None = None,
         on_metrics: Any = None,
+        replicated_over: Any = None,
     ) -> None:
         self.path, self.state, self.process_group = path, state, process_group
+        self.replicated_over = replicated_over
         self.strict, self.allow_pickle, self.verify, self.share_reads = strict, allow_pickle, verify, share_reads
         self.selected = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
         self.layouts, self.collective_timeout, self.progress = layouts, collective_timeout, progress
@@ -137,9 +141,11 @@ class LoadTransaction:
 
     def plan_local(self) -> dict:
         """This rank's part of :meth:`plan`; a missing name fails a strict load here."""
+        # Names saved as one copy per replica group; DeepSpeed MoE experts at their global index.
+        layouts = with_copies([*self.layouts, *deepspeed_expert_rules(self.state)], self.manifest.tensors)
         plan = plan_entries(
             self.state, self.manifest, rank=self.comm.rank, world=self.comm.world, allow_pickle=self.allow_pickle,
-            layouts=self.layouts, selected=self.selected, where=self.where,
+            layouts=layouts, selected=self.selected, where=self.where, replicated_over=self.replicated_over,
         )
         self.result.missing, self.result.unexpected = sorted(plan.missing), sorted(plan.unexpected)
         if plan.missing and self.strict:

@@ -1,0 +1,157 @@
+"""The cost of the replica check at save, against the whole save, on the benchmark states.
+
+Each layout's 4-rank TinyGPT state (model and AdamW after one step, at a
+suite size) is saved ``--repeats`` times with ``sp.save``; the replica check
+(digests of every copy a rank holds, one gather, the comparison) is then
+timed alone on the same prepared tensors. Times are the slowest rank's,
+from a barrier; the report gives medians and the check's share of the save,
+in wall-clock time and in the CPU time of the checking thread (on a machine
+with fewer cores than ranks, wall-clock spans include scheduling waits).
+DDP is the worst case: every rank holds, and digests, the whole state.
+
+    .venv/bin/python bench/bench_replicas.py                     # 100mb, ddp fsdp2 hsdp 2d
+    .venv/bin/python bench/bench_replicas.py --size 1.5gb --layouts ddp
+    .venv/bin/python bench/bench_replicas.py --device cuda       # digests on the GPU (one process)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+
+def _slowest(seconds: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _timed(fn, cpu: list | None = None) -> float:
+    """Wall seconds of ``fn`` on the slowest rank, from a barrier; its CPU seconds (this thread) appended to ``cpu``."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    fn()
+    c1, t1 = time.thread_time(), time.perf_counter()
+    if cpu is not None:
+        cpu.append(_slowest(c1 - c0))
+    return _slowest(t1 - t0)
+
+
+def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats: int) -> dict:
+    """Per layout: median save time, median check time, the check's share, bytes digested per rank."""
+    import shardpoint as sp
+    from shardpoint.dist import Comm
+    from shardpoint.replicas import check_replicas, encode_rows, rows_of
+    from shardpoint.save_steps import SaveResult, prepare_save
+    from shardpoint.testing import GPTConfig, build, train_step
+
+    c = GPTConfig(**cfg)
+    out = {}
+    for layout in layouts:
+        model, opt = build(layout, c, seed=0)
+        train_step(model, opt, 0, c)
+        state = {"model": model, "optimizer": opt}
+        path = os.path.join(root, layout)
+        saves = [_timed(lambda: sp.save(path, state)) for _ in range(repeats + 1)][1:]
+        comm = Comm.resolve(None)
+        prep = prepare_save(state, comm, False, path, SaveResult(path, "bench"))
+        cpu: list[float] = []
+        checks = [_timed(lambda: check_replicas(prep.tensors, comm, path), cpu) for _ in range(repeats + 1)][1:]
+        digests = [_timed(lambda: rows_of(prep.tensors)) for _ in range(repeats + 1)][1:]
+        held = [t for t in prep.tensors if t.replica_count > 1 or t.layout == "local"]
+        rows = rows_of(prep.tensors)
+        table = encode_rows(rows)
+        gathers = [_timed(lambda: comm.all_gather_rows(table)) for _ in range(repeats + 1)][1:]
+        out[layout] = {
+            "save_s": statistics.median(saves), "check_s": statistics.median(checks),
+            "share": statistics.median(checks) / statistics.median(saves),
+            "check_cpu_s": statistics.median(cpu[1:]), "cpu_share": statistics.median(cpu[1:]) / statistics.median(saves),
+            "digest_s": statistics.median(digests), "gather_s": statistics.median(gathers),
+            "checked_tensors": len(rows), "checked_bytes": sum(t.nbytes for t in held),
+            "state_bytes": sum(t.nbytes for t in prep.tensors),
+        }
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+def gpu_job(cfg: dict, repeats: int) -> dict:
+    """One process on CUDA: the digest of every tensor of a model and AdamW state, against a save to /dev/shm."""
+    import torch
+
+    import shardpoint as sp
+    from shardpoint.digest import digest_all
+    from shardpoint.testing import GPTConfig, TinyGPT, batch, loss_of
+
+    c = GPTConfig(**cfg)
+    model = TinyGPT(c).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_of(model, *[x.cuda() for x in batch(0, c)]).backward()
+    opt.step()
+    tensors = [p for p in model.parameters()] + [v for s in opt.state.values() for v in s.values()]
+    root = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        saves, digests = [], []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            sp.save(os.path.join(root, "ck"), {"model": model, "optimizer": opt})
+            saves.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            digest_all(tensors)
+            digests.append(time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    s, d = statistics.median(saves[1:]), statistics.median(digests[1:])
+    return {"cuda": {"save_s": s, "digest_s": d, "share": d / s, "bytes": sum(t.numel() * t.element_size() for t in tensors)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="100mb")
+    ap.add_argument("--layouts", nargs="+", default=["ddp", "fsdp2", "hsdp", "2d"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    C.setup_env()
+    cfg = C.size_cfg(args.size)
+    if args.device == "cuda":
+        res = gpu_job(cfg, args.repeats)
+    else:
+        from shardpoint.testing import launch
+
+        root = tempfile.mkdtemp(prefix="sp-bench-replicas-")
+        try:
+            res = launch(args.world, "bench.bench_replicas:job", {
+                "root": root, "cfg": cfg, "layouts": args.layouts, "repeats": args.repeats,
+            }, timeout=1800)[0]
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    for name, r in res.items():
+        print(f"{args.size} {name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size": args.size, "machine": C.machine_info(), "results": res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Expert-parallel local experts stored as global experts, at their global index.
+
+Under expert parallelism (EP) each rank holds ``num_experts / ep`` *local*
+experts, numbered from 0 on every rank; local expert ``i`` of EP rank ``r``
+is global expert ``r * num_experts / ep + i``. shardpoint stores each expert
+under its global name (``...experts.local_experts.5.linear_fc1.weight``), so
+a checkpoint saved at one EP degree loads at any other that divides the
+number of experts (EP 4 into EP 2, 1 or 8): each global expert is a whole
+tensor that any rank can read. Optimizer state is keyed by parameter name,
+so each expert's moments follow it.
+
+Megatron-Core's MoE layers tell their global indices
+(``local_expert_indices``); :func:`megatron_expert_prefixes` reads them and
+:mod:`shardpoint.adapters.megatron` renames the local experts of its
+``SequentialMLP``. A plain module holding a per-rank list of local experts is
+declared with one layout rule, :class:`Experts`::
+
+    sp.save(path, state, layouts=[sp.Experts("model.experts", num_experts=8, group=ep_group)])
+    sp.load(path, state, layouts=[sp.Experts("model.experts", num_experts=8, group=ep_group)])
+
+Names under ``<prefix>.<i>.`` become ``<prefix>.<offset + i>.``; the geometry
+is the identity. The ranks holding the same global expert (the same EP rank
+in every EP group) are found at save, so those copies are written once and
+checked against each other.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
+
+from torch import nn
+
+from ..errors import ExpertLayoutError, UnsupportedStateError
+from ..items import SaveTensor
+from ..layouts import Rule, Segment
+
+__all__ = ["Experts", "megatron_expert_prefixes", "megatron_grouped_experts", "rename_prefix", "place_experts", "check_divides", "deepspeed_expert_rules"]
+
+
+def check_divides(num_experts: int, ep: int, where: str) -> int:
+    """The number of local experts per EP rank; :class:`ExpertLayoutError` naming both numbers if ``ep`` does not divide.
+
+    Example::
+
+        check_divides(8, 4, "model.experts")  # 2
+    """
+    if ep < 1 or num_experts < 1 or num_experts % ep:
+        raise ExpertLayoutError(
+            f"{where}: {num_experts} experts cannot be split evenly over an expert-parallel degree of {ep}; "
+            f"choose an EP degree that divides {num_experts}"
+        )
+    return num_experts // ep
+
+
+def rename_prefix(name: str, prefixes: Mapping[str, str]) -> str:
+    """``name`` with the longest matching key of ``prefixes`` replaced by its value.
+
+    Example::
+
+        rename_prefix("experts.local_experts.1.w", {"experts.local_experts.1.": "experts.local_experts.3."})
+    """
+    best = ""
+    for old in prefixes:
+        if name.startswith(old) and len(old) > len(best):
+            best = old
+    return prefixes[best] + name[len(best):] if best else name
+
+
+def megatron_expert_prefixes(m: nn.Module) -> dict[str, str]:
+    """Local -> global name prefixes of every Megatron ``SequentialMLP`` local expert in ``m``.
+
+    A MoE layer names its experts' global indices in ``local_expert_indices``.
+    Other expert modules (``GroupedMLP``, ``TEGroupedMLP``) get no entry.
+
+    Example::
+
+        megatron_expert_prefixes(moe_layer)  # EP rank 1 of 2, 4 experts:
+        # {"experts.local_experts.0.": "experts.local_experts.2.", "experts.local_experts.1.": "experts.local_experts.3."}
+    """
+    out: dict[str, str] = {}
+    for name, mod in m.named_modules():
+        idx = getattr(mod, "local_expert_indices", None)
+        local = getattr(getattr(mod, "experts", None), "local_experts", None)
+        if idx is None or not isinstance(local, nn.ModuleList):
+            continue
+        base = f"{name}.experts.local_experts." if name else "experts.local_experts."
+        if len(local) != len(idx):
+            raise UnsupportedStateError(
+                f"{base[:-1]}: {len(local)} local experts but local_expert_indices lists {len(idx)}"
+            )
+        for i, g in enumerate(idx):
+            out[f"{base}{i}."] = f"{base}{int(g)}."
+    return out
+
+
+def megatron_grouped_experts(m: nn.Module) -> dict[str, int]:
+    """Local names of Megatron ``GroupedMLP`` weights -> the dim along which their local experts are concatenated.
+
+    ``weight1`` (``[hidden, experts x ffn]``) concatenates experts along dim 1
+    and ``weight2`` (``[experts x ffn, hidden]``) along dim 0, so EP rank
+    ``r``'s local tensor is one box of the global tensor holding every expert.
+
+    Example::
+
+        megatron_grouped_experts(moe_layer)  # {"experts.weight1": 1, "experts.weight2": 0}
+    """
+    out: dict[str, int] = {}
+    for name, mod in m.named_modules():
+        if type(mod).__name__ != "GroupedMLP" or not type(mod).__module__.startswith("megatron."):
+            continue
+        base = f"{name}." if name else ""
+        out[f"{base}weight1"] = 1
+        out[f"{base}weight2"] = 0
+    return out
+
+
+class Experts(Rule):
+    """A plain module's per-rank list of local experts, stored as global experts at their global index.
+
+    ``prefix`` names the list (``"model.experts"``: parameters
+    ``model.experts.<i>.<...>``), ``num_experts`` the number of global
+    experts and ``group`` the expert-parallel group (a process group, or its
+    global ranks in EP-rank order); EP rank ``r`` holds experts
+    ``r * n / ep .. (r + 1) * n / ep - 1``. Pass it in ``layouts=`` to save
+    and to load; the EP degree may differ between the two.
+
+    Example::
+
+        rule = sp.Experts("model.experts", num_experts=8, group=ep_group)
+        sp.save(path, {"model": model, "optimizer": opt}, layouts=[rule])
+    """
+
+    dim = 0
+
+    def __init__(self, prefix: str, num_experts: int, group: Any = None):
+        self.prefix = prefix.rstrip(".")
+        self.pattern = self.prefix + ".*"
+        self.num_experts = int(num_experts)
+        self.group = group
+        self._re = re.compile(re.escape(self.prefix) + r"\.(\d+)(\..*|)$")
+
+    def __repr__(self) -> str:
+        return f"Experts({self.prefix!r}, num_experts={self.num_experts})"
+
+    def ep(self) -> tuple[int, int, tuple[int, ...]]:
+        """(EP rank, EP degree, the group's global ranks) of the calling process."""
+        import torch.distributed as dist
+
+        if self.group is None or not (dist.is_available() and dist.is_initialized()):
+            return 0, 1, (0,)
+        if isinstance(self.group, (list, tuple, range)):
+            ranks = tuple(int(r) for r in self.group)
+        else:
+            ranks = tuple(dist.get_process_group_ranks(self.group))
+        me = dist.get_rank()
+        if me not in ranks:
+            raise ValueError(f"Experts({self.prefix!r}): rank {me} is not in the expert-parallel group {list(ranks)}")
+        return ranks.index(me), len(ranks), ranks
+
+    def offset(self) -> int:
+        """The global index of this rank's local expert 0 (checks that the EP degree divides the experts)."""
+        r, ep, _ = self.ep()
+        return r * check_divides(self.num_experts, ep, self.prefix)
+
+    def param_match(self, fqn: str) -> tuple[str, str, str] | None:
+        if self._re.match(fqn):
+            return "", fqn, ""
+        i = fqn.find(".state.")
+        if i >= 0:
+            param, _, key = fqn[i + len(".state."):].rpartition(".")
+            if param and self._re.match(param):
+                return fqn[: i + len(".state.")], param, "." + key
+        return None
+
+    def logical_name(self, param: str, part: str) -> str:
+        m = self._re.match(param)
+        local = int(m.group(1))
+        n_local = check_divides(self.num_experts, self.ep()[1], self.prefix)
+        if local >= n_local:
+            raise ExpertLayoutError(
+                f"{param}: local expert {local} on a rank that holds {n_local} of {self.num_experts} experts"
+            )
+        return f"{self.prefix}.{self.offset() + local}{m.group(2)}"
+
+    def segments(self, phys_len: int) -> list[Segment]:
+        return [Segment(0, phys_len, "", 0)]
+
+    def part_names(self) -> list[str]:
+        return [""]
+
+    def physical_len(self, logical: Mapping[str, int]) -> int:
+        return logical[""]
+
+
+def place_experts(tensors: list[SaveTensor], rules: Sequence[Any], gate: Any) -> list[SaveTensor]:
+    """Give the tensors of :class:`Experts` lists the replica placement of their global experts.
+
+    After renaming, the ranks holding a piece of a global expert are those
+    that list the same name and box: one gather of those keys through
+    ``gate`` (a :class:`~shardpoint.replicas.Gate`) finds them, for plain
+    tensors and for experts sharded as DTensors alike. Not a collective when
+    no rule is an :class:`Experts`.
+
+    Example::
+
+        tensors = place_experts(apply_save(tensors, rules), rules, Gate(comm))
+    """
+    rules = [r for r in rules if isinstance(r, Experts)]
+    if not rules:
+        return tensors
+    for r in rules:
+        r.offset()  # the EP degree must divide the experts
+    import torch
+    import torch.distributed as dist
+    import xxhash
+
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    picked = [i for i, t in enumerate(tensors) if any(r.param_match(t.fqn) is not None for r in rules)]
+    keys = [xxhash.xxh3_64_intdigest(repr((t.fqn, tuple(t.box.offsets), tuple(t.box.sizes), t.flat)).encode()) >> 1
+            for t in (tensors[i] for i in picked)]
+    tables = gate.gather(torch.tensor([[k, me, 0, 0, 0, 0] for k in keys], dtype=torch.int64).reshape(-1, 6))
+    if tables is None:  # a rank failed: its error ends the save
+        return tensors
+    holders: dict[int, list[int]] = {}
+    for table in tables:
+        for k, rank, *_ in table.tolist():
+            holders.setdefault(k, []).append(rank)
+    out = list(tensors)
+    for i, k in zip(picked, keys):
+        t, ranks = tensors[i], sorted(holders[k])
+        plain = t.layout in ("replicated", "local")
+        out[i] = replace(
+            t, replica_index=ranks.index(me), replica_count=len(ranks), replica_group=",".join(str(r) for r in ranks),
+            grid=None, layout=("replicated" if len(ranks) > 1 else "local") if plain else t.layout,
+        )
+    return out
+
+
+def deepspeed_expert_rules(state: Mapping[str, Any]) -> list[Experts]:
+    """An :class:`Experts` rule for every DeepSpeed MoE expert list in the state's modules.
+
+    DeepSpeed keeps a layer's local experts in ``<...>.deepspeed_experts``
+    and tags their parameters with the name of the expert-parallel group
+    it created for the layer (``group_name``), from which the EP group and
+    the number of global experts follow.
+
+    Example::
+
+        rules = deepspeed_expert_rules({"model": model_with_deepspeed_moe})
+    """
+    from .module import unwrap_module
+
+    rules: list[Experts] = []
+    for key, obj in state.items():
+        if not isinstance(obj, nn.Module):
+            continue
+        for name, mod in unwrap_module(obj).named_modules():
+            local = getattr(mod, "deepspeed_experts", None)
+            if not isinstance(local, nn.ModuleList) or not type(mod).__module__.startswith("deepspeed."):
+                continue
+            group = _deepspeed_group(mod)
+            if group is None:
+                continue
+            import torch.distributed as dist
+
+            prefix = f"{key}.{name}.deepspeed_experts" if name else f"{key}.deepspeed_experts"
+            rules.append(Experts(prefix, len(local) * dist.get_world_size(group), group))
+    return rules
+
+
+def _deepspeed_group(mod: nn.Module) -> Any:
+    """The expert-parallel group DeepSpeed made for an expert list, or ``None`` before it made one."""
+    name = next((getattr(p, "group_name", None) for p in mod.parameters()), None)
+    if name is None:
+        return None
+    try:
+        from deepspeed.utils import groups
+    except ImportError:
+        return None
+    table = groups._get_expert_parallel_group_dict()
+    return table.get(name)

@@ -1,0 +1,148 @@
+"""Replica digests: a few integers per tensor, equal for equal bit patterns, computed where the data lives.
+
+Used by the replica check at save (:mod:`shardpoint.replicas`). Bit
+patterns are compared, so ``-0.0`` and ``0.0`` differ and NaNs are compared
+exactly:
+
+- a CPU tensor of at most :data:`HOST_FULL_BYTES`: ``xxh3_64`` of all its
+  bytes; a larger one: ``xxh3_64`` of a strided sample of :data:`SAMPLES`
+  elements, one in every ``numel / SAMPLES``-element stretch, the first and
+  last included. ``SHARDPOINT_REPLICA_CHECK=full`` hashes every byte;
+- a tensor on an accelerator, with torch ops on its own device (nothing but
+  the digest is copied to the host): the first element's bit pattern, a
+  position-weighted sum of the same strided sample, and the sum of all bit
+  patterns viewed as integers of the same width (exact in any order).
+
+The first field of a digest says which way it was computed (:data:`HOST`
+or :data:`DEVICE`).
+
+Example::
+
+    digest_all([w1, w2])  # [(kind, a, b, c), (kind, a, b, c)]
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+import xxhash
+
+__all__ = ["SAMPLES", "HOST_FULL_BYTES", "HOST", "DEVICE", "check_mode", "digest_tensor", "digest_all"]
+
+SAMPLES = 1024
+HOST_FULL_BYTES = 1 << 16
+HOST, DEVICE = 0, 1  # the first field of a digest: how it was computed
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width (a view where torch allows one)."""
+    dt = _INT.get(t.element_size())
+    if dt is None:  # complex128: 16-byte elements as two 8-byte halves
+        return torch.view_as_real(t.resolve_conj()).view(torch.int64)
+    if t.dtype == dt:
+        return t
+    try:
+        return t.view(dt)
+    except RuntimeError:  # a dtype torch will not reinterpret in place (e.g. a conjugate view)
+        return t.resolve_conj().resolve_neg().contiguous().view(dt)
+
+
+def check_mode() -> str:
+    """How much of each CPU tensor the replica check hashes: ``SHARDPOINT_REPLICA_CHECK`` (``sample``, ``full``, ``off``).
+
+    Example::
+
+        check_mode()  # 'sample' unless the environment says otherwise
+    """
+    mode = os.environ.get("SHARDPOINT_REPLICA_CHECK", "sample").strip().lower() or "sample"
+    if mode not in ("sample", "full", "off"):
+        raise ValueError(f"SHARDPOINT_REPLICA_CHECK must be 'sample', 'full' or 'off', got {mode!r}")
+    return mode
+
+
+def _sample_index(n: int, device: torch.device, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One index in each of ``min(n, SAMPLES)`` equal stretches of ``[0, n)`` (the last element included), and odd weights."""
+    key = (n, device)
+    if key not in cache:
+        k = min(n, SAMPLES)
+        idx = torch.arange(k, dtype=torch.int64) * n // k
+        idx[-1] = n - 1
+        idx = idx.to(device)
+        cache[key] = (idx, idx * 2 + 1)  # odd weights: a swap of two sampled values changes the sum
+    return cache[key]
+
+
+def _host_digest(t: torch.Tensor, full: bool, cache: dict) -> tuple[int, ...]:
+    """``xxh3_64`` of a CPU tensor's bytes in row-major order, or of a strided sample of its elements.
+
+    Plain numpy on the tensor's memory: a few microseconds per tensor, where
+    each torch op costs tens.
+    """
+    bits = _bits(t)
+    n = bits.numel()
+    sample = not full and n * bits.element_size() > HOST_FULL_BYTES
+    if not bits.is_contiguous():
+        bits = torch.take(bits, _sample_index(n, bits.device, cache)[0]) if sample else bits.contiguous()
+        sample = False
+    arr = bits.reshape(-1).numpy()
+    if sample:
+        key = ("np", n)
+        if key not in cache:
+            cache[key] = _sample_index(n, bits.device, cache)[0].numpy()
+        arr = arr[cache[key]]
+    return (HOST, xxhash.xxh3_64_intdigest(memoryview(arr).cast("B")) if arr.size else xxhash.xxh3_64_intdigest(b""), n, 0)
+
+
+def _device_parts(t: torch.Tensor, cache: dict) -> tuple[torch.Tensor, ...]:
+    """The three device digest scalars of ``t`` as 0-d int64 tensors on ``t``'s device."""
+    bits = _bits(t)
+    n = bits.numel()
+    if n == 0:
+        z = torch.zeros((), dtype=torch.int64, device=t.device)
+        return z, z, z
+    idx, weights = _sample_index(n, bits.device, cache)
+    sample = torch.take(bits, idx).to(torch.int64)
+    return sample[0], (sample * weights).sum(), bits.sum(dtype=torch.int64)
+
+
+def digest_tensor(t: torch.Tensor, host: bool = True) -> tuple[int, ...]:
+    """The replica digest of one tensor; see the module documentation.
+
+    ``host=False`` computes a CPU tensor's digest the way an accelerator's
+    is computed (for tests of that path).
+
+    Example::
+
+        digest_tensor(torch.ones(4))  # equal for equal bit patterns
+    """
+    return digest_all([t], host)[0]
+
+
+def digest_all(tensors: Sequence[torch.Tensor], host: bool = True) -> list[tuple[int, ...]]:
+    """Digests of many tensors: CPU ones hashed in place, others on their devices with one host copy per device.
+
+    Example::
+
+        digest_all([w1, w2])  # [(kind, a, b, c), ...]
+    """
+    out: list[tuple[int, ...]] = [(HOST, 0, 0, 0)] * len(tensors)
+    by_dev: dict[torch.device, list[int]] = {}
+    parts: dict[int, tuple[torch.Tensor, ...]] = {}
+    cache: dict = {}
+    full = check_mode() == "full"
+    for i, t in enumerate(tensors):
+        t = t.detach()
+        if host and t.device.type == "cpu":
+            out[i] = _host_digest(t, full, cache)
+            continue
+        parts[i] = _device_parts(t, cache)
+        by_dev.setdefault(t.device, []).append(i)
+    for idx in by_dev.values():
+        table = torch.stack([torch.stack(parts[i]) for i in idx]).cpu().tolist()
+        for i, row in zip(idx, table):
+            out[i] = (DEVICE, int(row[0]), int(row[1]), int(row[2]))
+    return out

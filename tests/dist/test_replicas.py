@@ -1,0 +1,62 @@
+"""The replica check at save and replication declared per tensor, on real gloo processes.
+
+Each launch runs several cases in one process group, since starting
+processes is the expensive part.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardpoint.testing import launch
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def per_rank(tmp_path_factory):
+    return launch(2, "tests.dist.replica_cases:per_rank_job", {"root": str(tmp_path_factory.mktemp("per_rank"))})
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    return launch(4, "tests.dist.replica_cases:groups_job", {"root": str(tmp_path_factory.mktemp("groups"))})
+
+
+def test_per_rank_plain_tensors_are_refused_naming_the_tensor_and_ranks(per_rank):
+    for r in per_rank:
+        name, msg, tensor, ranks = r["p1"]
+        assert name == "ReplicaMismatchError" and tensor == "model.experts.0.weight", r["p1"]
+        assert ranks == [[0], [1]] and "'model.experts.0.weight'" in msg and "replicated_over" in msg
+        assert r["p1_async"][0] == "ReplicaMismatchError" and r["p1_async"][2] == "model.experts.0.weight", r["p1_async"]
+        # The failed saves left the earlier checkpoint at the path whole.
+        assert r["p1_kept"] == []
+
+
+def test_a_buffer_differing_in_one_element_is_refused(per_rank):
+    for r in per_rank:
+        assert r["p1_buffer"][0] == "ReplicaMismatchError" and r["p1_buffer"][2] == "model.bias", r["p1_buffer"]
+
+
+def test_ddp_replicas_pass_and_load_bit_exact(per_rank):
+    for r in per_rank:
+        assert r["ddp_model"] == [] and r["ddp_opt"] == [], r
+
+
+def test_groups_declared_by_pattern_keep_each_groups_values(groups):
+    for r in groups:
+        assert r["p2_model"] == [] and r["p2_opt"] == [] and r["pairs"] == [] and r["async"] == [], r
+        names = r["names"]
+        assert "model.dense.weight" in names and "model.experts.0.weight@ranks0,1" in names
+        assert "model.experts.0.weight@ranks2,3" in names and "model.experts.0.weight" not in names
+        assert "optimizer.state.model.experts.1.weight.exp_avg@ranks2,3" in names
+        assert "optimizer.state.model.dense.weight.exp_avg" in names
+
+
+@pytest.mark.parametrize("case", ["p2w", "p2w_pattern"])
+def test_a_wrong_declaration_is_refused_and_the_checkpoint_kept(groups, case):
+    for r in groups:
+        name, msg, tensor, ranks = r[case]
+        assert name == "ReplicaMismatchError" and ranks == [[0, 1], [2, 3]], r[case]
+        assert tensor in ("model.bias", "model.experts.0.weight") and "model.experts.0.weight" in msg
+        assert r["p2w_kept"] == []
