@@ -57,8 +57,8 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
     """Per layout: median save time, median check time, the check's share, bytes digested per rank."""
     import shardpoint as sp
     from shardpoint.dist import Comm
-    from shardpoint.replicas import check_replicas, encode_rows, rows_of
-    from shardpoint.save_steps import SaveResult, prepare_save
+    from shardpoint.saving.replicas import check_replicas, encode_rows, rows_of
+    from shardpoint.saving.steps import SaveResult, prepare_save
     from shardpoint.testing import GPTConfig, build, train_step
 
     c = GPTConfig(**cfg)
@@ -96,7 +96,7 @@ def gpu_job(cfg: dict, repeats: int) -> dict:
     import torch
 
     import shardpoint as sp
-    from shardpoint.digest import digest_all
+    from shardpoint.saving.digest import digest_all
     from shardpoint.testing import GPTConfig, TinyGPT, batch, loss_of
 
     c = GPTConfig(**cfg)

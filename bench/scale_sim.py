@@ -65,7 +65,7 @@ from shardpoint.format.datafile import DEFAULT_BLOCK_SIZE, block_count, padding
 from shardpoint.format.manifest import MANIFEST_NAME, ChunkMeta, Manifest
 from shardpoint.format.values import VALUE_TAG
 from shardpoint.geometry import Box, even_chunks
-from shardpoint.grid import Grid, grid_of_placements
+from shardpoint.geometry.grid import Grid, grid_of_placements
 from shardpoint.items import LoadTarget, SaveTensor
 from shardpoint.planning import assign_writers, choose_writers
 from shardpoint.planning import commit as planning_commit
@@ -73,7 +73,7 @@ from shardpoint.planning import describe as planning_describe
 from shardpoint.planning.commit import Documents, representatives
 from shardpoint.planning.describe import Description, GridEntry, RankReport, RankStatus
 from shardpoint.planning.writers import WriterChoice
-from shardpoint.save_steps import PreparedSave, describe_prepared
+from shardpoint.saving.steps import PreparedSave, describe_prepared
 from shardpoint.planning.reads import ReadTarget, plan_chunk_reads
 from shardpoint.storage.memory import MemoryStorage
 
@@ -904,7 +904,7 @@ def plain_pp_check() -> dict:
     Each rank claims two copies of its tensors; the writer choice gives one
     of them to the other stage's rank, which does not hold it.
     """
-    from shardpoint.save_steps import SaveResult as ApiSaveResult, prepare_save
+    from shardpoint.saving.steps import SaveResult as ApiSaveResult, prepare_save
     from shardpoint.engine.indexes import resolve_all
     from shardpoint.engine.io import write_chunks
 

@@ -18,8 +18,8 @@ runs a save or load on the calling rank alone.
 """
 
 from .api import CommitPolicy, LoadResult, SaveResult, load, read_manifest, read_tensor, save
-from .async_handle import AsyncSaveHandle
-from .async_save import AsyncSaver, Prewarmed, async_save, default_saver
+from .saving.handle import AsyncSaveHandle
+from .saving.async_save import AsyncSaver, Prewarmed, async_save, default_saver
 from .dist import LOCAL
 from .errors import (
     CheckpointError,
@@ -45,12 +45,12 @@ from .errors import (
     deprecated_error,
 )
 from .format.manifest import FORMAT_VERSION
-from .data import ResumableLoader, ResumableSampler
+from .training.data import ResumableLoader, ResumableSampler
 from .adapters.experts import Experts
 from .layouts import Fused, Padded, Reduced
 from .manager import CheckpointManager, EveryNSteps, EveryTSeconds, OnDemand
 from .peer import PeerMemory
-from .rng import RNGState
+from .training.rng import RNGState
 from .storage import LocalStorage, MemoryStorage, Storage
 from .storage.tiers import TieredStorage
 

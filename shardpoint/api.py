@@ -26,8 +26,8 @@ from .layouts import Rule
 from .loading import LoadResult, LoadTransaction, manifest_bytes
 from .loading.diagnose import check_provided
 from .loading.names import close_names
-from .progress import SAVE_PHASES, progress_for
-from .save_steps import SaveResult
+from .runtime.progress import SAVE_PHASES, progress_for
+from .saving.steps import SaveResult
 from .saving import SaveOptions, SaveTransaction, check_state
 from .storage import Storage, storage_for
 
@@ -82,7 +82,7 @@ def save(
     ranks check that they all entered the same save of the same path: ranks
     that disagree, or one that does not arrive within ``collective_timeout``
     seconds (default: ``SHARDPOINT_COLLECTIVE_TIMEOUT``, else 600), raise
-    :class:`DistributedError` instead of hanging (see :mod:`shardpoint.handshake`).
+    :class:`DistributedError` instead of hanging (see :mod:`shardpoint.runtime.handshake`).
 
     One save writes a path at a time: rank 0 claims it before any data is
     written, and a save to a path that another save is writing raises
@@ -93,7 +93,7 @@ def save(
     period. ``commit`` (a :class:`CommitPolicy`) sets the claim's lease and
     that grace period; :mod:`shardpoint.engine.claim` states the guarantee.
     ``progress=True`` shows the bytes written and the rate on stderr, on
-    rank 0 (see :mod:`shardpoint.progress`).
+    rank 0 (see :mod:`shardpoint.runtime.progress`).
 
     Example::
 
@@ -206,7 +206,7 @@ def load(
     the bytes read and the rate on stderr, on rank 0.
     An optimizer saved the way ``get_optimizer_state_dict`` keys it (state by
     the model's parameter names, ``param_groups``) loads too: its entries are
-    matched to the optimizer's parameters by name (:mod:`shardpoint.dcp_names`).
+    matched to the optimizer's parameters by name (:mod:`shardpoint.adapters.dcp_names`).
     A non-strict load into an empty dict, ``sp.load(path, {}, strict=False)``,
     fills it with everything in the checkpoint: each entry as saved, tensors
     as plain full tensors on the CPU (a module or optimizer entry as the dict

@@ -18,9 +18,9 @@ import uuid
 
 from .api import read_manifest
 from .errors import CheckpointError, ConversionError
-from .extras import require
+from .runtime.extras import require
 from .storage import storage_for
-from .verify import verify_checkpoint
+from .engine.verify import verify_checkpoint
 
 __all__ = ["main", "build_parser", "HELP"]
 
@@ -315,7 +315,7 @@ def _diff(args) -> int:
 
 
 def _trace(args) -> int:
-    from .monitor import merge_traces, trace_report
+    from .runtime.monitor import merge_traces, trace_report
 
     if args.merge:
         merge_traces(args.dir, args.merge)

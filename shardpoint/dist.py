@@ -129,7 +129,7 @@ class Comm:
         return Comm(None, False)
 
     def enter(self, op: str, path: str, timeout: float | None = None) -> None:
-        """Check that every rank of the group entered the same ``op`` on ``path`` (see :mod:`shardpoint.handshake`).
+        """Check that every rank of the group entered the same ``op`` on ``path`` (see :mod:`shardpoint.runtime.handshake`).
 
         Raises :class:`DistributedError` on disagreement, or when a rank does
         not arrive within ``timeout`` seconds (``None``: the environment or
@@ -137,7 +137,7 @@ class Comm:
         """
         if not self.active or self.world == 1:
             return
-        from .handshake import Entry, collective_timeout, enter, mismatch_message
+        from .runtime.handshake import Entry, collective_timeout, enter, mismatch_message
 
         entry = Entry(op, path)
         seconds = collective_timeout(timeout)

@@ -61,7 +61,7 @@ class SaveTensor:
     cost: float = 0.0
     layout: str = ""
     replica_group: str = ""
-    grid: Any = None  # a shardpoint.grid.Grid in global ranks, when the layout has one (DTensors)
+    grid: Any = None  # a shardpoint.geometry.grid.Grid in global ranks, when the layout has one (DTensors)
     step_only: bool = False  # changes only inside optimizer.step(): a lazy save may copy it in the background
 
     @property

@@ -72,7 +72,7 @@ def missing_api(site: str) -> list[str]:
     missing = []
     for n in shardpoint.__all__:
         # documented under the package (``shardpoint.save``) or where it is defined
-        # (``shardpoint.async_save.async_save``, whose short name is also its module's)
+        # (``shardpoint.saving.async_save.async_save``, whose short name is also its module's)
         where = getattr(getattr(shardpoint, n), "__module__", None)
         if f"shardpoint.{n}" not in ids and f"{where}.{n}" not in ids:
             missing.append(n)

@@ -199,7 +199,7 @@ def place_experts(tensors: list[SaveTensor], rules: Sequence[Any], gate: Any) ->
 
     After renaming, the ranks holding a piece of a global expert are those
     that list the same name and box: one gather of those keys through
-    ``gate`` (a :class:`~shardpoint.replicas.Gate`) finds them, for plain
+    ``gate`` (a :class:`~shardpoint.saving.replicas.Gate`) finds them, for plain
     tensors and for experts sharded as DTensors alike. Not a collective when
     no rule is an :class:`Experts`.
 

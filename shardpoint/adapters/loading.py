@@ -13,7 +13,7 @@ from typing import Any, Mapping, MutableMapping, Sequence
 import torch
 from torch import nn
 
-from ..dcp_names import dcp_to_native, is_dcp_optimizer_doc
+from .dcp_names import dcp_to_native, is_dcp_optimizer_doc
 from ..format.values import check_optimizer_doc
 from ..layouts import optimizer_doc_to_physical
 from .base import AdapterContext

@@ -127,7 +127,7 @@ def _grid(mesh, placements, shape: tuple[int, ...]):
     reports rows that differ from the nested split, sometimes on ranks whose
     own box still looks right; such tensors keep listed chunks.
     """
-    from ..grid import grid_of_placements
+    from ..geometry.grid import grid_of_placements
 
     try:
         hit = _MESH_RANKS.get(mesh)

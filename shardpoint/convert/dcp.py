@@ -10,7 +10,7 @@ are the checkpoint's names (``model.layers.0.w``), which is what DCP's
 ``dcp.load({"model": model.state_dict()}, checkpoint_id=OUT)`` works. An
 optimizer is written the way ``get_optimizer_state_dict`` lays it out
 (``optimizer.state.layers.0.w.exp_avg`` and ``optimizer.param_groups``, see
-:mod:`shardpoint.dcp_names`), so ``dcp.load`` fills the dicts of
+:mod:`shardpoint.adapters.dcp_names`), so ``dcp.load`` fills the dicts of
 ``get_model_state_dict`` and ``get_optimizer_state_dict``, and
 ``set_optimizer_state_dict`` restores the optimizer. Plain values
 (``{"extra": {"step": 7}}``) are written as DCP objects too.
@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..dcp_names import dcp_to_native, is_dcp_optimizer_doc, is_native_optimizer_doc, native_to_dcp, rename_refs
+from ..adapters.dcp_names import dcp_to_native, is_dcp_optimizer_doc, is_native_optimizer_doc, native_to_dcp, rename_refs
 from ..errors import CheckpointError, ConversionError
 from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..format.values import decode_value

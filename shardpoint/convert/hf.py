@@ -44,7 +44,7 @@ import torch
 
 from ..engine.io import tensor_bytes
 from ..errors import ConversionError
-from ..extras import require
+from ..runtime.extras import require
 from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..format.values import decode_value
 from ..items import torch_dtype

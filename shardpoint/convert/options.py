@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..errors import ConversionError
-from ..extras import require
+from ..runtime.extras import require
 
 __all__ = [
     "NameMap",

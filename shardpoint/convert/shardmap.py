@@ -19,7 +19,7 @@ import fnmatch
 from typing import Sequence
 
 from ..errors import ConversionError
-from ..extras import require
+from ..runtime.extras import require
 from ..format.manifest import ChunkMeta, Manifest, TensorMeta
 
 __all__ = ["chunk_table", "plot_shard_map"]

@@ -3,7 +3,7 @@
 The manifest is the commit record. Version 1 lists every saved chunk in it.
 Version 2 (what :func:`shardpoint.save` writes) keeps it O(tensors + ranks):
 a tensor records its *grid* (how it is split over a mesh of ranks, see
-:mod:`shardpoint.grid`) or the ranks *holding* its chunks, and each rank's
+:mod:`shardpoint.geometry.grid`) or the ranks *holding* its chunks, and each rank's
 chunk records live in that rank's binary index file
 (:mod:`shardpoint.format.index`), whose digest the manifest records.
 ``TensorMeta.chunks`` of a parsed version-2 manifest is ``None`` until the
@@ -36,7 +36,7 @@ import xxhash
 
 from ..errors import CorruptCheckpointError, FormatError
 from ..geometry import Box
-from ..grid import Grid
+from ..geometry.grid import Grid
 from .strict import Limits, strict_loads
 
 __all__ = [

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from ..errors import FormatError
 from ..geometry import Box
-from ..grid import Grid
+from ..geometry.grid import Grid
 from .datafile import block_count
 from .manifest import (
     DTYPE_SIZES,

@@ -52,8 +52,8 @@ import torch
 from ..api import LoadResult, SaveResult, load, read_manifest, save
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedStateError
 from ..dist import Comm
-from ..extras import require
-from ..rng import RNGState
+from ..runtime.extras import require
+from ..training.rng import RNGState
 from .common import remove_path
 
 require("accelerate", "accelerate", "shardpoint.integrations.accelerate")

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 
 from ..api import load, read_manifest, save
-from ..async_handle import AsyncSaveHandle
-from ..async_save import async_save
+from ..saving.handle import AsyncSaveHandle
+from ..saving.async_save import async_save
 from ..engine.inflight import saving, wait_for_saves
 from ..errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError, UnsupportedStateError
 from ..dist import LOCAL
-from ..extras import require
+from ..runtime.extras import require
 from ..format.values import encode_value
 from .common import remove_path, top_level_keys
 from .file_checkpoints import is_local_file, is_remote_file, load_torch_file, remove_remote_file, replace_file

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..extras import require
+from ..runtime.extras import require
 
 require("lightning", "lightning", "shardpoint.integrations.lightning")
 import lightning.pytorch as pl  # noqa: E402

@@ -38,13 +38,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api import load, save
-from ..async_handle import AsyncSaveHandle
-from ..async_save import AsyncSaver
+from ..saving.handle import AsyncSaveHandle
+from ..saving.async_save import AsyncSaver
 from ..convert.dcp import import_dcp as _convert_dcp
 from ..errors import CheckpointNotFoundError, UnsupportedStateError
 from ..format.manifest import MANIFEST_NAME
 from ..storage import storage_for
-from ..extras import require
+from ..runtime.extras import require
 from .common import remove_path
 
 require("torchtitan", "", "shardpoint.integrations.torchtitan",

@@ -32,9 +32,9 @@ from typing import Any
 
 from ..api import load, read_manifest, save
 from ..errors import CheckpointError, UnsupportedStateError
-from ..extras import require
+from ..runtime.extras import require
 from ..format.manifest import MANIFEST_NAME
-from ..rng import RNGState
+from ..training.rng import RNGState
 from .common import top_level_keys
 
 require("transformers", "transformers", "shardpoint.integrations.transformers")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..monitor import Recorder
+from ..runtime.monitor import Recorder
 
 __all__ = ["LoadResult"]
 

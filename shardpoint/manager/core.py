@@ -11,7 +11,7 @@ import torch
 
 from ..api import read_manifest
 from ..api import save as save_checkpoint
-from ..async_save import AsyncSaver
+from ..saving.async_save import AsyncSaver
 from ..dist import Comm, close_at_exit
 from ..errors import CheckpointError, CheckpointTimeoutError, ConcurrentSaveError, StorageError
 from ..peer import RestoreReport

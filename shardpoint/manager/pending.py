@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointTimeoutError
-from ..progress import ACTIVITY
+from ..runtime.progress import ACTIVITY
 from .layout import step_folder
 
 __all__ = ["PendingSave", "DoneHandle", "stalled_error", "wait_judging_progress"]

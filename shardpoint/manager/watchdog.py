@@ -4,7 +4,7 @@ Manager collectives and background saves time out by themselves; the
 watchdog backs up what cannot (a storage write stuck inside a synchronous
 save or a restore). It judges progress, never the clock alone: a phase is
 hung once *no* checkpoint work (no bytes moved, no phase entered, as counted
-by :data:`shardpoint.progress.ACTIVITY`) has happened for ``timeout`` plus a
+by :data:`shardpoint.runtime.progress.ACTIVITY`) has happened for ``timeout`` plus a
 grace period. A phase that keeps moving bytes, however slowly, is never
 reported. A hung phase is logged with the rank, the phase and all stacks, and
 the ``on_hang`` action runs:
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from ..errors import CheckpointTimeoutError
-from ..progress import ACTIVITY
+from ..runtime.progress import ACTIVITY
 from .layout import step_folder
 
 __all__ = [
@@ -138,7 +138,7 @@ class Watchdog:
     """One daemon thread that reports phases making no progress for ``timeout + grace`` seconds.
 
     The thread starts with the first :meth:`watch` and wakes a few times per
-    timeout to compare :data:`~shardpoint.progress.ACTIVITY` with what it saw
+    timeout to compare :data:`~shardpoint.runtime.progress.ACTIVITY` with what it saw
     before; while checkpoint work moves, no phase is reported. With
     ``raises`` a reported phase raises :class:`~shardpoint.CheckpointTimeoutError`
     when it returns.

@@ -39,7 +39,7 @@ from typing import Any, Mapping, MutableMapping
 import torch
 
 from ..api import save as _sp_save
-from ..async_save import AsyncSaver
+from ..saving.async_save import AsyncSaver
 from ..dist import Comm, destroy_private_group, private_group
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from ..errors import CorruptCheckpointError, ShapeMismatchError, UnsupportedStateError
 from ..format.index import fqn_key
 from ..format.manifest import FORMAT_VERSION, Manifest, RankFiles, TensorMeta, rank_runs
-from ..grid import Grid
+from ..geometry.grid import Grid
 from .describe import GridEntry, RankStatus, TensorsDoc, ValuesDoc
 
 __all__ = ["AskFor", "Documents", "representatives", "merge_values", "assemble_manifest"]

@@ -3,7 +3,7 @@
 Ranks with equal descriptions (every data-parallel rank of a stage, say)
 produce equal digests, so the commit fetches one description per distinct
 digest and the gather stays O(ranks + tensors) instead of O(ranks x tensors).
-A tensor whose layout a :class:`~shardpoint.grid.Grid` reproduces is
+A tensor whose layout a :class:`~shardpoint.geometry.grid.Grid` reproduces is
 described by that grid; any other is *listed*: its chunks are found through
 the ranks holding them. Pure: the caller supplies grids already translated
 into the process group's ranks (:class:`CandidateGrids`).
@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence, Union
 import xxhash
 
 from ..format.manifest import RankFiles
-from ..grid import Grid
+from ..geometry.grid import Grid
 from .writers import HeldTensor, WriterChoice
 
 __all__ = [

@@ -1,7 +1,11 @@
 """The save transaction: one save as named phases, run by :func:`shardpoint.save` and the asynchronous saver.
 
-See :mod:`shardpoint.saving.transaction` for the phases and
-:mod:`shardpoint.saving.background` for how an asynchronous save schedules them.
+See :mod:`shardpoint.saving.transaction` for the phases,
+:mod:`shardpoint.saving.background` for how an asynchronous save schedules
+them, :mod:`shardpoint.saving.steps` for what the phases call,
+:mod:`shardpoint.saving.replicas` for the replica check, and
+:mod:`shardpoint.saving.async_save` and :mod:`shardpoint.saving.handle` for
+the asynchronous saver and its handle.
 """
 
 from __future__ import annotations

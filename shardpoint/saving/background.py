@@ -18,14 +18,14 @@ import time
 from typing import Any, MutableMapping
 
 from ..adapters.stepped import step_updates
-from ..async_handle import AsyncSaveHandle
+from .handle import AsyncSaveHandle
 from ..dist import run_guarded
 from ..engine.pipeline import StagedWrite
 from ..engine.snapshot_guard import SnapshotGuard
 from ..engine.staging import SaverStaging, StagingRing, optimizer_order
 from ..errors import CheckpointError
 from ..planning.describe import RankReport
-from ..save_steps import SaveCache, data_file_name, mark_phase
+from .steps import SaveCache, data_file_name, mark_phase
 from .transaction import SaveOptions, SaveTransaction
 
 __all__ = ["BackgroundSave"]
@@ -34,7 +34,7 @@ log = logging.getLogger("shardpoint")
 
 
 class BackgroundSave(SaveTransaction):
-    """One asynchronous save on one rank: ``mode`` is ``"eager"`` or ``"lazy"`` (see :mod:`shardpoint.async_save`).
+    """One asynchronous save on one rank: ``mode`` is ``"eager"`` or ``"lazy"`` (see :mod:`shardpoint.saving.async_save`).
 
     Example::
 

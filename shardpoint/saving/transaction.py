@@ -2,7 +2,7 @@
 
 :class:`SaveTransaction` runs ``enter`` (the arguments are checked and the
 ranks agree on the call), ``prepare`` (adapters flatten the state, the
-planners choose writers: :func:`~shardpoint.save_steps.prepare_save`),
+planners choose writers: :func:`~shardpoint.saving.steps.prepare_save`),
 ``claim`` (rank 0 claims the path before any data is written), ``snapshot``
 (the bytes to write are fixed), ``write`` (this rank's data and index files,
 then the summary its commit needs) and ``commit`` (rank 0 commits from two
@@ -32,9 +32,9 @@ from ..engine.claim import CommitPolicy, SaveClaim
 from ..engine.io import write_chunks
 from ..errors import UnsupportedStateError
 from ..format.datafile import DEFAULT_BLOCK_SIZE
-from ..monitor import Recorder, format_summary
+from ..runtime.monitor import Recorder, format_summary
 from ..planning.describe import RankReport
-from ..save_steps import PreparedSave, SaveCache, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
+from .steps import PreparedSave, SaveCache, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
 from ..storage import Storage, storage_for
 
 __all__ = ["SaveTransaction", "SaveOptions", "check_state"]

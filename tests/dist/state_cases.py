@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import shardpoint as sp
-from shardpoint.data import ResumableLoader, ResumableSampler
-from shardpoint.rng import RNGState
+from shardpoint.training.data import ResumableLoader, ResumableSampler
+from shardpoint.training.rng import RNGState
 
 N = 101  # not a multiple of any world size used: the tail pads
 BATCH = 3  # per rank

@@ -18,7 +18,7 @@ def test_async_save(tmp_path):
         assert r["state_bytes"] > 4 * r["small_capacity"]
         assert "rank(s) [1]" in r["failure"] and "No space left on device" in r["failure"], r["failure"]
     # Every rank's phases land on one timeline.
-    from shardpoint.monitor import merge_traces
+    from shardpoint.runtime.monitor import merge_traces
 
     doc = merge_traces(str(tmp_path / "trace"))
     ranks = {e["pid"] for e in doc["traceEvents"] if e["ph"] == "X"}

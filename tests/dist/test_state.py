@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.data import epoch_permutation
-from shardpoint.rng import seed_generators
+from shardpoint.training.data import epoch_permutation
+from shardpoint.training.rng import seed_generators
 from shardpoint.testing import launch
 
 from . import state_cases as C

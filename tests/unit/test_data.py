@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import shardpoint as sp
-from shardpoint.data import ResumableLoader, ResumableSampler, epoch_permutation
+from shardpoint.training.data import ResumableLoader, ResumableSampler, epoch_permutation
 
 
 def ranks(n, world, state=None, **kw):
@@ -300,16 +300,16 @@ def test_loader_checkpoint_inside_last_batch_starts_next_epoch():
 def test_docstring_examples():
     import doctest
 
-    import shardpoint.data
+    import shardpoint.training.data
 
-    assert doctest.testmod(shardpoint.data).failed == 0
+    assert doctest.testmod(shardpoint.training.data).failed == 0
 
 
 def test_loader_iteration_leaves_the_global_torch_stream_alone():
     import torch
     from torch.utils.data import DataLoader
 
-    from shardpoint.data import ResumableLoader, ResumableSampler
+    from shardpoint.training.data import ResumableLoader, ResumableSampler
 
     data = list(range(20))
     loader = ResumableLoader(DataLoader(data, batch_size=2, sampler=ResumableSampler(data, rank=0, world_size=1)))

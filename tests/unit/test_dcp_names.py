@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import shardpoint as sp
 from shardpoint.convert import export_dcp, import_dcp
-from shardpoint.dcp_names import dcp_param_name, dcp_to_native, is_dcp_optimizer_doc, is_native_optimizer_doc, native_to_dcp, rename_refs
+from shardpoint.adapters.dcp_names import dcp_param_name, dcp_to_native, is_dcp_optimizer_doc, is_native_optimizer_doc, native_to_dcp, rename_refs
 from shardpoint.errors import FormatError, KeyMismatchError
 
 

@@ -12,7 +12,7 @@ import shardpoint as sp
 from shardpoint.cli import main
 from shardpoint.convert import export_hf, import_hf
 from shardpoint.errors import CheckpointError, MissingDependencyError, StorageError
-from shardpoint.extras import EXTRAS, require
+from shardpoint.runtime.extras import EXTRAS, require
 from shardpoint.storage import MissingDependencyError as StorageMissingDependencyError
 
 

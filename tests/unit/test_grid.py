@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardpoint.errors import FormatError
 from shardpoint.geometry import Box
-from shardpoint.grid import Grid, grid_of_placements
+from shardpoint.geometry.grid import Grid, grid_of_placements
 
 SETTINGS = settings(max_examples=150, deadline=None)
 

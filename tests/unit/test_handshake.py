@@ -12,7 +12,7 @@ import torch.distributed as dist
 import shardpoint as sp
 from shardpoint.dist import LOCAL, Comm
 from shardpoint.errors import DistributedError
-from shardpoint.handshake import DEFAULT_TIMEOUT, TIMEOUT_ENV, Entry, collective_timeout, enter, mismatch_message, timeout_message
+from shardpoint.runtime.handshake import DEFAULT_TIMEOUT, TIMEOUT_ENV, Entry, collective_timeout, enter, mismatch_message, timeout_message
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.extras import require
+from shardpoint.runtime.extras import require
 from shardpoint.integrations.common import remove_path, top_level_keys
 
 

@@ -372,8 +372,16 @@ def test_disk_full_fails_cleanly_and_keeps_older(tmp_path, mode):
 
 def test_racing_saves_to_one_step_are_rejected(tmp_path):
     root = str(tmp_path / "run")
-    a = CheckpointManager(root, interval=1, mode=None)
-    b = CheckpointManager(root, interval=1, mode=None)
+    settled = threading.Event()  # one of the racing saves has finished (committed or refused)
+
+    def hold_lock(phase, step, rank):
+        # Whichever save takes the lock of step 7 holds it until the other has tried: a real overlap,
+        # even on a machine so loaded that one thread could finish before the other starts.
+        if phase == "write" and step == 7:
+            settled.wait(30)
+
+    a = CheckpointManager(root, interval=1, mode=None, fault_hook=hold_lock)
+    b = CheckpointManager(root, interval=1, mode=None, fault_hook=hold_lock)
     # Another save holds the lock of step 5 (it is running); b's save of step 5 is refused.
     other = StepLock(owner="other", stale_lock_s=3600)
     token = other.acquire(a.path(5), 5)
@@ -392,6 +400,8 @@ def test_racing_saves_to_one_step_are_rejected(tmp_path):
             results[name] = "ok"
         except ConcurrentSaveError:
             results[name] = "conflict"
+        finally:
+            settled.set()
 
     ts = [threading.Thread(target=go, args=("a", a, 1.0)), threading.Thread(target=go, args=("b", b, 2.0))]
     for t in ts:

@@ -19,7 +19,7 @@ from shardpoint.errors import CorruptCheckpointError
 from shardpoint.format.index import encode_index, index_digest
 from shardpoint.format.manifest import ChunkMeta, Manifest, RankFiles, TensorMeta, rank_runs
 from shardpoint.geometry import Box
-from shardpoint.grid import Grid
+from shardpoint.geometry.grid import Grid
 from shardpoint.storage.memory import MemoryStorage
 
 H = "0123456789abcdef"

@@ -8,7 +8,7 @@ import os
 import torch
 
 import shardpoint as sp
-from shardpoint.monitor import merge_traces, slowest, trace_report
+from shardpoint.runtime.monitor import merge_traces, slowest, trace_report
 
 
 def test_save_and_load_record_phases(tmp_path):

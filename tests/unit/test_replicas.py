@@ -14,8 +14,8 @@ from shardpoint.errors import ReplicaMismatchError
 from shardpoint.geometry import Box
 from shardpoint.items import LoadTarget
 from shardpoint.layouts import apply_load
-from shardpoint.digest import HOST_FULL_BYTES, SAMPLES, digest_all, digest_tensor
-from shardpoint.replicas import (
+from shardpoint.saving.digest import HOST_FULL_BYTES, SAMPLES, digest_all, digest_tensor
+from shardpoint.saving.replicas import (
     Row, copied_names, copy_name, copy_rule, encode_rows, mismatches, parse_copy_name, suspicious,
 )
 

@@ -15,7 +15,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint import rng as R
-from shardpoint.rng import RNGState, capture_rows, derive_seed, pick_row, restore_rows
+from shardpoint.training.rng import RNGState, capture_rows, derive_seed, pick_row, restore_rows
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ from shardpoint.items import SaveTensor
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.format.manifest import Manifest, RankFiles, rank_runs
 from shardpoint.geometry import Box, even_chunks
-from shardpoint.grid import Grid
+from shardpoint.geometry.grid import Grid
 from shardpoint.planning.commit import Documents, assemble_manifest, representatives
 from shardpoint.planning.describe import CandidateGrids, GridEntry, ListedEntry, RankStatus, cover_of, describe, values_doc
 from shardpoint.planning.writers import SMALL_REPLICA_BYTES, choose_writers, plan_signature

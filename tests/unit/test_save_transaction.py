@@ -8,10 +8,10 @@ from torch import nn
 
 import shardpoint as sp
 from shardpoint.adapters.stepped import step_updates
-from shardpoint.async_handle import AsyncSaveHandle
+from shardpoint.saving.handle import AsyncSaveHandle
 from shardpoint.dist import Comm
 from shardpoint.errors import ConcurrentSaveError
-from shardpoint.save_steps import SaveCache, SaveResult
+from shardpoint.saving.steps import SaveCache, SaveResult
 from shardpoint.saving import SaveOptions, SaveTransaction
 from shardpoint.saving.background import BackgroundSave
 

@@ -23,8 +23,8 @@ from shardpoint.cli import build_parser, main
 from shardpoint.manager import CheckpointManager, EveryTSeconds, OnDemand
 from shardpoint.manager.pending import wait_judging_progress
 from shardpoint.manager.watchdog import Watchdog, exit_on_hang, hang_action, raises_on_hang
-from shardpoint.monitor import Recorder
-from shardpoint.progress import ACTIVITY, LOAD_PHASES, Progress, progress_for
+from shardpoint.runtime.monitor import Recorder
+from shardpoint.runtime.progress import ACTIVITY, LOAD_PHASES, Progress, progress_for
 
 from .test_manager import FaultyLocal
 

@@ -43,8 +43,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from .errors import FormatError
-from .geometry import Box
+from ..errors import FormatError
+from . import Box
 
 __all__ = ["Grid", "grid_of_placements"]
 

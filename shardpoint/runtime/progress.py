@@ -1,7 +1,7 @@
 """Progress of long saves, loads and restores, and the activity that hang detection judges.
 
 Two consumers read the same stream of events, the spans every
-:class:`~shardpoint.monitor.Recorder` collects (a phase entered, bytes moved):
+:class:`~shardpoint.runtime.monitor.Recorder` collects (a phase entered, bytes moved):
 
 - :class:`Progress` shows one operation's bytes on rank 0: a tqdm bar on
   stderr when it is a terminal and tqdm is installed (``pip install
@@ -87,7 +87,7 @@ def _interval() -> float:
 class Progress:
     """One operation's bytes on stderr: a tqdm bar on a terminal, plain lines elsewhere.
 
-    Feed it with :meth:`on_span` (a :class:`~shardpoint.monitor.Recorder`
+    Feed it with :meth:`on_span` (a :class:`~shardpoint.runtime.monitor.Recorder`
     listener): the bytes of the spans in ``phases`` count. ``total`` may be
     set once it is known (:meth:`set_total`). Thread-safe.
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from .errors import FormatError
+from ..errors import FormatError
 
 __all__ = ["WRAPPER_NAMES", "dcp_param_name", "rename_refs", "is_dcp_optimizer_doc", "is_native_optimizer_doc", "native_to_dcp", "dcp_to_native"]
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from .items import SaveTensor
-from .errors import UnsupportedStateError
-from .geometry import Box
+from ..items import SaveTensor
+from ..errors import UnsupportedStateError
+from ..geometry import Box
 
 __all__ = ["rank_local_tensors"]
 

@@ -20,7 +20,7 @@ installs it.
 
 Example::
 
-    from shardpoint.extras import require
+    from shardpoint.runtime.extras import require
     safetensors = require("safetensors", "hf", "importing safetensors files")
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from .errors import MissingDependencyError
+from ..errors import MissingDependencyError
 
 __all__ = ["require", "EXTRAS"]
 

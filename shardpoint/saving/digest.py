@@ -1,6 +1,6 @@
 """Replica digests: a few integers per tensor, equal for equal bit patterns, computed where the data lives.
 
-Used by the replica check at save (:mod:`shardpoint.replicas`). Bit
+Used by the replica check at save (:mod:`shardpoint.saving.replicas`). Bit
 patterns are compared, so ``-0.0`` and ``0.0`` differ and NaNs are compared
 exactly:
 

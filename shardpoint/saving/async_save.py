@@ -60,18 +60,18 @@ import time
 from dataclasses import dataclass
 from typing import Any, MutableMapping, Sequence
 
-from .async_handle import AsyncSaveHandle
-from .save_steps import SaveCache, SaveResult, mark_phase
-from .saving import SaveOptions, SaveTransaction, check_state
-from .saving.background import BackgroundSave
-from .engine.claim import CommitPolicy
-from .engine.inflight import track_save
-from .dist import Comm, close_at_exit, destroy_private_group, private_group
-from .format.datafile import DEFAULT_BLOCK_SIZE
-from .engine.staging import SaverStaging, StagingRing
-from .engine.workers import start_workers
-from .errors import CheckpointError
-from .device import Device
+from .handle import AsyncSaveHandle
+from .steps import SaveCache, SaveResult, mark_phase
+from . import SaveOptions, SaveTransaction, check_state
+from .background import BackgroundSave
+from ..engine.claim import CommitPolicy
+from ..engine.inflight import track_save
+from ..dist import Comm, close_at_exit, destroy_private_group, private_group
+from ..format.datafile import DEFAULT_BLOCK_SIZE
+from ..engine.staging import SaverStaging, StagingRing
+from ..engine.workers import start_workers
+from ..errors import CheckpointError
+from ..device import Device
 
 __all__ = ["AsyncSaver", "AsyncSaveHandle", "Prewarmed", "async_save", "default_saver"]
 

@@ -1,4 +1,4 @@
-"""The handle of one in-flight asynchronous save (see :mod:`shardpoint.async_save`).
+"""The handle of one in-flight asynchronous save (see :mod:`shardpoint.saving.async_save`).
 
 The save transaction tells it what happens through its methods
 (:meth:`~AsyncSaveHandle.attach_storage`, :meth:`~AsyncSaveHandle.add_future`,
@@ -19,10 +19,10 @@ import threading
 import time
 from typing import Any
 
-from .save_steps import SaveResult
-from .engine.snapshot_guard import SnapshotGuard
-from .errors import DistributedError, TornSnapshotError
-from .progress import follow
+from .steps import SaveResult
+from ..engine.snapshot_guard import SnapshotGuard
+from ..errors import DistributedError, TornSnapshotError
+from ..runtime.progress import follow
 
 __all__ = ["AsyncSaveHandle", "EXIT_FENCE_POLL_S"]
 

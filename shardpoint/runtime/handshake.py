@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import DistributedError
+from ..errors import DistributedError
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "Entry", "collective_timeout", "mismatch_message", "timeout_message", "enter"]
 

@@ -6,7 +6,7 @@ data is written each rank computes a small digest of every copy it holds
 where the data lives, the digests of all tensors travel in one gather, and
 every rank compares the same table and reaches the same verdict.
 
-Digests (:mod:`shardpoint.digest`) compare bit patterns: on the CPU an
+Digests (:mod:`shardpoint.saving.digest`) compare bit patterns: on the CPU an
 ``xxh3_64`` of the whole tensor up to 64 KiB, else of a strided sample that
 always includes elements from every stretch of the tensor; on an accelerator,
 torch ops on the device (a sample plus the exact sum of every bit pattern).
@@ -33,9 +33,9 @@ import torch
 import xxhash
 
 from .digest import HOST, check_mode, digest_all
-from .errors import ReplicaMismatchError
-from .items import SaveTensor
-from .layouts import Rule, Segment
+from ..errors import ReplicaMismatchError
+from ..items import SaveTensor
+from ..layouts import Rule, Segment
 
 __all__ = [
     "COPY_MARK", "Row", "rows_of", "mismatches", "copied_names", "encode_rows", "suspicious", "Gate", "FAILED",

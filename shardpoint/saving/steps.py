@@ -15,24 +15,24 @@ import time
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Sequence
 
-from .adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters
-from .items import dtype_name
-from .adapters.stepped import optimized_names, optimized_tensors, saves_optimizer_state
-from .adapters.experts import deepspeed_expert_rules, place_experts
-from .adapters.reuse import PartCache
-from .dist import Comm, Outcome
-from .engine.claim import CommitPolicy, SaveClaim
-from .engine.commit import commit_gathered, write_index
-from .errors import UnsupportedStateError
-from .format.manifest import DTYPE_SIZES, FORMAT_VERSION
-from .grid import Grid
-from .layouts import apply_reduce, apply_save, optimizer_doc_to_logical
-from .monitor import Recorder
-from .planning.describe import CandidateGrids, Description, RankReport, RankStatus, cover_of, describe, values_doc
-from .planning.writers import WriterChoice, WriterPlan, choose_writers, plan_signature
-from .rank_local import rank_local_tensors
+from ..adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters
+from ..items import dtype_name
+from ..adapters.stepped import optimized_names, optimized_tensors, saves_optimizer_state
+from ..adapters.experts import deepspeed_expert_rules, place_experts
+from ..adapters.reuse import PartCache
+from ..dist import Comm, Outcome
+from ..engine.claim import CommitPolicy, SaveClaim
+from ..engine.commit import commit_gathered, write_index
+from ..errors import UnsupportedStateError
+from ..format.manifest import DTYPE_SIZES, FORMAT_VERSION
+from ..geometry.grid import Grid
+from ..layouts import apply_reduce, apply_save, optimizer_doc_to_logical
+from ..runtime.monitor import Recorder
+from ..planning.describe import CandidateGrids, Description, RankReport, RankStatus, cover_of, describe, values_doc
+from ..planning.writers import WriterChoice, WriterPlan, choose_writers, plan_signature
+from ..runtime.rank_local import rank_local_tensors
 from .replicas import Gate, check_replicas
-from .storage import Storage
+from ..storage import Storage
 
 __all__ = [
     "SaveResult", "mark_phase", "check_block_size", "data_file_name", "PreparedSave", "SaveCache", "CheckedSave",
