@@ -1,0 +1,176 @@
+"""ShardpointTrainer's checkpoint path with an FSDP2-sharded model on two gloo processes.
+
+On CPU, Accelerate (1.15) turns its FSDP plugin on only for accelerator devices:
+with ``use_cpu=True`` a ``TrainingArguments(fsdp=True, ...)`` run becomes plain
+DDP (FSDP2), or fails building the plugin (FSDP1, whose ``sync_module_states``
+asks for a GPU). So ``Trainer.train()`` cannot run FSDP here, and the first check
+pins that: when Accelerate starts supporting it, that check fails and this file
+should grow a full ``train()``/resume run.
+
+What can run is everything ShardpointTrainer adds under FSDP: Trainer saves
+``self.model`` (the sharded model under FSDP) and loads it after wrapping through
+``_load_from_checkpoint(folder, model_wrapped)``. Here the model is sharded with
+``fully_shard`` per GPT-2 block and at the root, as Accelerate's FSDP2 plugin
+does, and driven through those same hooks: a run saves at step 2 and goes on to
+step 4; a fresh, differently initialised sharded model resumes from step 2 and
+must end bit for bit equal, weights, optimizer state and learning rate alike.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from shardpoint.testing import launch  # noqa: E402
+
+STEPS, SAVE_AT = 4, 2
+
+
+def _config():
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+
+
+def _batch(step: int, rank: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(100 * step + rank))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _args(out: str, **extra: Any):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        out, max_steps=STEPS, per_device_train_batch_size=2, learning_rate=1e-3, lr_scheduler_type="linear",
+        warmup_steps=1, save_steps=SAVE_AT, report_to="none", use_cpu=True, seed=3, disable_tqdm=True, **extra,
+    )
+
+
+def _sharded_trainer(out: str, seed: int):
+    """A ShardpointTrainer holding a GPT-2 sharded as Accelerate's FSDP2 plugin shards it, with its optimizer."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import GPT2LMHeadModel
+
+    from shardpoint.integrations.transformers import ShardpointTrainer
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(_config())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    trainer = ShardpointTrainer(model=model, args=_args(out))
+    trainer.model_wrapped = model  # under FSDP, Trainer's model and wrapped model are the sharded one
+    trainer.create_optimizer_and_scheduler(num_training_steps=STEPS)
+    return trainer
+
+
+def _step(trainer, step: int, rank: int) -> None:
+    trainer.model.train()
+    trainer.model(**_batch(step, rank)).loss.backward()
+    trainer.optimizer.step()
+    trainer.lr_scheduler.step()
+    trainer.optimizer.zero_grad()
+    trainer.state.global_step = step
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _optimizer_state(trainer) -> dict[str, torch.Tensor]:
+    names = {p: n for n, p in trainer.model.named_parameters()}
+    return {
+        f"{names[p]}.{k}": _full(v).clone()
+        for p, s in trainer.optimizer.state.items() for k, v in s.items() if isinstance(v, torch.Tensor)
+    }
+
+
+def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    if a.keys() != b.keys():
+        return [f"names differ: {sorted(a.keys() ^ b.keys())}"]
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def _plain_trainer_under_fsdp(out: str) -> dict[str, Any]:
+    """What transformers.Trainer itself makes of the FSDP2 plugin on CPU."""
+    from transformers import GPT2LMHeadModel, Trainer
+
+    args = _args(out, fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]})
+    t = Trainer(model=GPT2LMHeadModel(_config()), args=args)
+    return {"distributed": str(t.accelerator.distributed_type), "fsdp": t.is_fsdp_enabled, "plugin": args.fsdp_plugin_args["fsdp_version"]}
+
+
+def run(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """A sharded run saved at step 2 and trained to 4; a fresh sharded model resumed from step 2 and trained to 4."""
+    import shardpoint as sp
+    from transformers import GPT2LMHeadModel
+
+    full = _sharded_trainer(os.path.join(root, "run"), seed=1)
+    for step in range(1, STEPS + 1):
+        _step(full, step, rank)
+        if step == SAVE_AT:
+            full._save_checkpoint(full.model, trial=None)  # the hook Trainer calls at save_steps
+            at_save = _weights(full.model)
+    folder = os.path.join(root, "run", f"checkpoint-{SAVE_AT}")
+
+    resumed = _sharded_trainer(os.path.join(root, "run"), seed=2)
+    fresh = _differ(_weights(resumed.model), at_save)
+    # The hooks Trainer calls when resuming under FSDP: the model after wrapping, then optimizer, scheduler, generators.
+    resumed._load_from_checkpoint(folder, resumed.model_wrapped)
+    resumed._load_optimizer_and_scheduler(folder)
+    resumed._load_rng_state(folder)  # dropout draws from the restored generators
+    loaded = _differ(_weights(resumed.model), at_save)
+    lr_loaded = resumed.lr_scheduler.get_last_lr()
+    for step in range(SAVE_AT + 1, STEPS + 1):
+        _step(resumed, step, rank)
+
+    # The checkpoint names the plain model's parameters, so it also loads into an unsharded model.
+    plain = GPT2LMHeadModel(_config())
+    sp.load(folder, {"model": plain}, keys=["model", "model.*"])
+    return {
+        "fresh_differs": len(fresh) > 0,
+        "loaded": loaded,
+        "weights": _differ(_weights(resumed.model), _weights(full.model)),
+        "optimizer": _differ(_optimizer_state(resumed), _optimizer_state(full)),
+        "optimizer_entries": len(_optimizer_state(full)),
+        "lr": [lr_loaded, resumed.lr_scheduler.get_last_lr(), full.lr_scheduler.get_last_lr()],
+        "steps": [resumed.lr_scheduler.last_epoch, full.lr_scheduler.last_epoch],
+        "unsharded": _differ(_weights(plain), at_save),
+        "chunks": sorted(
+            [list(c.box.offsets), list(c.box.sizes), c.rank]
+            for c in sp.read_manifest(folder, chunks=True).tensors["model.transformer.h.0.attn.c_attn.weight"].chunks
+        ),
+        "folder": sorted(os.listdir(folder)),
+        "trainer": _plain_trainer_under_fsdp(os.path.join(root, "plain")),
+    }
+
+
+@pytest.mark.dist
+def test_fsdp2_sharded_model_resumes_bit_exact_through_the_trainer_hooks(tmp_path):
+    ranks = launch(2, "tests.clients.test_transformers_trainer_fsdp:run", {"root": str(tmp_path)}, timeout=300)
+    for r in ranks:
+        assert r["fresh_differs"], "the resumed model must start from other weights than the saved ones"
+        assert r["loaded"] == [], "weights differ right after loading the checkpoint"
+        assert r["weights"] == [] and r["optimizer"] == [], "the resumed run diverged from the uninterrupted one"
+        assert r["optimizer_entries"] > 0
+        assert r["lr"][1] == r["lr"][2] and r["lr"][0] != r["lr"][1]
+        assert r["steps"] == [STEPS, STEPS]
+        assert r["unsharded"] == [], "the sharded checkpoint does not load into an unsharded model"
+        assert r["chunks"] == [[[0, 0], [16, 96], 0], [[16, 0], [16, 96], 1]], "each process writes its own half"
+        assert "trainer_state.json" in r["folder"] and "optimizer.pt" not in r["folder"]
+        # transformers.Trainer on CPU: Accelerate drops the FSDP plugin and runs DDP.
+        assert r["trainer"] == {"distributed": "DistributedType.MULTI_CPU", "fsdp": False, "plugin": 2}
