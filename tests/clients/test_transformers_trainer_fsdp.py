@@ -51,21 +51,33 @@ def _args(out: str, **extra: Any):
     )
 
 
-def _sharded_trainer(out: str, seed: int):
-    """A ShardpointTrainer holding a GPT-2 sharded as Accelerate's FSDP2 plugin shards it, with its optimizer."""
+def _shard(model, version: int):
+    """Shard ``model`` as Accelerate's FSDP plugin does: each GPT-2 block, then the root."""
+    import functools
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    if version == 1:
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={GPT2Block})
+        return FullyShardedDataParallel(model, auto_wrap_policy=policy, use_orig_params=True, device_id=torch.device("cpu"))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _sharded_trainer(out: str, seed: int, version: int):
+    """A ShardpointTrainer holding a sharded GPT-2 and, created after sharding as under FSDP, its optimizer."""
     from transformers import GPT2LMHeadModel
 
     from shardpoint.integrations.transformers import ShardpointTrainer
 
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(_config())
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = _shard(GPT2LMHeadModel(_config()), version)
     trainer = ShardpointTrainer(model=model, args=_args(out))
     trainer.model_wrapped = model  # under FSDP, Trainer's model and wrapped model are the sharded one
     trainer.create_optimizer_and_scheduler(num_training_steps=STEPS)
@@ -81,22 +93,20 @@ def _step(trainer, step: int, rank: int) -> None:
     trainer.state.global_step = step
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+def _weights(trainer) -> dict[str, torch.Tensor]:
+    """The whole model on every process, gathered from the shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _weights(model) -> dict[str, torch.Tensor]:
-    return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.clone() for k, v in full.items()}
 
 
 def _optimizer_state(trainer) -> dict[str, torch.Tensor]:
-    names = {p: n for n, p in trainer.model.named_parameters()}
-    return {
-        f"{names[p]}.{k}": _full(v).clone()
-        for p, s in trainer.optimizer.state.items() for k, v in s.items() if isinstance(v, torch.Tensor)
-    }
+    """The whole optimizer state (per parameter name) on every process, gathered from the shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=StateDictOptions(full_state_dict=True))
+    return {f"{n}.{k}": v.clone() for n, s in full["state"].items() for k, v in s.items()}
 
 
 def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -105,35 +115,41 @@ def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def _plain_trainer_under_fsdp(out: str) -> dict[str, Any]:
-    """What transformers.Trainer itself makes of the FSDP2 plugin on CPU."""
+def _plain_trainer_under_fsdp(out: str, version: int) -> dict[str, Any]:
+    """What transformers.Trainer itself makes of the FSDP plugin on CPU (FSDP1 without sync_module_states)."""
     from transformers import GPT2LMHeadModel, Trainer
 
-    args = _args(out, fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]})
+    args = _args(out, fsdp=True, fsdp_config={"version": version, "sync_module_states": "false", "transformer_layer_cls_to_wrap": ["GPT2Block"]})
     t = Trainer(model=GPT2LMHeadModel(_config()), args=args)
     return {"distributed": str(t.accelerator.distributed_type), "fsdp": t.is_fsdp_enabled, "plugin": args.fsdp_plugin_args["fsdp_version"]}
 
 
 def run(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """:func:`interrupted_run` under FSDP1 and FSDP2, in one process group."""
+    return {str(v): interrupted_run(rank, root, v) for v in (1, 2)}
+
+
+def interrupted_run(rank: int, root: str, version: int) -> dict[str, Any]:
     """A sharded run saved at step 2 and trained to 4; a fresh sharded model resumed from step 2 and trained to 4."""
     import shardpoint as sp
     from transformers import GPT2LMHeadModel
 
-    full = _sharded_trainer(os.path.join(root, "run"), seed=1)
+    out = os.path.join(root, f"fsdp{version}")
+    full = _sharded_trainer(out, seed=1, version=version)
     for step in range(1, STEPS + 1):
         _step(full, step, rank)
         if step == SAVE_AT:
             full._save_checkpoint(full.model, trial=None)  # the hook Trainer calls at save_steps
-            at_save = _weights(full.model)
-    folder = os.path.join(root, "run", f"checkpoint-{SAVE_AT}")
+            at_save = _weights(full)
+    folder = os.path.join(out, f"checkpoint-{SAVE_AT}")
 
-    resumed = _sharded_trainer(os.path.join(root, "run"), seed=2)
-    fresh = _differ(_weights(resumed.model), at_save)
+    resumed = _sharded_trainer(out, seed=2, version=version)
+    fresh = _differ(_weights(resumed), at_save)
     # The hooks Trainer calls when resuming under FSDP: the model after wrapping, then optimizer, scheduler, generators.
     resumed._load_from_checkpoint(folder, resumed.model_wrapped)
     resumed._load_optimizer_and_scheduler(folder)
     resumed._load_rng_state(folder)  # dropout draws from the restored generators
-    loaded = _differ(_weights(resumed.model), at_save)
+    loaded = _differ(_weights(resumed), at_save)
     lr_loaded = resumed.lr_scheduler.get_last_lr()
     for step in range(SAVE_AT + 1, STEPS + 1):
         _step(resumed, step, rank)
@@ -141,36 +157,37 @@ def run(rank: int, world: int, *, root: str) -> dict[str, Any]:
     # The checkpoint names the plain model's parameters, so it also loads into an unsharded model.
     plain = GPT2LMHeadModel(_config())
     sp.load(folder, {"model": plain}, keys=["model", "model.*"])
+    chunks = sp.read_manifest(folder, chunks=True).tensors["model.transformer.h.0.attn.c_attn.weight"].chunks
     return {
         "fresh_differs": len(fresh) > 0,
         "loaded": loaded,
-        "weights": _differ(_weights(resumed.model), _weights(full.model)),
+        "weights": _differ(_weights(resumed), _weights(full)),
         "optimizer": _differ(_optimizer_state(resumed), _optimizer_state(full)),
         "optimizer_entries": len(_optimizer_state(full)),
         "lr": [lr_loaded, resumed.lr_scheduler.get_last_lr(), full.lr_scheduler.get_last_lr()],
         "steps": [resumed.lr_scheduler.last_epoch, full.lr_scheduler.last_epoch],
-        "unsharded": _differ(_weights(plain), at_save),
-        "chunks": sorted(
-            [list(c.box.offsets), list(c.box.sizes), c.rank]
-            for c in sp.read_manifest(folder, chunks=True).tensors["model.transformer.h.0.attn.c_attn.weight"].chunks
-        ),
+        "unsharded": _differ({k: v for k, v in plain.state_dict().items() if k in at_save}, at_save),
+        "c_attn": sorted([list(c.box.offsets), list(c.box.sizes), c.rank] for c in chunks),
         "folder": sorted(os.listdir(folder)),
-        "trainer": _plain_trainer_under_fsdp(os.path.join(root, "plain")),
+        "trainer": _plain_trainer_under_fsdp(os.path.join(root, f"plain{version}"), version),
     }
 
 
 @pytest.mark.dist
-def test_fsdp2_sharded_model_resumes_bit_exact_through_the_trainer_hooks(tmp_path):
+def test_sharded_model_resumes_bit_exact_through_the_trainer_hooks(tmp_path):
     ranks = launch(2, "tests.clients.test_transformers_trainer_fsdp:run", {"root": str(tmp_path)}, timeout=300)
-    for r in ranks:
-        assert r["fresh_differs"], "the resumed model must start from other weights than the saved ones"
-        assert r["loaded"] == [], "weights differ right after loading the checkpoint"
-        assert r["weights"] == [] and r["optimizer"] == [], "the resumed run diverged from the uninterrupted one"
-        assert r["optimizer_entries"] > 0
-        assert r["lr"][1] == r["lr"][2] and r["lr"][0] != r["lr"][1]
-        assert r["steps"] == [STEPS, STEPS]
-        assert r["unsharded"] == [], "the sharded checkpoint does not load into an unsharded model"
-        assert r["chunks"] == [[[0, 0], [16, 96], 0], [[16, 0], [16, 96], 1]], "each process writes its own half"
-        assert "trainer_state.json" in r["folder"] and "optimizer.pt" not in r["folder"]
-        # transformers.Trainer on CPU: Accelerate drops the FSDP plugin and runs DDP.
-        assert r["trainer"] == {"distributed": "DistributedType.MULTI_CPU", "fsdp": False, "plugin": 2}
+    for rank in ranks:
+        for version, r in rank.items():
+            assert r["fresh_differs"], "the resumed model must start from other weights than the saved ones"
+            assert r["loaded"] == [], f"FSDP{version}: weights differ right after loading the checkpoint"
+            assert r["weights"] == [], f"FSDP{version}: the resumed weights diverged from the uninterrupted run"
+            assert r["optimizer"] == [], f"FSDP{version}: the resumed optimizer diverged from the uninterrupted run"
+            assert r["optimizer_entries"] > 0
+            assert r["lr"][1] == r["lr"][2] and r["lr"][0] != r["lr"][1]
+            assert r["steps"] == [STEPS, STEPS]
+            assert r["unsharded"] == [], f"FSDP{version}: the checkpoint does not load into an unsharded model"
+            assert "trainer_state.json" in r["folder"] and "optimizer.pt" not in r["folder"]
+            # transformers.Trainer on CPU: Accelerate drops the FSDP plugin and runs DDP.
+            assert r["trainer"] == {"distributed": "DistributedType.MULTI_CPU", "fsdp": False, "plugin": int(version)}
+    # FSDP2 shards every parameter by rows: each process wrote its own half, nothing was gathered.
+    assert ranks[0]["2"]["c_attn"] == [[[0, 0], [16, 96], 0], [[16, 0], [16, 96], 1]]
