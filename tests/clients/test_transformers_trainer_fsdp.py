@@ -145,6 +145,13 @@ def interrupted_run(rank: int, root: str, version: int) -> dict[str, Any]:
 
     resumed = _sharded_trainer(out, seed=2, version=version)
     fresh = _differ(_weights(resumed), at_save)
+    # A run with a gradient scaler that the checkpoint lacks is refused, not half restored.
+    resumed.accelerator.scaler, refused = torch.amp.GradScaler("cpu"), ""
+    try:
+        resumed._load_optimizer_and_scheduler(folder)
+    except sp.KeyMismatchError as e:
+        refused = str(e)
+    resumed.accelerator.scaler = None
     # The hooks Trainer calls when resuming under FSDP: the model after wrapping, then optimizer, scheduler, generators.
     resumed._load_from_checkpoint(folder, resumed.model_wrapped)
     resumed._load_optimizer_and_scheduler(folder)
@@ -161,6 +168,7 @@ def interrupted_run(rank: int, root: str, version: int) -> dict[str, Any]:
     return {
         "fresh_differs": len(fresh) > 0,
         "loaded": loaded,
+        "refused": refused,
         "weights": _differ(_weights(resumed), _weights(full)),
         "optimizer": _differ(_optimizer_state(resumed), _optimizer_state(full)),
         "optimizer_entries": len(_optimizer_state(full)),
@@ -183,6 +191,7 @@ def test_sharded_model_resumes_bit_exact_through_the_trainer_hooks(tmp_path):
             assert r["weights"] == [], f"FSDP{version}: the resumed weights diverged from the uninterrupted run"
             assert r["optimizer"] == [], f"FSDP{version}: the resumed optimizer diverged from the uninterrupted run"
             assert r["optimizer_entries"] > 0
+            assert "pattern(s) ['scaler']" in r["refused"], r["refused"]
             assert r["lr"][1] == r["lr"][2] and r["lr"][0] != r["lr"][1]
             assert r["steps"] == [STEPS, STEPS]
             assert r["unsharded"] == [], f"FSDP{version}: the checkpoint does not load into an unsharded model"
