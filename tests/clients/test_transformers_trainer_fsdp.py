@@ -1,19 +1,20 @@
-"""ShardpointTrainer's checkpoint path with an FSDP2-sharded model on two gloo processes.
+"""ShardpointTrainer's checkpoint path with FSDP-sharded models on two gloo processes.
 
 On CPU, Accelerate (1.15) turns its FSDP plugin on only for accelerator devices:
 with ``use_cpu=True`` a ``TrainingArguments(fsdp=True, ...)`` run becomes plain
-DDP (FSDP2), or fails building the plugin (FSDP1, whose ``sync_module_states``
-asks for a GPU). So ``Trainer.train()`` cannot run FSDP here, and the first check
-pins that: when Accelerate starts supporting it, that check fails and this file
-should grow a full ``train()``/resume run.
+DDP (FSDP2, and FSDP1 without ``sync_module_states``; FSDP1 with it fails
+building the plugin, asking for a GPU). So ``Trainer.train()`` cannot run FSDP
+here. One check pins that: when Accelerate starts supporting it, it fails, and
+this file should grow a full ``train()``/resume run.
 
 What can run is everything ShardpointTrainer adds under FSDP: Trainer saves
 ``self.model`` (the sharded model under FSDP) and loads it after wrapping through
-``_load_from_checkpoint(folder, model_wrapped)``. Here the model is sharded with
-``fully_shard`` per GPT-2 block and at the root, as Accelerate's FSDP2 plugin
-does, and driven through those same hooks: a run saves at step 2 and goes on to
-step 4; a fresh, differently initialised sharded model resumes from step 2 and
-must end bit for bit equal, weights, optimizer state and learning rate alike.
+``_load_from_checkpoint(folder, model_wrapped)``. Here a GPT-2 is sharded per
+block and at the root, as Accelerate's plugin does (FSDP2 ``fully_shard``, and
+FSDP1 with ``use_orig_params``), and driven through those same hooks: a run
+saves at step 2 and goes on to step 4; a fresh, differently initialised sharded
+model resumes from step 2 and must end bit for bit equal, gathered weights,
+optimizer state and learning rate alike.
 """
 
 from __future__ import annotations
