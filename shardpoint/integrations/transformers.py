@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 
 _FOLDER = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _HF_WEIGHTS = (SAFE_WEIGHTS_NAME, WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME)
-_TRAINING = ("optimizer", "scheduler", "scaler")
 
 
 def is_shardpoint_checkpoint(folder: str) -> bool:
@@ -97,8 +96,17 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return None
 
 
-def _selected(*keys: str) -> list[str]:
-    return [p for k in keys for p in (k, f"{k}.*")]
+def _selected(folder: str, *keys: str) -> list[str]:
+    """``keys=`` patterns for the entries ``keys`` of the checkpoint in ``folder``.
+
+    ``load`` refuses a pattern that selects nothing, so ``k.*`` is asked for
+    only where the checkpoint has names under ``k``; the bare ``k`` (one value,
+    or anything under it) still makes an entry the checkpoint lacks raise
+    :class:`~shardpoint.KeyMismatchError`.
+    """
+    manifest = read_manifest(folder, chunks=False)
+    names = [*manifest.tensors, *manifest.values]
+    return [p for k in keys for p in ([k, f"{k}.*"] if any(n.startswith(f"{k}.") for n in names) else [k])]
 
 
 class ShardpointTrainer(Trainer):
@@ -200,7 +208,7 @@ class ShardpointTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if not self._ours(resume_from_checkpoint, model_files_fallback=True):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load(resume_from_checkpoint, {"model": self.model if model is None else model}, keys=_selected("model"))
+        load(resume_from_checkpoint, {"model": self.model if model is None else model}, keys=_selected(resume_from_checkpoint, "model"))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not self._ours(checkpoint):
@@ -211,7 +219,7 @@ class ShardpointTrainer(Trainer):
         # The model is in the state only to name the optimizer's parameters; it is not read again.
         state = self._checkpoint_state(with_training=True)
         del state["rng"]
-        load(checkpoint, state, keys=_selected(*_TRAINING))
+        load(checkpoint, state, keys=_selected(checkpoint, *(k for k in state if k != "model")))
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not self._ours(checkpoint):
@@ -223,14 +231,14 @@ class ShardpointTrainer(Trainer):
         if "rng" not in top_level_keys(read_manifest(checkpoint, chunks=False)):
             log.info("%s holds no generator state: reproducibility of the resumed run is not guaranteed", checkpoint)
             return
-        load(checkpoint, {"rng": RNGState()}, keys=_selected("rng"))
+        load(checkpoint, {"rng": RNGState()}, keys=_selected(checkpoint, "rng"))
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
         if best is None or not self._ours(best):
             return super()._load_best_model()
         log.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
-        load(best, {"model": self.model}, keys=_selected("model"))
+        load(best, {"model": self.model}, keys=_selected(best, "model"))
 
     @staticmethod
     def _ours(folder: str, model_files_fallback: bool = False) -> bool:
