@@ -28,7 +28,7 @@ import torch
 from ..errors import IncompleteStateError, ShapeMismatchError, UnsupportedStateError
 from ..format.values import check_optimizer_doc, decode_value, encode_value
 from ..geometry import Box
-from .base import AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor, dtype_name, torch_dtype
+from .base import Adapter, AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor, dtype_name, torch_dtype
 from .landing import live_storages, optimizer_tensors, unlanded
 from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
 
@@ -103,7 +103,7 @@ def check_saved_state(key: str, opt: Any, state_tensors: int) -> None:
         )
 
 
-class OptimizerAdapter:
+class OptimizerAdapter(Adapter):
     """``torch.optim.Optimizer`` state by parameter name; classes with their own protocol are not claimed."""
 
     name = "optimizer"
