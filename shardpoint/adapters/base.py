@@ -15,7 +15,7 @@ import abc
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -210,7 +210,9 @@ class Adapter(abc.ABC):
     then turns the object into a :class:`SavePart` on save and a
     :class:`LoadPart` on load; nothing else in shardpoint knows the framework.
     ``name`` names the adapter in the registry and in the checkpoint's
-    summary of which framework saved each entry.
+    summary of which framework saved each entry. :meth:`logical_value` and
+    :meth:`read_value` are abilities with defaults: an adapter overrides them
+    only when its saved value names tensors.
 
     Example::
 
@@ -249,6 +251,25 @@ class Adapter(abc.ABC):
         ``tensors`` the checkpoint's tensor entries by name, and ``where``
         names the checkpoint in error messages.
         """
+
+    def logical_value(self, key: str, value: Any, rules: Sequence[Any]) -> Any:
+        """The value :meth:`save` returned for ``key``, named as the layout rules ``rules`` name tensors.
+
+        A save under layout rules stores logical tensor names; an adapter
+        whose value names tensors (an optimizer's per-parameter state) renames
+        them here. By default the value names no tensors and is unchanged.
+        """
+        return value
+
+    def read_value(self, key: str, obj: Any, doc: Any, ctx: AdapterContext, rules: Sequence[Any], where: str) -> Any:
+        """The saved value ``doc`` of ``key`` as this adapter's :meth:`load` reads it.
+
+        The inverse of :meth:`logical_value` under layout rules ``rules``, and
+        any other view the adapter accepts (the optimizer adapter reads a
+        document keyed the way ``get_optimizer_state_dict`` keys it). By
+        default ``doc`` is read as saved.
+        """
+        return doc
 
 
 def global_cost(shape: tuple[int, ...], itemsize: int, replica_count: int, mesh_size: int) -> float:

@@ -130,3 +130,9 @@ def test_an_adapter_must_implement_claims_save_and_load():
 
     with pytest.raises(TypeError, match=r"abstract method.*load"):
         Partial()
+
+
+def test_the_value_abilities_default_to_the_value_as_saved():
+    adapter, value = LedgerAdapter(), {"step": 3}
+    assert adapter.logical_value("ledger", value, rules=[sp.Fused("w", dim=0, parts=[("a", 2), ("b", 2)])]) is value
+    assert adapter.read_value("ledger", Ledger(torch.zeros(1), 0), value, ctx=None, rules=[], where="ckpt") is value
