@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint import rng as R
+from shardpoint.training import rng as R
 from shardpoint.training.rng import RNGState, capture_rows, derive_seed, pick_row, restore_rows
 
 
