@@ -1,25 +1,44 @@
-"""Adapters: one per framework, tried in order; the first that claims an object handles it.
+"""Adapters: one per framework, tried in registry order; the first that claims an object handles it.
 
-The order matters: optimizers and modules are also "stateful" objects, so the
-specific adapters come before the generic ``StatefulAdapter`` and the
-``TreeAdapter`` fallback.
+Every adapter subclasses :class:`Adapter` (``claims``, ``save``, ``load``).
+The registry (:mod:`shardpoint.adapters.registry`) holds them most specific
+first, with ``TreeAdapter`` last as the fallback; a new framework joins with
+:func:`register_adapter` and no change anywhere else.
+
+Example::
+
+    import shardpoint as sp
+    from shardpoint.adapters import Adapter, LoadPart, SavePart, register_adapter
+
+    @register_adapter
+    class CounterAdapter(Adapter):
+        name = "counter"
+
+        def claims(self, obj):
+            return isinstance(obj, Counter)
+
+        def save(self, key, obj, ctx):
+            return SavePart(value={"count": obj.count}, framework=self.name)
+
+        def load(self, key, obj, doc, tensors, ctx, where="<checkpoint>"):
+            def finish():
+                obj.count = doc["count"]
+                return obj
+            return LoadPart(finish=finish, landed=lambda targets: [])
+
+    sp.save("ckpt", {"counter": Counter()})
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from .base import AdapterContext, LoadPart, LoadTarget, ParamView, Replicas, SavePart, SaveTensor
+from .base import Adapter, AdapterContext, LoadPart, LoadTarget, ParamView, Replicas, SavePart, SaveTensor
 from .context import build_context, resolve_replicas
-from .deepspeed import DeepSpeedAdapter
-from .fsdp1 import FSDP1Adapter
-from .megatron import MegatronAdapter
-from .module import ModuleAdapter, unwrap_module
-from .optimizer import OptimizerAdapter
-from .tree import StatefulAdapter, TreeAdapter
-from .whole import WholeEntry, WholeEntryAdapter
+from .module import unwrap_module
+from .registry import adapter_for, default_adapters, register_adapter, registered_adapters, unregister_adapter
+from .whole import WholeEntry
 
 __all__ = [
+    "Adapter",
     "AdapterContext",
     "LoadPart",
     "LoadTarget",
@@ -29,20 +48,11 @@ __all__ = [
     "Replicas",
     "build_context",
     "resolve_replicas",
+    "register_adapter",
+    "unregister_adapter",
+    "registered_adapters",
     "default_adapters",
     "adapter_for",
     "unwrap_module",
     "WholeEntry",
 ]
-
-
-def default_adapters() -> list:
-    """A fresh list of the built-in adapters, most specific first."""
-    return [WholeEntryAdapter(), DeepSpeedAdapter(), OptimizerAdapter(), FSDP1Adapter(), MegatronAdapter(), ModuleAdapter(), StatefulAdapter(), TreeAdapter()]
-
-
-def adapter_for(obj: Any, adapters: list) -> Any:
-    for a in adapters:
-        if a.claims(obj):
-            return a
-    raise AssertionError("TreeAdapter claims everything")  # pragma: no cover

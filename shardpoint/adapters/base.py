@@ -11,10 +11,11 @@ The rest of shardpoint never imports a framework. :class:`SaveTensor`,
 
 from __future__ import annotations
 
+import abc
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -200,16 +201,75 @@ def match_replicas(patterns, fqn: str) -> tuple[bool, Replicas | None]:
     return False, None
 
 
-class Adapter(Protocol):
-    """One framework's bridge. ``claims`` is tried in registry order."""
+class Adapter(abc.ABC):
+    """One framework's bridge between its objects and shardpoint's tensors with geometry.
 
-    name: str
+    A save and a load ask, for each entry of the state, the first registered
+    adapter whose :meth:`claims` accepts the object (see
+    :func:`shardpoint.adapters.register_adapter` for the order). The adapter
+    then turns the object into a :class:`SavePart` on save and a
+    :class:`LoadPart` on load; nothing else in shardpoint knows the framework.
+    ``name`` names the adapter in the registry and in the checkpoint's
+    summary of which framework saved each entry. :meth:`logical_value` and
+    :meth:`read_value` are abilities with defaults: an adapter overrides them
+    only when its saved value names tensors.
 
-    def claims(self, obj: Any) -> bool: ...
+    Example::
 
-    def save(self, key: str, obj: Any, ctx: AdapterContext) -> SavePart: ...
+        class CounterAdapter(Adapter):
+            name = "counter"
 
-    def load(self, key: str, obj: Any, doc: Any, tensors: Mapping[str, Any], ctx: AdapterContext) -> LoadPart: ...
+            def claims(self, obj):
+                return isinstance(obj, Counter)
+
+            def save(self, key, obj, ctx):
+                return SavePart(value={"count": obj.count}, framework=self.name)
+
+            def load(self, key, obj, doc, tensors, ctx, where="<checkpoint>"):
+                def finish():
+                    obj.count = doc["count"]
+                    return obj
+                return LoadPart(finish=finish, landed=lambda targets: [])
+    """
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def claims(self, obj: Any) -> bool:
+        """Whether this adapter saves and loads ``obj``."""
+
+    @abc.abstractmethod
+    def save(self, key: str, obj: Any, ctx: AdapterContext) -> SavePart:
+        """The tensors and JSON-safe value that ``state[key] = obj`` contributes to a save."""
+
+    @abc.abstractmethod
+    def load(self, key: str, obj: Any, doc: Any, tensors: Mapping[str, Any], ctx: AdapterContext,
+             where: str = "<checkpoint>") -> LoadPart:
+        """The targets to fill for ``state[key] = obj`` and how to install them.
+
+        ``doc`` is the value saved under ``key`` (``None`` if absent),
+        ``tensors`` the checkpoint's tensor entries by name, and ``where``
+        names the checkpoint in error messages.
+        """
+
+    def logical_value(self, key: str, value: Any, rules: Sequence[Any]) -> Any:
+        """The value :meth:`save` returned for ``key``, named as the layout rules ``rules`` name tensors.
+
+        A save under layout rules stores logical tensor names; an adapter
+        whose value names tensors (an optimizer's per-parameter state) renames
+        them here. By default the value names no tensors and is unchanged.
+        """
+        return value
+
+    def read_value(self, key: str, obj: Any, doc: Any, ctx: AdapterContext, rules: Sequence[Any], where: str) -> Any:
+        """The saved value ``doc`` of ``key`` as this adapter's :meth:`load` reads it.
+
+        The inverse of :meth:`logical_value` under layout rules ``rules``, and
+        any other view the adapter accepts (the optimizer adapter reads a
+        document keyed the way ``get_optimizer_state_dict`` keys it). By
+        default ``doc`` is read as saved.
+        """
+        return doc
 
 
 def global_cost(shape: tuple[int, ...], itemsize: int, replica_count: int, mesh_size: int) -> float:

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..errors import UnsupportedStateError
 from ..geometry import Box
-from .base import AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor
+from .base import Adapter, AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor
 from .tensors import load_target, save_tensor
 
 __all__ = [
@@ -324,7 +324,7 @@ def _check_extra_state(root: nn.Module, key: str) -> None:
             )
 
 
-class FSDP1Adapter:
+class FSDP1Adapter(Adapter):
     """Modules wrapped in FSDP1: flat-parameter slices as flat ranges, no all-gather."""
 
     name = "fsdp1"

@@ -51,7 +51,7 @@ from torch import nn
 
 from ..errors import UnsupportedStateError
 from ..geometry import Box
-from .base import AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor
+from .base import Adapter, AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor
 from .experts import megatron_expert_prefixes, megatron_grouped_experts, rename_prefix
 from .module import unwrap_module
 
@@ -289,7 +289,7 @@ def megatron_global_shapes(key: str, m: nn.Module) -> dict[str, tuple[int, ...]]
     return {fqn: shard.shape for fqn, _, _, shard in items}
 
 
-class MegatronAdapter:
+class MegatronAdapter(Adapter):
     """Saves and loads a Megatron-Core module (any TP/PP/DP layout), storing global tensors.
 
     Example::

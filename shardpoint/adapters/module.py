@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import IncompleteStateError, UnsupportedStateError
 from ..format.values import decode_value, encode_value
-from .base import AdapterContext, LoadPart, SavePart
+from .base import Adapter, AdapterContext, LoadPart, SavePart
 from .landing import alias_key, live_storages, local_of, module_tensors, same_bits, storage_of, unlanded
 from .tensors import is_dtensor, load_target, save_tensor
 
@@ -99,7 +99,7 @@ def protocol_prefixes(m: nn.Module) -> tuple[str, ...]:
     return tuple(out)
 
 
-class ModuleAdapter:
+class ModuleAdapter(Adapter):
     """Modules: in place where the state dict's tensors are the live ones, ``load_state_dict`` elsewhere.
 
     A state-dict entry that aliases a parameter or buffer (same storage,

@@ -21,21 +21,23 @@ with zeros in padding, so FSDP1 state moves to and from any layout.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from ..errors import IncompleteStateError, ShapeMismatchError, UnsupportedStateError
 from ..format.values import check_optimizer_doc, decode_value, encode_value
 from ..geometry import Box
-from .base import AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor, dtype_name, torch_dtype
+from ..layouts import optimizer_doc_to_logical, optimizer_doc_to_physical
+from .dcp_names import dcp_to_native, is_dcp_optimizer_doc
+from .base import Adapter, AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor, dtype_name, torch_dtype
 from .landing import live_storages, optimizer_tensors, unlanded
 from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
 
 # State that is one value per parameter even when the parameter itself is 0-d.
 _SCALAR_STATE = frozenset({"step"})
 
-__all__ = ["OptimizerAdapter", "param_name", "reusable_state", "own_protocol", "check_saved_state"]
+__all__ = ["OptimizerAdapter", "param_name", "param_names", "reusable_state", "own_protocol", "check_saved_state"]
 
 log = logging.getLogger("shardpoint")
 
@@ -43,6 +45,17 @@ log = logging.getLogger("shardpoint")
 def param_name(key: str, p: torch.Tensor, gi: int, i: int, ctx: AdapterContext) -> str:
     """The parameter's fully qualified name, or a positional fallback if no module owns it."""
     return ctx.param_names.get(id(p), f"{key}.unnamed.{gi}.{i}")
+
+
+def param_names(opt: torch.optim.Optimizer, ctx: AdapterContext) -> list[str]:
+    """The state names of ``opt``'s parameters (those a module in the state owns).
+
+    Example::
+
+        param_names(opt, build_context(state, 0, 1, False))  # ['model.w', 'model.b']
+    """
+    names = (ctx.param_names.get(id(p)) for g in opt.param_groups for p in g["params"])
+    return [n for n in names if n is not None]
 
 
 def own_protocol(cls: type) -> bool:
@@ -103,7 +116,7 @@ def check_saved_state(key: str, opt: Any, state_tensors: int) -> None:
         )
 
 
-class OptimizerAdapter:
+class OptimizerAdapter(Adapter):
     """``torch.optim.Optimizer`` state by parameter name; classes with their own protocol are not claimed."""
 
     name = "optimizer"
@@ -148,6 +161,24 @@ class OptimizerAdapter:
 
     def load(self, key, opt, doc, tensors: Mapping[str, Any], ctx, where="<checkpoint>") -> LoadPart:
         return _OptimizerLoad(key, opt, doc, tensors, ctx, where).plan()
+
+    def logical_value(self, key: str, value: Any, rules: Sequence[Any]) -> Any:
+        """The document with per-parameter entries under the layout rules' logical names."""
+        return optimizer_doc_to_logical(key, value, rules)
+
+    def read_value(self, key: str, opt: Any, doc: Any, ctx: AdapterContext, rules: Sequence[Any], where: str) -> Any:
+        """The document in this optimizer's own naming.
+
+        A document keyed the way ``get_optimizer_state_dict`` keys it (state
+        by the model's parameter names) is viewed in the optimizer's naming;
+        under layout rules its logical names become the target's physical ones.
+        """
+        if is_dcp_optimizer_doc(doc):
+            doc = dcp_to_native(doc, param_names(opt, ctx), where)
+        if rules:
+            check_optimizer_doc(doc, f"{where}: entry {key!r}")
+            doc = optimizer_doc_to_physical(key, doc, rules, ctx.param_names.values())
+        return doc
 
 
 class _OptimizerLoad:

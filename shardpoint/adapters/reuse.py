@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..format.values import encode_value
-from .base import AdapterContext, SavePart
+from .base import Adapter, AdapterContext, SavePart
 from .module import unwrap_module
 
 __all__ = ["PartCache"]
@@ -174,10 +174,10 @@ class PartCache:
         fp = _module_fp(unwrap_module(obj)) if hit[2] == "module" else _optimizer_fp(obj, ctx)
         return hit if fp == hit[3] else None
 
-    def put(self, key: str, obj: Any, adapter: Any, part: SavePart, ctx: AdapterContext) -> None:
+    def put(self, key: str, obj: Any, adapter: Adapter, part: SavePart, ctx: AdapterContext) -> None:
         """Remember ``part`` for ``state[key]`` when the entry is of a reusable kind."""
         self._parts.pop(key, None)
-        name = getattr(adapter, "name", "")
+        name = adapter.name
         if name == "module" and isinstance(obj, nn.Module) and not part.value:
             fp = _module_fp(unwrap_module(obj))
             kind = "module"

@@ -18,17 +18,7 @@ import torch
 from .base import AdapterContext
 from .optimizer import own_protocol
 
-__all__ = ["StepUpdates", "step_updates", "saves_optimizer_state", "optimized_names", "optimized_tensors"]
-
-
-def saves_optimizer_state(obj: Any) -> bool:
-    """Whether ``obj`` is an optimizer whose state the optimizer adapter saves tensor by tensor.
-
-    Example::
-
-        saves_optimizer_state(torch.optim.AdamW(model.parameters()))  # True
-    """
-    return isinstance(obj, torch.optim.Optimizer) and not own_protocol(type(obj))
+__all__ = ["StepUpdates", "step_updates", "optimized_names", "optimized_tensors"]
 
 
 class StepUpdates:

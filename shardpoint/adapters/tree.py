@@ -9,7 +9,7 @@ import torch
 
 from ..errors import CheckpointError, FormatError, IncompleteStateError, UnsupportedStateError, mismatch_error
 from ..format.values import decode_value, encode_value
-from .base import AdapterContext, LoadPart, SavePart, dtype_name, torch_dtype
+from .base import Adapter, AdapterContext, LoadPart, SavePart, dtype_name, torch_dtype
 from .landing import alias_key, live_storages, local_of, same_bits, storage_of, tree_tensors, unlanded
 from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
 
@@ -93,7 +93,7 @@ def decode_tree(
     return part, holder, settle
 
 
-class TreeAdapter:
+class TreeAdapter(Adapter):
     """Fallback for tensors, DTensors and plain data (numbers, strings, lists, dicts)."""
 
     name = "values"
@@ -117,7 +117,7 @@ class TreeAdapter:
         return part
 
 
-class StatefulAdapter:
+class StatefulAdapter(Adapter):
     """Any object with ``state_dict()`` and ``load_state_dict()``: its own protocol, tensors resharded.
 
     The state dict is saved as a tree whose tensors keep their geometry

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import UnsupportedStateError
 from ..geometry import Box
-from .base import LoadTarget, torch_dtype
+from .base import Adapter, LoadTarget, torch_dtype
 from .tree import decode_tree
 
 __all__ = ["WholeEntry", "WholeEntryAdapter"]
@@ -35,7 +35,7 @@ class WholeEntry:
     """A placeholder for a checkpoint entry to be returned whole (only the load creates these)."""
 
 
-class WholeEntryAdapter:
+class WholeEntryAdapter(Adapter):
     """Loads a :class:`WholeEntry` as the saved entry, tensors as full CPU tensors."""
 
     name = "whole"

@@ -116,7 +116,7 @@ def _convert_hint(names: list[str]) -> str:
 
 def _run_folder_error(storage: Storage, names: list[str]) -> CheckpointError | None:
     """The error for a manager's run folder (``step_XXXXXXXX`` folders under it), listing its steps."""
-    from ..manager.layout import STEP_PATTERN, committed_steps, step_folder  # the manager imports this module's users
+    from ..manager.folders import STEP_PATTERN, committed_steps, step_folder  # the manager imports this module's users
 
     if not any(STEP_PATTERN.match(n.split("/", 1)[0]) for n in names):
         return None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from ..adapters import adapter_for, build_context, default_adapters
-from ..adapters.loading import native_doc, physical_shapes
+from ..adapters.loading import physical_shapes
 from ..format.manifest import Manifest
 from ..layouts import LayoutView, apply_load
 from .names import entry_selected, name_selected
@@ -57,8 +57,9 @@ def plan_entries(
         if key not in manifest.values and not any(f == key or f.startswith(prefix) for f in manifest.tensors):
             plan.missing.append(key)
             continue
-        doc = native_doc(key, obj, manifest.values.get(key), ctx, layouts, where)
-        part = adapter_for(obj, adapters).load(key, obj, doc, view if view is not None else manifest.tensors, ctx, where)
+        adapter = adapter_for(obj, adapters)
+        doc = adapter.read_value(key, obj, manifest.values.get(key), ctx, layouts, where)
+        part = adapter.load(key, obj, doc, view if view is not None else manifest.tensors, ctx, where)
         if view is not None:
             part.targets = apply_load(part.targets, layouts)
             part.consumed = {n for f in part.consumed for n in view.logical_names(f)}

@@ -56,7 +56,7 @@ Guarantees:
   makes the phase raise :class:`CheckpointTimeoutError`.
 
 The package has one module per concern: ``policies`` (when to save),
-``layout`` (step folders and their listing), ``steplock``, ``retention``,
+``folders`` (step folders and their listing), ``steplock``, ``retention``,
 ``restore``, ``watchdog``, ``collectives`` (the private group and typed
 timeouts), ``pending`` (the save in flight), ``faults`` (test-only fault
 injection), ``bootstrap`` (``init_distributed``), ``options`` (the
@@ -67,7 +67,7 @@ from ..errors import CheckpointTimeoutError, ConcurrentSaveError, deprecated_err
 from .bootstrap import init_distributed
 from .core import CheckpointManager
 from .faults import FAULT_ENV, fault_from_env
-from .layout import HINT_NAME, LOCK_NAME, step_folder
+from .folders import HINT_NAME, LOCK_NAME, step_folder
 from .policies import EveryNSteps, EveryTSeconds, OnDemand, SavePolicy
 from .watchdog import HANG_EXIT_CODE, HangReport
 

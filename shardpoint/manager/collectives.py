@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 from ..dist import Comm, destroy_private_group, private_group
 from ..errors import CheckpointError, CheckpointTimeoutError, DistributedError
 from .faults import FaultHook
-from .layout import step_folder
+from .folders import step_folder
 from .watchdog import HangReport, Watchdog, hang_action, raises_on_hang
 
 __all__ = ["Collectives", "is_timeout", "is_comm_failure"]

@@ -18,7 +18,7 @@ from ..peer import RestoreReport
 from ..storage import Storage, storage_for
 from .collectives import Collectives
 from .faults import FaultHook, fault_from_env
-from .layout import HINT_NAME, committed_steps, step_folder
+from .folders import HINT_NAME, committed_steps, step_folder
 from .options import UNSET, check_arguments, resolve_mode, save_policies
 from .pending import DoneHandle, PendingSave, stalled_error, wait_judging_progress
 from .policies import OnDemand, SavePolicy
@@ -71,7 +71,7 @@ class CheckpointManager:
         stale_lock_s: age after which a step lock whose owner cannot be checked
             (another host) is considered abandoned.
         write_hint: also write the ``latest`` hint file after each commit.
-        memory: a :class:`~shardpoint.PeerMemory` tier: memory checkpoints at
+        memory: a :class:`~shardpoint.PeerMemory`: memory checkpoints at
             its interval, and ``restore`` from the newest step complete in this
             host's or peers' memory before the stored ones (see
             :mod:`shardpoint.peer`); ``last_restore`` reports the step and source.
@@ -126,7 +126,7 @@ class CheckpointManager:
         self.write_hint = write_hint
         self.save_options = dict(save_options or {})
         self.load_options = dict(load_options or {})
-        self.memory = memory  # a PeerMemory tier, or None
+        self.memory = memory  # a PeerMemory, or None
         self.last_restore: Any = None  # the RestoreReport of the last restore
         self.stop_requested = False
         self._clock = clock

@@ -42,7 +42,7 @@ def resolve_mode(mode: Any, async_mode: Any) -> str | None:
 def save_policies(interval: int | None, policies: Sequence[SavePolicy], memory: Any = None) -> list[SavePolicy]:
     """The manager's save policies; a manager with none would never save, so that is refused.
 
-    A :class:`~shardpoint.PeerMemory` tier saves at its own interval, so with
+    A :class:`~shardpoint.PeerMemory` saves at its own interval, so with
     ``memory`` no storage policy is needed.
 
     Example::

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import CheckpointTimeoutError
 from ..runtime.progress import ACTIVITY
-from .layout import step_folder
+from .folders import step_folder
 
 __all__ = ["PendingSave", "DoneHandle", "stalled_error", "wait_judging_progress"]
 

@@ -18,7 +18,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatErro
 from ..peer import RestoreReport
 from ..storage import Storage
 from .collectives import Collectives
-from .layout import committed_steps, step_folder
+from .folders import committed_steps, step_folder
 from .retention import StepsInUse
 
 __all__ = ["LOAD_FALLBACK", "restore_newest"]

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 from ..engine.claim import claim_is_live
 from ..format.manifest import MANIFEST_NAME
 from ..storage import Storage
-from .layout import LOCK_NAME, scan_steps, step_folder
+from .folders import LOCK_NAME, scan_steps, step_folder
 from .steplock import StepLock
 
 __all__ = ["StepsInUse", "Retention"]

@@ -23,7 +23,7 @@ from ..engine.claim import claim_is_live
 from ..errors import ConcurrentSaveError
 from ..format.manifest import MANIFEST_NAME
 from ..storage import Storage
-from .layout import LOCK_NAME, step_folder
+from .folders import LOCK_NAME, step_folder
 
 __all__ = ["StepLock", "process_start"]
 

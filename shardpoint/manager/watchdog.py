@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 from ..errors import CheckpointTimeoutError
 from ..runtime.progress import ACTIVITY
-from .layout import step_folder
+from .folders import step_folder
 
 __all__ = [
     "HANG_EXIT_CODE", "HangReport", "Watchdog", "all_stacks", "exit_on_hang", "hang_action", "under_torchrun",

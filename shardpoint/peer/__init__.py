@@ -5,12 +5,12 @@
   falling back chunk by chunk to the next copy.
 - :mod:`.serve`: the server thread and client that move a peer's bytes over the process group.
 - :mod:`.restore`: loading one complete memory step, phase by phase.
-- :mod:`.tier`: :class:`PeerMemory`, which saves, replicates and restores.
+- :mod:`.memory`: :class:`PeerMemory`, which saves, replicates and restores.
 """
 
 from .plan import HostListing, MemoryChoice, StepCopy, Transfer, choose_memory_step, complete_steps, replica_hosts, source_order, transfers
 from .routed import RoutedStorage
-from .tier import DOMAIN_ENV, HOST_ENV, PeerMemory, RestoreReport, default_memory_dir, host_id
+from .memory import DOMAIN_ENV, HOST_ENV, PeerMemory, RestoreReport, default_memory_dir, host_id
 
 __all__ = [
     "PeerMemory", "RestoreReport", "host_id", "default_memory_dir", "HOST_ENV", "DOMAIN_ENV",

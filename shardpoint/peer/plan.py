@@ -2,7 +2,7 @@
 
 Nothing here touches a process, a file or the network: hosts, folders and
 files are plain values, so every rule is unit-tested (and property-tested) in
-milliseconds. :mod:`shardpoint.peer.tier` runs these plans.
+milliseconds. :mod:`shardpoint.peer.memory` runs these plans.
 
 - :func:`replica_hosts`: where a host's shards are copied, across failure domains.
 - :func:`transfers`: which rank sends which files to which rank to replicate them.

@@ -47,7 +47,7 @@ class RestoreReport:
 
     ``source`` is the job's: ``"memory"`` (every rank read only its own
     host's memory), ``"peer"`` (some bytes came from other hosts' memory)
-    or ``"storage"`` (the persistent tiers); ``rank_source`` is this rank's
+    or ``"storage"`` (the persistent checkpoint); ``rank_source`` is this rank's
     alone. ``bytes_from`` counts the bytes this rank read per host (a chunk
     read again from another copy counts on both). ``seconds`` maps phases
     to seconds on this rank: ``plan`` (announcements and the plan),

@@ -17,7 +17,7 @@ from typing import AbstractSet, Any, Sequence
 
 from ..adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters
 from ..items import dtype_name
-from ..adapters.stepped import optimized_names, optimized_tensors, saves_optimizer_state
+from ..adapters.stepped import optimized_names, optimized_tensors
 from ..adapters.experts import deepspeed_expert_rules, place_experts
 from ..adapters.reuse import PartCache
 from ..dist import Comm, Outcome
@@ -26,7 +26,7 @@ from ..engine.commit import commit_gathered, write_index
 from ..errors import UnsupportedStateError
 from ..format.manifest import DTYPE_SIZES, FORMAT_VERSION
 from ..geometry.grid import Grid
-from ..layouts import apply_reduce, apply_save, optimizer_doc_to_logical
+from ..layouts import apply_reduce, apply_save
 from ..runtime.monitor import Recorder
 from ..planning.describe import CandidateGrids, Description, RankReport, RankStatus, cover_of, describe, values_doc
 from ..planning.writers import WriterChoice, WriterPlan, choose_writers, plan_signature
@@ -217,10 +217,8 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
             if parts is not None:
                 parts.put(key, obj, adapter, part, ctx)
         tensors.extend(part.tensors)
-        values[key] = part.value
+        values[key] = adapter_for(obj, adapters).logical_value(key, part.value, rules) if rules else part.value
         layout[key] = part.framework
-        if rules and saves_optimizer_state(obj):
-            values[key] = optimizer_doc_to_logical(key, part.value, rules)
     prev = cache.checked if cache is not None and not rules else None
     if prev is not None and len(prev.tensors) == len(tensors) and all(a is b for a, b in zip(prev.tensors, tensors)):
         # The very SaveTensor objects checked and planned last time: only the values are checked again.

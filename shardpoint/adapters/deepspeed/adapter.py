@@ -12,7 +12,7 @@ from torch import nn
 
 from ...errors import UnsupportedStateError
 from ...geometry import Box
-from ..base import AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor
+from ..base import Adapter, AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor
 from ..landing import live_storages, module_tensors, storage_of, unlanded
 from ..optimizer import OptimizerAdapter
 from ..tensors import load_target, save_tensor
@@ -103,7 +103,7 @@ def _restore_scaler(zopt: Any, doc: Mapping[str, Any]) -> None:
             setattr(ls, k, torch.tensor(v, dtype=cur.dtype, device=cur.device) if torch.is_tensor(cur) else type(cur)(v))
 
 
-class DeepSpeedAdapter:
+class DeepSpeedAdapter(Adapter):
     """DeepSpeed engines, their modules and ZeRO optimizers: fp32 partitions as flat ranges."""
 
     name = "deepspeed"
@@ -148,7 +148,7 @@ class DeepSpeedAdapter:
             return self._save_optimizer(key, obj, ctx)
         module, zopt = self._module_and_zero(key, obj)
         if zopt is None:  # stage 0: a plain module
-            from .module import ModuleAdapter
+            from ..module import ModuleAdapter
 
             part = ModuleAdapter().save(key, module, ctx)
             part.framework = "deepspeed_zero0"
@@ -224,7 +224,7 @@ class DeepSpeedAdapter:
         module, zopt = self._module_and_zero(key, obj)
         counters = (doc or {}).get("deepspeed", {}) if isinstance(doc, dict) else {}
         if zopt is None:
-            from .module import ModuleAdapter
+            from ..module import ModuleAdapter
 
             part = ModuleAdapter().load(key, module, doc, tensors, ctx, where)
             inner_finish = part.finish

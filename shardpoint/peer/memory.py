@@ -93,7 +93,7 @@ class _StepFolder(LocalStorage):
 
 
 class PeerMemory:
-    """An in-memory checkpoint tier replicated to peer hosts.
+    """Checkpoints in host memory, replicated to the memory of peer hosts.
 
     Args:
         dir: this host's memory folder (default :func:`default_memory_dir`).

@@ -1,4 +1,4 @@
-"""A run root's layout: one folder per step, its lock and the ``latest`` hint, and listing them.
+"""A run root's folders: one folder per step, its lock and the ``latest`` hint, and listing them.
 
 ::
 
