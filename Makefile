@@ -7,7 +7,7 @@ PIP := $(BIN)/pip install -q -c constraints.txt
 # its model package imports triton even on a machine without a GPU.
 TORCHTITAN_DEPS := spmd_types tyro docstring_parser tensorboard torchdata einops triton
 
-.PHONY: install test demo docs package-check test-min bench bench-quick unit clean
+.PHONY: install test test-slow demo docs package-check test-min bench bench-quick unit clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ install: $(BIN)/.installed
 
 test: install
 	$(BIN)/python -m pytest -q tests
+
+# The long multi-process and framework cases the default suite leaves out (marked slow); CI runs them too.
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow tests
 
 unit: install
 	$(BIN)/python -m pytest -q tests/unit tests/storage

@@ -13,7 +13,7 @@ from shardpoint.testing import launch  # noqa: E402
 from . import lightning_cases as C  # noqa: E402
 from .test_lightning import assert_same_state  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # in `make test-slow`, which CI runs
 
 # Lightning catches SIGTERM under DDP, so a hang is cut off by the launcher's hard timeout instead.
 TIMEOUT = 240

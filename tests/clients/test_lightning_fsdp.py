@@ -13,7 +13,7 @@ from shardpoint.testing import launch  # noqa: E402
 from . import lightning_cases as C  # noqa: E402
 from .test_lightning import assert_same_state  # noqa: E402
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # in `make test-slow`, which CI runs
 
 TIMEOUT = 240  # Lightning catches SIGTERM under DDP/FSDP: a hang ends at the launcher's hard timeout
 STEPS = C.N // C.BATCH // 2  # per epoch, per rank

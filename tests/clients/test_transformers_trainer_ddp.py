@@ -11,6 +11,7 @@ from shardpoint.testing import launch  # noqa: E402
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # in `make test-slow`, which CI runs
 def test_two_process_resume_is_bit_exact(tmp_path):
     ranks = launch(2, "tests.clients.transformers_cases:run", {"root": str(tmp_path)}, timeout=400)
     assert ranks[0]["distributed"] == "DistributedType.MULTI_CPU"

@@ -183,6 +183,7 @@ def interrupted_run(rank: int, root: str, version: int) -> dict[str, Any]:
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # in `make test-slow`, which CI runs
 def test_sharded_model_resumes_bit_exact_through_the_trainer_hooks(tmp_path):
     ranks = launch(2, "tests.clients.test_transformers_trainer_fsdp:run", {"root": str(tmp_path)}, timeout=300)
     for rank in ranks:

@@ -13,6 +13,7 @@ from shardpoint.testing import launch
 
 pytestmark = [
     pytest.mark.dist,
+    pytest.mark.slow,  # in `make test-slow`, which CI runs
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"),
 ]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

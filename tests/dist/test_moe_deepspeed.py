@@ -11,7 +11,7 @@ from shardpoint.testing import launch
 
 pytest.importorskip("deepspeed")
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # in `make test-slow`, which CI runs
 
 
 @pytest.fixture(scope="module")

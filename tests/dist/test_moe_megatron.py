@@ -41,6 +41,7 @@ def test_every_global_expert_router_and_moment_bit_exact(saved, world):
         assert r["bad"] == [] and r["checked"] == 8 * len(r["indices"]) + 5, r
 
 
+@pytest.mark.slow  # in `make test-slow`, which CI runs
 def test_expert_tensor_parallel_experts_load_whole_at_ep1(tmp_path):
     """TP 2 x EP 2 on 4 ranks (experts split over the expert TP group) into one process at EP 1, TP 1."""
     root = str(tmp_path)
@@ -51,6 +52,7 @@ def test_expert_tensor_parallel_experts_load_whole_at_ep1(tmp_path):
     assert r == {"checked": 8, "bad": []}
 
 
+@pytest.mark.slow  # in `make test-slow`, which CI runs
 def test_grouped_mlp_experts_reshard_between_ep2_and_ep1(tmp_path):
     """GroupedMLP weights concatenate the local experts: each EP rank's is a box of the global tensor."""
     root = str(tmp_path)
