@@ -53,6 +53,7 @@ from .format.manifest import TensorMeta
 from .geometry import Box
 
 __all__ = [
+    "WholeRule",
     "Fused",
     "Padded",
     "Reduced",
@@ -115,6 +116,25 @@ class Rule:
             return part if part else param
         comps[-2] = part
         return ".".join(comps)
+
+
+class WholeRule(Rule):
+    """A rule that renames a physical tensor to one logical tensor, element for element (no split, no padding).
+
+    Example::
+
+        class Renamed(WholeRule):
+            def logical_name(self, param, part): return "new." + param
+    """
+
+    def segments(self, phys_len: int) -> list[Segment]:
+        return [Segment(0, phys_len, "", 0)]
+
+    def part_names(self) -> list[str]:
+        return [""]
+
+    def physical_len(self, logical: Mapping[str, int]) -> int:
+        return logical[""]
 
 
 @dataclass(frozen=True)

@@ -5,27 +5,12 @@ The registry (:mod:`shardpoint.adapters.registry`) holds them most specific
 first, with ``TreeAdapter`` last as the fallback; a new framework joins with
 :func:`register_adapter` and no change anywhere else.
 
-Example::
+Example (``CounterAdapter`` as in :class:`Adapter`'s example)::
 
     import shardpoint as sp
-    from shardpoint.adapters import Adapter, LoadPart, SavePart, register_adapter
+    from shardpoint.adapters import register_adapter
 
-    @register_adapter
-    class CounterAdapter(Adapter):
-        name = "counter"
-
-        def claims(self, obj):
-            return isinstance(obj, Counter)
-
-        def save(self, key, obj, ctx):
-            return SavePart(value={"count": obj.count}, framework=self.name)
-
-        def load(self, key, obj, doc, tensors, ctx, where="<checkpoint>"):
-            def finish():
-                obj.count = doc["count"]
-                return obj
-            return LoadPart(finish=finish, landed=lambda targets: [])
-
+    register_adapter(CounterAdapter, before="module")
     sp.save("ckpt", {"counter": Counter()})
 """
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..errors import ExpertLayoutError, UnsupportedStateError
 from ..items import SaveTensor
-from ..layouts import Rule, Segment
+from ..layouts import WholeRule
 
 __all__ = ["Experts", "megatron_expert_prefixes", "megatron_grouped_experts", "rename_prefix", "place_experts", "check_divides", "deepspeed_expert_rules"]
 
@@ -116,7 +116,7 @@ def megatron_grouped_experts(m: nn.Module) -> dict[str, int]:
     return out
 
 
-class Experts(Rule):
+class Experts(WholeRule):
     """A plain module's per-rank list of local experts, stored as global experts at their global index.
 
     ``prefix`` names the list (``"model.experts"``: parameters
@@ -184,14 +184,6 @@ class Experts(Rule):
             )
         return f"{self.prefix}.{self.offset() + local}{m.group(2)}"
 
-    def segments(self, phys_len: int) -> list[Segment]:
-        return [Segment(0, phys_len, "", 0)]
-
-    def part_names(self) -> list[str]:
-        return [""]
-
-    def physical_len(self, logical: Mapping[str, int]) -> int:
-        return logical[""]
 
 
 def place_experts(tensors: list[SaveTensor], rules: Sequence[Any], gate: Any) -> list[SaveTensor]:

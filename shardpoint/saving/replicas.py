@@ -35,7 +35,7 @@ import xxhash
 from .digest import HOST, check_mode, digest_all
 from ..errors import ReplicaMismatchError
 from ..items import SaveTensor
-from ..layouts import Rule, Segment
+from ..layouts import WholeRule
 
 __all__ = [
     "COPY_MARK", "Row", "rows_of", "mismatches", "copied_names", "encode_rows", "suspicious", "Gate", "FAILED",
@@ -300,7 +300,7 @@ def check_replicas(tensors: list[SaveTensor], comm: Any, where: str, gate: Gate 
     return [replace(t, fqn=copy_name(t.fqn, t.replica_group)) if t.fqn in copies else t for t in tensors]
 
 
-class CopyRule(Rule):
+class CopyRule(WholeRule):
     """A load rule that reads each name this rank's group saved as its own copy from that copy.
 
     Built by :func:`copy_rule`; ``names`` maps an ordinary name to the
@@ -322,14 +322,6 @@ class CopyRule(Rule):
     def logical_name(self, param: str, part: str) -> str:
         return self.names[param]
 
-    def segments(self, phys_len: int) -> list[Segment]:
-        return [Segment(0, phys_len, "", 0)]
-
-    def part_names(self) -> list[str]:
-        return [""]
-
-    def physical_len(self, logical: Mapping[str, int]) -> int:
-        return logical[""]
 
 
 def copy_rule(names: Iterable[str], rank: int) -> CopyRule | None:
