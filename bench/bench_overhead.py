@@ -50,7 +50,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-from _report import carryover_order  # noqa: E402
+from report import carryover_order  # noqa: E402
 
 MODES = ("sp-eager", "sp-lazy", "sp-peer", "dcp-async", "dcp-sync")
 SIZES = {"680mb": dict(vocab=4096, dim=768, heads=12, layers=7, seq=16), **C.SIZES,
