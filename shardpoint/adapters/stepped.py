@@ -18,7 +18,7 @@ import torch
 from .base import AdapterContext
 from .optimizer import own_protocol
 
-__all__ = ["StepUpdates", "step_updates", "optimized_names", "optimized_tensors"]
+__all__ = ["StepUpdates", "step_updates"]
 
 
 class StepUpdates:
@@ -87,23 +87,3 @@ def step_updates(state: Mapping[str, Any]) -> StepUpdates:
         step_updates({"model": model, "optimizer": opt}).names(ctx)  # {"model.weight", ...}
     """
     return StepUpdates(state)
-
-
-def optimized_names(state: Mapping[str, Any], ctx: AdapterContext) -> set[str]:
-    """The names of the parameters that the optimizers in ``state`` update in ``step()``.
-
-    Example::
-
-        optimized_names({"model": m, "optimizer": opt}, ctx)  # {"model.weight", "model.bias"}
-    """
-    return StepUpdates(state).names(ctx)
-
-
-def optimized_tensors(state: Mapping[str, Any], ctx: AdapterContext) -> list[tuple[str, torch.Tensor]]:
-    """What a lazy save copies in the background, as live tensors: the optimizers' parameters and state.
-
-    Example::
-
-        optimized_tensors({"model": m, "optimizer": opt}, ctx)  # [("model.weight", w), ...]
-    """
-    return StepUpdates(state).live(ctx)

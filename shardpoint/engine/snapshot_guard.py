@@ -24,7 +24,7 @@ Two witnesses tell that a tensor changed:
 
 Example::
 
-    guard = SnapshotGuard.record(optimized_tensors(state, ctx))
+    guard = SnapshotGuard.record(step_updates(state).live(ctx))
     ...  # the copy runs; the loop reaches the fence
     err = guard.check("ckpt/step_100")   # None, or a TornSnapshotError to raise
 """

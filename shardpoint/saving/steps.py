@@ -17,7 +17,7 @@ from typing import AbstractSet, Any, Sequence
 
 from ..adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters
 from ..items import dtype_name
-from ..adapters.stepped import optimized_names, optimized_tensors
+from ..adapters.stepped import step_updates
 from ..adapters.experts import deepspeed_expert_rules, place_experts
 from ..adapters.reuse import PartCache
 from ..dist import Comm, Outcome
@@ -36,7 +36,7 @@ from ..storage import Storage
 
 __all__ = [
     "SaveResult", "mark_phase", "check_block_size", "data_file_name", "PreparedSave", "SaveCache", "CheckedSave",
-    "prepare_save", "describe_prepared", "finish_save", "optimized_names", "optimized_tensors",
+    "prepare_save", "describe_prepared", "finish_save",
 ]
 
 
@@ -208,7 +208,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     tensors: list[SaveTensor] = []
     values, layout = {}, {}
     # Lazily copied: what an optimizer of the state changes in its step(), whose pre-hook fences the save.
-    lazy_ok: set[str] = optimized_names(state, ctx)
+    lazy_ok: set[str] = step_updates(state).names(ctx)
     for key, obj in state.items():
         part = parts.get(key, obj, ctx) if parts is not None else None
         if part is None:
