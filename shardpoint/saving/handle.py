@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
+import weakref
 from typing import Any
 
 from .steps import SaveResult
@@ -24,17 +25,20 @@ from ..engine.snapshot_guard import SnapshotGuard
 from ..errors import DistributedError, TornSnapshotError
 from ..runtime.progress import follow
 
-__all__ = ["AsyncSaveHandle", "EXIT_FENCE_POLL_S"]
-
-EXIT_FENCE_POLL_S = 0.05
-"""How often a writer waiting for the fence looks whether the interpreter is exiting."""
+__all__ = ["AsyncSaveHandle"]
 
 _exiting = threading.Event()
+_waiting: weakref.WeakSet = weakref.WeakSet()  # handles whose writer waits for the fence
+_waiting_lock = threading.Lock()
 
 
 def _at_exit() -> None:
     # At exit the loop can change nothing more: writers still waiting for a fence check it now.
     _exiting.set()
+    with _waiting_lock:
+        handles = list(_waiting)
+    for h in handles:
+        h.wake_at_exit()
 
 
 # Threading's exit hooks run before the executors join their threads, so a writer
@@ -72,6 +76,7 @@ class AsyncSaveHandle:
         self._guard: SnapshotGuard | None = None
         self._fenced = threading.Event()
         self._fenced.set()
+        self._wake = threading.Event()  # the fence passed, or the interpreter is exiting
         self._fence_lock = threading.Lock()
         self._torn: TornSnapshotError | None = None
 
@@ -182,6 +187,7 @@ class AsyncSaveHandle:
             guard, self._guard = self._guard, None
             self._torn = guard.check(self.path) if guard is not None else None
             self._fenced.set()
+            self._wake.set()
 
     def wait_for_fence(self) -> TornSnapshotError | None:
         """Block until the fence (the saver's writer calls this before committing); return the guard's verdict.
@@ -193,11 +199,28 @@ class AsyncSaveHandle:
 
             err = handle.wait_for_fence()
         """
-        while not self._fenced.wait(EXIT_FENCE_POLL_S):
-            if _exiting.is_set() or not threading.main_thread().is_alive():
-                self._copied.wait()
-                self._check_fence()
+        if not self._fenced.is_set():
+            with _waiting_lock:
+                _waiting.add(self)
+            try:
+                if not _exiting.is_set():  # else the exit hook already ran: no wake-up will come
+                    self._wake.wait()
+            finally:
+                with _waiting_lock:
+                    _waiting.discard(self)
+        if not self._fenced.is_set():  # woken by the exit
+            self._copied.wait()
+            self._check_fence()
         return self._torn
+
+    def wake_at_exit(self) -> None:
+        """The interpreter is exiting: a writer waiting for the fence stops waiting and checks it.
+
+        Example::
+
+            handle.wake_at_exit()
+        """
+        self._wake.set()
 
     @property
     def fenced(self) -> bool:

@@ -234,3 +234,29 @@ def test_guard_samples_only_the_largest():
     ts[0][1].data.add_(1)  # unsampled, through .data: invisible to both witnesses
     ts[-1][1].data.add_(1)  # sampled: seen
     assert guard.changed() == [f"t{FINGERPRINTED + 2}"]
+
+
+_EXIT_SCRIPT = """
+import sys, torch, shardpoint as sp
+model = torch.nn.Linear(64, 64)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.randn(4, 64)).sum().backward(); opt.step()
+sp.async_save(sys.argv[1], {"model": model, "optim": opt}, mode="lazy")
+torch.save(model.state_dict(), sys.argv[2])
+# no fence, no wait: the writer waits for a fence that only the exit brings
+"""
+
+
+def test_lazy_save_left_waiting_commits_at_exit(tmp_path):
+    import subprocess
+    import sys
+
+    ckpt, ref = str(tmp_path / "ckpt"), str(tmp_path / "ref.pt")
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, ckpt, ref], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert time.monotonic() - t0 < 60  # the exit woke the writer instead of hanging
+    model = torch.nn.Linear(64, 64)
+    sp.load(ckpt, {"model": model}, strict=False)
+    want = torch.load(ref)
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
