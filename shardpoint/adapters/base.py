@@ -15,7 +15,7 @@ import abc
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -270,6 +270,25 @@ class Adapter(abc.ABC):
         default ``doc`` is read as saved.
         """
         return doc
+
+    def fingerprint(self, key: str, obj: Any, ctx: AdapterContext) -> Hashable | None:
+        """What :meth:`save` builds ``obj``'s part from, for a repeated save to compare.
+
+        A saver keeps the part with this fingerprint and reuses it while the
+        fingerprint of the next save is equal (see
+        :class:`~shardpoint.saving.reuse.SaveCache`); it must therefore change
+        whenever :meth:`save` would return other tensors or another value. By
+        default there is none (``None``): the part is built at every save.
+        """
+        return None
+
+    def refresh(self, key: str, obj: Any, part: SavePart, ctx: AdapterContext) -> SavePart:
+        """A reused ``part`` of ``obj``, brought up to date with what its fingerprint leaves out.
+
+        The optimizer adapter encodes its hyper-parameters afresh here (a
+        scheduler changes ``lr`` every step). By default ``part`` is returned.
+        """
+        return part
 
 
 def global_cost(shape: tuple[int, ...], itemsize: int, replica_count: int, mesh_size: int) -> float:

@@ -43,6 +43,7 @@ embeddings across pipeline stages are refused with
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -71,7 +72,7 @@ def is_megatron(m: Any) -> bool:
 
         is_megatron(gpt_model)  # True for a megatron.core GPTModel
     """
-    if not isinstance(m, nn.Module):
+    if not isinstance(m, nn.Module) or "megatron.core" not in sys.modules:  # no Megatron object without it
         return False
     m = unwrap_module(m)
     if any(getattr(p, "tensor_model_parallel", False) for p in m.parameters()):

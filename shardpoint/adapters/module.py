@@ -8,7 +8,7 @@ names, so a checkpoint taken under DDP loads into FSDP2 and back.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import IncompleteStateError, UnsupportedStateError
 from ..format.values import decode_value, encode_value
 from .base import Adapter, AdapterContext, LoadPart, SavePart
+from .reuse import module_fingerprint
 from .landing import alias_key, live_storages, local_of, module_tensors, same_bits, storage_of, unlanded
 from .tensors import is_dtensor, load_target, save_tensor
 
@@ -151,6 +152,12 @@ class ModuleAdapter(Adapter):
             )
         part.value = {"extra": extra} if extra else {}
         return part
+
+    def fingerprint(self, key: str, obj: nn.Module, ctx: AdapterContext) -> Hashable | None:
+        """The module's object graph (:func:`~shardpoint.adapters.reuse.module_fingerprint`) and its wrapper."""
+        fw = module_framework(obj)
+        fp = None if fw == "fsdp1" else module_fingerprint(unwrap_module(obj))
+        return None if fp is None else (fw, fp)
 
     def load(self, key, obj, doc, tensors: Mapping[str, Any], ctx, where="<checkpoint>") -> LoadPart:
         m = self._check(key, obj)

@@ -21,7 +21,7 @@ with zeros in padding, so FSDP1 state moves to and from any layout.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ from ..geometry import Box
 from ..layouts import optimizer_doc_to_logical, optimizer_doc_to_physical
 from .dcp_names import dcp_to_native, is_dcp_optimizer_doc
 from .base import Adapter, AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor, dtype_name, torch_dtype
+from .reuse import optimizer_fingerprint, refresh_groups
 from .landing import live_storages, optimizer_tensors, unlanded
 from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
 
@@ -158,6 +159,14 @@ class OptimizerAdapter(Adapter):
             t.step_only = True  # the optimizer's state changes only inside its step()
         check_saved_state(key, opt, len(stepped))
         return part
+
+    def fingerprint(self, key: str, opt: torch.optim.Optimizer, ctx: AdapterContext) -> Hashable | None:
+        """The parameters, their names and state tensors (:func:`~shardpoint.adapters.reuse.optimizer_fingerprint`)."""
+        return optimizer_fingerprint(opt, ctx)
+
+    def refresh(self, key: str, opt: torch.optim.Optimizer, part: SavePart, ctx: AdapterContext) -> SavePart:
+        """The kept part with the hyper-parameters encoded afresh."""
+        return refresh_groups(key, opt, part, ctx)
 
     def load(self, key, opt, doc, tensors: Mapping[str, Any], ctx, where="<checkpoint>") -> LoadPart:
         return _OptimizerLoad(key, opt, doc, tensors, ctx, where).plan()

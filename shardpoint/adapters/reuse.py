@@ -1,23 +1,26 @@
-"""Reusing what adapters produced for the previous save of the same objects.
+"""Fingerprints of module and optimizer entries, so a repeated save can reuse their parts.
 
 An asynchronous save's blocking call is mostly the adapter walk: every
 module tensor and optimizer state tensor becomes a :class:`SaveTensor`
 (geometry, a local view, a value document). Between two checkpoints of one
 training run none of that changes: the same parameter objects hold the same
-storage, and the optimizer state tensors are updated in place. So the
-:class:`SavePart` of a module or optimizer entry is kept, together with a
-fingerprint of everything it was built from, and reused when the fingerprint
-still matches.
+storage, and the optimizer state tensors are updated in place. The adapters
+of modules and optimizers therefore give a fingerprint of everything their
+part is built from (:meth:`~shardpoint.adapters.Adapter.fingerprint`), and
+the saver's cache (:class:`~shardpoint.saving.reuse.SaveCache`) reuses the
+part while the fingerprint is unchanged.
 
 The fingerprint is the object graph, not names: every submodule's parameter
 and buffer objects (by identity), each tensor's storage pointer, shape,
 strides and dtype (a ``param.data = ...`` swap keeps the object but changes
-these), the optimizer's parameter list and the identity of every state
-tensor. Anything else (a non-tensor optimizer state value, tensors inside
-hyper-parameters, extra state, state-dict hooks other than FSDP2's
-reshard hook, FSDP1/DeepSpeed/Megatron views) is not reused: those entries go through their adapter every time.
+these), the optimizer's parameter list, the parameters' names and the
+identity of every state tensor. Whatever the graph does not capture gives no
+fingerprint, and the entry goes through its adapter every time: a non-tensor
+optimizer state value, tensors inside hyper-parameters, extra state,
+state-dict hooks other than FSDP2's reshard hook, and optimizers over
+FSDP1, DeepSpeed or Megatron parameters (views and shards in the context).
 Optimizer hyper-parameters (``lr`` changes every step under a scheduler) are
-always encoded afresh.
+encoded afresh at every reuse (:func:`refresh_groups`).
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ import torch
 from torch import nn
 
 from ..format.values import encode_value
-from .base import Adapter, AdapterContext, SavePart
-from .module import unwrap_module
+from .base import AdapterContext, SavePart
 
-__all__ = ["PartCache"]
+__all__ = ["module_fingerprint", "optimizer_fingerprint", "refresh_groups"]
+
+_STRIDED = torch.strided
 
 
 def _tensor_fp(t: Any) -> tuple | None:
@@ -42,9 +46,6 @@ def _tensor_fp(t: Any) -> tuple | None:
     if x.layout is not _STRIDED:  # sparse and other layouts have no single storage to compare
         return None
     return (id(t), id(local), x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
-
-
-_STRIDED = torch.strided
 
 
 def _known_hooks(sub: nn.Module) -> bool:
@@ -64,7 +65,13 @@ def _known_hooks(sub: nn.Module) -> bool:
     return True
 
 
-def _module_fp(m: nn.Module) -> tuple | None:
+def module_fingerprint(m: nn.Module) -> tuple | None:
+    """What a module's saved part is built from, or ``None`` when that cannot be captured.
+
+    Example::
+
+        module_fingerprint(model) == module_fingerprint(model)  # True while nothing was swapped
+    """
     out = []
     for sub in m.modules():
         if not _known_hooks(sub) or type(sub).get_extra_state is not nn.Module.get_extra_state:
@@ -75,14 +82,33 @@ def _module_fp(m: nn.Module) -> tuple | None:
     return tuple(out)
 
 
-def _optimizer_fp(opt: torch.optim.Optimizer, ctx: AdapterContext) -> tuple | None:
+def _tensor_inside(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, dict):
+        return any(_tensor_inside(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_tensor_inside(x) for x in v)
+    return False
+
+
+def optimizer_fingerprint(opt: torch.optim.Optimizer, ctx: AdapterContext) -> tuple | None:
+    """What an optimizer's saved part is built from (hyper-parameter values excepted), or ``None``.
+
+    Example::
+
+        optimizer_fingerprint(opt, ctx)
+    """
+    if ctx.views or getattr(ctx, "shards", None):
+        return None  # FSDP1, DeepSpeed or Megatron parameters: state split through the context
     out = []
     for g in opt.param_groups:
+        if any(_tensor_inside(v) for k, v in g.items() if k != "params"):
+            return None
         ids = []
         for p in g["params"]:
-            s = opt.state.get(p)
             st = []
-            for k, v in (s or {}).items():
+            for k, v in (opt.state.get(p) or {}).items():
                 fp = _tensor_fp(v)
                 if fp is None:  # a non-tensor state value may change every step
                     return None
@@ -92,105 +118,18 @@ def _optimizer_fp(opt: torch.optim.Optimizer, ctx: AdapterContext) -> tuple | No
     return tuple(out)
 
 
-def _ctx_key(ctx: AdapterContext) -> tuple:
-    return (ctx.rank, ctx.world, ctx.allow_pickle, tuple(sorted(ctx.replicas.items())))
+def refresh_groups(key: str, opt: torch.optim.Optimizer, part: SavePart, ctx: AdapterContext) -> SavePart:
+    """``part`` with the optimizer's hyper-parameters as they are now.
 
+    Example::
 
-class PartCache:
-    """Save parts of module and optimizer entries, reused while their fingerprint holds.
-
-    One instance per :class:`~shardpoint.AsyncSaver`; it holds references to
-    the saved objects' tensors only through the cached parts.
+        part = refresh_groups("optim", opt, kept, ctx)
     """
+    def no_tensor(fqn, t):
+        raise ValueError(f"{fqn}: a tensor appeared inside the hyper-parameters")
 
-    def __init__(self) -> None:
-        self._parts: dict[str, tuple] = {}
-        self._ctx: tuple | None = None
-        self._checked: dict[str, SavePart] = {}  # modules validated by context() this round
-        self.hits = 0
-
-    def context(self, state, rank: int, world: int, allow_pickle: bool, replicated_over: Any) -> AdapterContext | None:
-        """The previous save's context, if the state holds the same objects and no module changed.
-
-        The context (parameter names, views, replica groups) is derived from
-        the modules alone, so it is reused only when every module and
-        optimizer entry still matches its cached part; anything else in the
-        state must be a plain value (no framework object that build_context
-        inspects).
-        """
-        self._checked = {}
-        c = self._ctx
-        ids = tuple((k, id(v)) for k, v in state.items())
-        if c is None or c[0] != ids or c[1] != (rank, world, allow_pickle) or c[2] is not replicated_over:
-            return None
-        ctx = c[3]
-        for key, obj in state.items():
-            if isinstance(obj, nn.Module):
-                hit = self._matching(key, obj, ctx)
-                if hit is None or hit[2] != "module":
-                    return None
-                self._checked[key] = hit[4]
-            elif isinstance(obj, torch.optim.Optimizer) and key not in self._parts:
-                return None
-        return ctx
-
-    def remember_context(self, state, rank: int, world: int, allow_pickle: bool, replicated_over: Any, ctx: AdapterContext) -> None:
-        """Keep ``ctx`` for :meth:`context`; holds a reference to ``replicated_over`` so its id stays unique."""
-        self._ctx = (tuple((k, id(v)) for k, v in state.items()), (rank, world, allow_pickle), replicated_over, ctx)
-
-    def get(self, key: str, obj: Any, ctx: AdapterContext) -> SavePart | None:
-        """The part saved last time for ``state[key]``, if nothing it depends on changed."""
-        if key in self._checked:
-            self.hits += 1
-            return self._checked.pop(key)
-        hit = self._matching(key, obj, ctx)
-        if hit is None:
-            return None
-        kind, part = hit[2], hit[4]
-        if kind == "module":
-            self.hits += 1
-            return part
-        groups = []
-        for gi, g in enumerate(obj.param_groups):
-            hyper = {k: v for k, v in g.items() if k != "params"}
-
-            def no_tensor(f, t):
-                raise _NotReusable
-
-            try:
-                groups.append(encode_value(hyper, f"{key}.groups.{gi}", no_tensor, ctx.allow_pickle))
-            except _NotReusable:
-                return None
-        self.hits += 1
-        value = dict(part.value)
-        value["groups"] = groups
-        return SavePart(part.tensors, value, part.framework)
-
-    def _matching(self, key: str, obj: Any, ctx: AdapterContext) -> tuple | None:
-        """The cache entry of ``state[key]`` if it was built from ``obj`` as it is now."""
-        hit = self._parts.get(key)
-        if hit is None or hit[0] is not obj or hit[1] != _ctx_key(ctx):
-            return None
-        fp = _module_fp(unwrap_module(obj)) if hit[2] == "module" else _optimizer_fp(obj, ctx)
-        return hit if fp == hit[3] else None
-
-    def put(self, key: str, obj: Any, adapter: Adapter, part: SavePart, ctx: AdapterContext) -> None:
-        """Remember ``part`` for ``state[key]`` when the entry is of a reusable kind."""
-        self._parts.pop(key, None)
-        name = adapter.name
-        if name == "module" and isinstance(obj, nn.Module) and not part.value:
-            fp = _module_fp(unwrap_module(obj))
-            kind = "module"
-        elif name == "optimizer" and isinstance(obj, torch.optim.Optimizer) and not ctx.views and not getattr(ctx, "shards", None):
-            fp = _optimizer_fp(obj, ctx)
-            kind = "optimizer"
-            if fp is not None and any(".groups." in t.fqn for t in part.tensors):
-                fp = None  # tensors inside hyper-parameters
-        else:
-            return
-        if fp is not None:
-            self._parts[key] = (obj, _ctx_key(ctx), kind, fp, part)
-
-
-class _NotReusable(Exception):
-    pass
+    groups = []
+    for gi, g in enumerate(opt.param_groups):
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        groups.append(encode_value(hyper, f"{key}.groups.{gi}", no_tensor, ctx.allow_pickle))
+    return SavePart(part.tensors, {**part.value, "groups": groups}, part.framework)

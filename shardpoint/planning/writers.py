@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 from ..geometry import Box
 
 __all__ = [
-    "ReplicaItem", "assign_writers", "HeldTensor", "WriterChoice", "WriterPlan", "choose_writers",
+    "ReplicaItem", "assign_writers", "HeldTensor", "WriterChoice", "choose_writers",
     "plan_signature", "SMALL_REPLICA_BYTES",
 ]
 
@@ -141,14 +141,6 @@ class WriterChoice:
         return self.writers.get(key, 0)
 
 
-@dataclass(frozen=True)
-class WriterPlan:
-    """A cached writer choice and the signature of the tensors it was made for (see :func:`plan_signature`)."""
-
-    signature: tuple
-    choice: WriterChoice
-
-
 def plan_signature(tensors: Sequence[HeldTensor]) -> tuple:
     """What a writer choice depends on: names, shapes, dtypes, geometry and replica facts.
 
@@ -157,7 +149,7 @@ def plan_signature(tensors: Sequence[HeldTensor]) -> tuple:
 
     Example::
 
-        if cached.signature == plan_signature(tensors): choice = cached.choice
+        choice, _ = cache.reuse("plan", plan_signature(tensors), lambda: choose_writers(tensors))
     """
     return tuple((t.fqn, t.shape, t.data.dtype, t.box, t.flat, t.replica_index, t.replica_count, t.replica_group) for t in tensors)
 

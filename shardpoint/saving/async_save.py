@@ -61,7 +61,8 @@ from dataclasses import dataclass
 from typing import Any, MutableMapping, Sequence
 
 from .handle import AsyncSaveHandle
-from .steps import SaveCache, SaveResult, mark_phase
+from .reuse import SaveCache
+from .steps import SaveResult, mark_phase
 from . import SaveOptions, SaveTransaction, check_state
 from .background import BackgroundSave
 from ..engine.claim import CommitPolicy

@@ -25,7 +25,8 @@ from ..engine.snapshot_guard import SnapshotGuard
 from ..engine.staging import SaverStaging, StagingRing, optimizer_order
 from ..errors import CheckpointError
 from ..planning.describe import RankReport
-from .steps import SaveCache, data_file_name, mark_phase
+from .reuse import SaveCache
+from .steps import data_file_name, mark_phase
 from .transaction import SaveOptions, SaveTransaction
 
 __all__ = ["BackgroundSave"]

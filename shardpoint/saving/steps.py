@@ -19,7 +19,6 @@ from ..adapters import AdapterContext, SaveTensor, adapter_for, build_context, d
 from ..items import dtype_name
 from ..adapters.stepped import step_updates
 from ..adapters.experts import deepspeed_expert_rules, place_experts
-from ..adapters.reuse import PartCache
 from ..dist import Comm, Outcome
 from ..engine.claim import CommitPolicy, SaveClaim
 from ..engine.commit import commit_gathered, write_index
@@ -29,13 +28,14 @@ from ..geometry.grid import Grid
 from ..layouts import apply_reduce, apply_save
 from ..runtime.monitor import Recorder
 from ..planning.describe import CandidateGrids, Description, RankReport, RankStatus, cover_of, describe, values_doc
-from ..planning.writers import WriterChoice, WriterPlan, choose_writers, plan_signature
+from ..planning.writers import WriterChoice, choose_writers, plan_signature
 from ..runtime.rank_local import rank_local_tensors
 from .replicas import Gate, check_replicas
+from .reuse import SaveCache
 from ..storage import Storage
 
 __all__ = [
-    "SaveResult", "mark_phase", "check_block_size", "data_file_name", "PreparedSave", "SaveCache", "CheckedSave",
+    "SaveResult", "mark_phase", "check_block_size", "data_file_name", "PreparedSave", "CheckedSave",
     "prepare_save", "describe_prepared", "finish_save",
 ]
 
@@ -151,23 +151,18 @@ def _group_translator(comm: Comm):
     return to_group
 
 
-@dataclass(frozen=True)
+@dataclass
 class CheckedSave:
-    """The tensors of the last save, already checked and planned, and what was made of them."""
+    """The tensors of the last save, already checked and planned, and what was made of them.
+
+    ``prepared`` is the latest save prepared from them; its description,
+    made once by :meth:`PreparedSave.summary`, is reused by the next.
+    """
 
     tensors: tuple[SaveTensor, ...]
     choice: WriterChoice
     lazy_ok: frozenset[str]
     prepared: PreparedSave
-
-
-@dataclass
-class SaveCache:
-    """What one saver keeps across its saves (per process group): adapter parts, the last plan, the last checked tensors."""
-
-    parts: PartCache = field(default_factory=PartCache)
-    plan: WriterPlan | None = None
-    checked: CheckedSave | None = None
 
 
 def prepare_save(
@@ -177,7 +172,7 @@ def prepare_save(
     """Describe this rank's part of ``state`` and choose writers: the blocking first step of every save.
 
     Shared by :func:`~shardpoint.save` and the asynchronous saver (which
-    passes a ``cache`` reused across saves).
+    passes a ``cache`` reused across saves, see :mod:`shardpoint.saving.reuse`).
 
     Example::
 
@@ -185,50 +180,66 @@ def prepare_save(
     """
     gate = Gate(comm)  # a rank that fails still joins the gathers of the checks, so none waits on it
     try:
-        return _prepare(state, comm, allow_pickle, where, result, rules, cache, replicated_over, rank_local, gate)
+        return _prepare(state, comm, allow_pickle, where, result, rules, cache or SaveCache(), replicated_over,
+                        rank_local, gate)
     except Exception:
         with contextlib.suppress(Exception):  # the original error is the one to report
             gate.abstain()
         raise
 
 
-def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules, cache: SaveCache | None,
+def _replica_facts(ctx: AdapterContext) -> tuple:
+    return (ctx.rank, ctx.world, ctx.allow_pickle, tuple(sorted(ctx.replicas.items())), ctx.patterns)
+
+
+def _parts(state, ctx: AdapterContext, rules, cache: SaveCache) -> tuple[list[SaveTensor], dict, dict]:
+    """Every entry's tensors, values and framework names, each entry's part reused while its fingerprint holds."""
+    adapters = default_adapters()
+    tensors: list[SaveTensor] = []
+    values, frameworks = {}, {}
+    facts = _replica_facts(ctx)
+    for key, obj in state.items():
+        adapter = adapter_for(obj, adapters)
+        fp = adapter.fingerprint(key, obj, ctx)
+        part, hit = cache.reuse(("part", key), None if fp is None else (obj, adapter.name, facts, fp),
+                                lambda: adapter.save(key, obj, ctx))
+        if hit:
+            part = adapter.refresh(key, obj, part, ctx)
+        tensors.extend(part.tensors)
+        values[key] = adapter.logical_value(key, part.value, rules) if rules else part.value
+        frameworks[key] = part.framework
+    return tensors, values, frameworks
+
+
+def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules, cache: SaveCache,
              replicated_over: Any, rank_local: bool, gate: Gate) -> PreparedSave:
     ta = time.monotonic()
     rules = [*rules, *deepspeed_expert_rules(state)]  # DeepSpeed MoE experts: stored at their global index
-    # Repeated saves (AsyncSaver) reuse the context and the unchanged module and
-    # optimizer parts; layout rules reduce across ranks, so they take the full path.
-    parts = cache.parts if cache is not None and not rules else None
-    ctx = parts.context(state, comm.rank, comm.world, allow_pickle, replicated_over) if parts is not None else None
-    if ctx is None:
-        ctx = build_context(state, comm.rank, comm.world, allow_pickle, replicated_over)
-        if parts is not None:
-            parts.remember_context(state, comm.rank, comm.world, allow_pickle, replicated_over, ctx)
-    adapters = default_adapters()
-    tensors: list[SaveTensor] = []
-    values, layout = {}, {}
+    ctx = build_context(state, comm.rank, comm.world, allow_pickle, replicated_over)
+    tensors, values, layout = _parts(state, ctx, rules, cache)
+    # The very SaveTensor objects checked last time (every part reused): only the values are checked again.
+    # Layout rules reduce across ranks, so a save under rules is checked in full.
+    same = None if rules else (rank_local, tuple(map(id, tensors)))
+    checked, hit = cache.reuse("checked", same, lambda: _check_and_plan(state, tensors, ctx, rules, comm, where, cache,
+                                                                       result, rank_local, gate))
+    if hit:
+        check_replicas(list(checked.tensors), comm, where, gate)
+        result.plan_cached = True
+    elif len(checked.tensors) != len(tensors) or any(a is not b for a, b in zip(checked.tensors, tensors)):
+        cache.forget("checked")  # renamed or cut by the checks: made from more than the tensors
+    mine = [checked.tensors[i] for i in checked.choice.picked]
+    prep = PreparedSave(list(checked.tensors), mine, values, layout, checked.lazy_ok, checked.choice, ctx,
+                        checked.prepared.described if hit else None)
+    checked.prepared = prep
+    mark_phase(result, "plan", ta)
+    return prep
+
+
+def _check_and_plan(state, tensors: list[SaveTensor], ctx: AdapterContext, rules, comm: Comm, where: str,
+                    cache: SaveCache, result: SaveResult, rank_local: bool, gate: Gate) -> CheckedSave:
+    """The tensors checked (dtypes, names, replicas) and the writers chosen; which may be copied lazily."""
     # Lazily copied: what an optimizer of the state changes in its step(), whose pre-hook fences the save.
     lazy_ok: set[str] = step_updates(state).names(ctx)
-    for key, obj in state.items():
-        part = parts.get(key, obj, ctx) if parts is not None else None
-        if part is None:
-            adapter = adapter_for(obj, adapters)
-            part = adapter.save(key, obj, ctx)
-            if parts is not None:
-                parts.put(key, obj, adapter, part, ctx)
-        tensors.extend(part.tensors)
-        values[key] = adapter_for(obj, adapters).logical_value(key, part.value, rules) if rules else part.value
-        layout[key] = part.framework
-    prev = cache.checked if cache is not None and not rules else None
-    if prev is not None and len(prev.tensors) == len(tensors) and all(a is b for a, b in zip(prev.tensors, tensors)):
-        # The very SaveTensor objects checked and planned last time: only the values are checked again.
-        check_replicas(list(prev.tensors), comm, where, gate)
-        result.plan_cached = True
-        mine = [tensors[i] for i in prev.choice.picked]
-        prep = PreparedSave(tensors, mine, values, layout, prev.lazy_ok, prev.choice, ctx, prev.prepared.described)
-        cache.checked = CheckedSave(prev.tensors, prev.choice, prev.lazy_ok, prep)
-        mark_phase(result, "plan", ta)
-        return prep
     lazy_ok.update(t.fqn for t in tensors if t.step_only)  # as each adapter declared it
     if rank_local:  # process_group=LOCAL: one writer, so every tensor must be whole here
         tensors = rank_local_tensors(tensors, where)
@@ -236,24 +247,10 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
         tensors, lazy_ok = _logical(tensors, lazy_ok, rules, comm, gate)
     _check_tensors(tensors, where)
     tensors = check_replicas(tensors, comm, where, gate)  # before anything is written; copies per group get their own names
-
-    # Plan cache: the same names, shapes, dtypes and geometry give the same writers.
-    sig = plan_signature(tensors)
-    hit = cache.plan if cache is not None else None
-    if hit is not None and hit.signature == sig:
-        choice = hit.choice
-        result.plan_cached = True
-    else:
-        choice = choose_writers(tensors)
-        if cache is not None:
-            cache.plan = WriterPlan(sig, choice)  # one layout: a changed layout never reuses stale choices
-    mine = [tensors[i] for i in choice.picked]
+    # The same names, shapes, dtypes and geometry give the same writers.
+    choice, result.plan_cached = cache.reuse("plan", plan_signature(tensors), lambda: choose_writers(tensors))
     lazy = frozenset(lazy_ok)
-    prep = PreparedSave(tensors, mine, values, layout, lazy, choice, ctx)
-    if cache is not None and not rules:
-        cache.checked = CheckedSave(tuple(tensors), choice, lazy, prep)
-    mark_phase(result, "plan", ta)
-    return prep
+    return CheckedSave(tuple(tensors), choice, lazy, PreparedSave(tensors, [], {}, {}, lazy, choice, ctx))
 
 
 def _logical(tensors: list[SaveTensor], lazy_ok: set[str], rules, comm: Comm, gate: Gate) -> tuple[list[SaveTensor], set[str]]:

@@ -34,7 +34,8 @@ from ..errors import UnsupportedStateError
 from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..runtime.monitor import Recorder, format_summary
 from ..planning.describe import RankReport
-from .steps import PreparedSave, SaveCache, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
+from .reuse import SaveCache
+from .steps import PreparedSave, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
 from ..storage import Storage, storage_for
 
 __all__ = ["SaveTransaction", "SaveOptions", "check_state"]

@@ -20,7 +20,7 @@ def _step(m, opt):
 
 
 def _reused(saver) -> int:
-    return saver._plan_cache.parts.hits
+    return saver._plan_cache.reused["part"]
 
 
 def _check(path, m, opt):
@@ -99,3 +99,41 @@ def test_non_tensor_optimizer_state_is_not_reused(tmp_path):
     assert _reused(saver) == 1  # the module only
     doc = sp.read_manifest(str(tmp_path / "b")).values["optimizer"]["state"]
     assert {v["note"] for v in doc.values()} == {2}
+
+
+def test_save_cache_reuses_only_on_an_equal_fingerprint():
+    from shardpoint.saving.reuse import SaveCache
+
+    cache, made = SaveCache(), []
+
+    def make(v):
+        return lambda: made.append(v) or v
+
+    assert cache.reuse("plan", (1, "a"), make("x")) == ("x", False)
+    assert cache.reuse("plan", (1, "a"), make("y")) == ("x", True)  # equal fingerprint: kept result
+    assert cache.reuse("plan", (2, "a"), make("z")) == ("z", False)  # changed: made again and kept
+    assert cache.reuse("plan", (1, "a"), make("w")) == ("w", False)  # only the last result is kept
+    assert cache.reuse(("part", "m"), None, make("n1")) == ("n1", False)
+    assert cache.reuse(("part", "m"), None, make("n2")) == ("n2", False)  # no fingerprint: never kept
+    assert cache.reuse(("part", "m"), 5, make("p")) == ("p", False)
+    cache.forget(("part", "m"))
+    assert cache.reuse(("part", "m"), 5, make("q")) == ("q", False)
+    assert made == ["x", "z", "w", "n1", "n2", "p", "q"]
+    assert cache.reused == {"plan": 1}
+
+
+def test_changing_plain_entries_keep_the_parts_and_the_plan(tmp_path):
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _step(m, opt)
+    saver = sp.AsyncSaver(staging_bytes=1 << 20)
+    for i in range(3):
+        r = saver.save(str(tmp_path / f"s{i}"), {"model": m, "optimizer": opt, "step": i, "meta": {"i": [i]}}).wait()
+        assert r.plan_cached == (i > 0)
+        _step(m, opt)
+    assert _reused(saver) == 4 and saver._plan_cache.reused["checked"] == 2
+    m2 = _model()
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
+    state = {"model": m2, "optimizer": opt2, "step": -1, "meta": {}}
+    sp.load(str(tmp_path / "s2"), state)
+    assert state["step"] == 2 and state["meta"] == {"i": [2]}

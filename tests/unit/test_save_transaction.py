@@ -11,7 +11,8 @@ from shardpoint.adapters.stepped import step_updates
 from shardpoint.saving.handle import AsyncSaveHandle
 from shardpoint.dist import Comm
 from shardpoint.errors import ConcurrentSaveError
-from shardpoint.saving.steps import SaveCache, SaveResult
+from shardpoint.saving.reuse import SaveCache
+from shardpoint.saving.steps import SaveResult
 from shardpoint.saving import SaveOptions, SaveTransaction
 from shardpoint.saving.background import BackgroundSave
 
