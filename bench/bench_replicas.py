@@ -74,7 +74,7 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
         cpu: list[float] = []
         checks = [_timed(lambda: check_replicas(prep.tensors, comm, path), cpu) for _ in range(repeats + 1)][1:]
         digests = [_timed(lambda: rows_of(prep.tensors)) for _ in range(repeats + 1)][1:]
-        held = [t for t in prep.tensors if t.replica_count > 1 or t.layout == "local"]
+        held = [t for t in prep.tensors if t.replica_count > 1 or t.placement == "local"]
         rows = rows_of(prep.tensors)
         table = encode_rows(rows)
         gathers = [_timed(lambda: comm.all_gather_rows(table)) for _ in range(repeats + 1)][1:]

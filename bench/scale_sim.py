@@ -384,7 +384,7 @@ def rank_tensors(specs, m: ModelSpec, lay: Layout, rank: int, mode: str = "pp-aw
 
 def same_tensors(a: list[SaveTensor], b: list[SaveTensor]) -> bool:
     """Field by field, ignoring the data stand-in."""
-    key = lambda t: (t.fqn, t.shape, t.box, t.flat, t.replica_index, t.replica_count, t.cost, t.layout, t.replica_group, t.grid)
+    key = lambda t: (t.fqn, t.shape, t.box, t.flat, t.replica_index, t.replica_count, t.cost, t.placement, t.replica_group, t.grid)
     return [key(t) for t in a] == [key(t) for t in b]
 
 

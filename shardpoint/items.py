@@ -46,6 +46,8 @@ class SaveTensor:
     different tensors. ``grid`` describes the whole tensor's split over a mesh
     of ranks (format version 2 records it instead of every chunk); the save
     checks it against ``box`` and the copy index before trusting it.
+    ``placement`` names how the tensor is spread over ranks (``"local"``,
+    ``"replicated"``, ``"dtensor(Shard(dim=0),)"``...); the manifest records it.
     ``step_only`` is the adapter's declaration that the tensor changes only
     inside ``optimizer.step()`` (optimizer state), so a lazy save may copy it
     after the call returns.
@@ -59,9 +61,9 @@ class SaveTensor:
     replica_index: int = 0
     replica_count: int = 1
     cost: float = 0.0
-    layout: str = ""
+    placement: str = ""
     replica_group: str = ""
-    grid: Any = None  # a shardpoint.geometry.grid.Grid in global ranks, when the layout has one (DTensors)
+    grid: Any = None  # a shardpoint.geometry.grid.Grid in global ranks, when the placement has one (DTensors)
     step_only: bool = False  # changes only inside optimizer.step(): a lazy save may copy it in the background
 
     @property

@@ -244,7 +244,7 @@ def apply_reduce(tensors: list[SaveTensor], rules: Sequence, comm) -> list[SaveT
             comm.all_reduce(data)
             if rule.op == "mean":
                 data = data / comm.world if data.is_floating_point() else data // comm.world
-        out.append(replace(t, data=data, layout=f"reduced:{rule.op}"))
+        out.append(replace(t, data=data, placement=f"reduced:{rule.op}"))
     return out
 
 

@@ -222,10 +222,10 @@ def place_experts(tensors: list[SaveTensor], rules: Sequence[Any], gate: Any) ->
     out = list(tensors)
     for i, k in zip(picked, keys):
         t, ranks = tensors[i], sorted(holders[k])
-        plain = t.layout in ("replicated", "local")
+        plain = t.placement in ("replicated", "local")
         out[i] = replace(
             t, replica_index=ranks.index(me), replica_count=len(ranks), replica_group=",".join(str(r) for r in ranks),
-            grid=None, layout=("replicated" if len(ranks) > 1 else "local") if plain else t.layout,
+            grid=None, placement=("replicated" if len(ranks) > 1 else "local") if plain else t.placement,
         )
     return out
 

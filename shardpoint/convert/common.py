@@ -130,11 +130,11 @@ class CheckpointReader:
 class _File:
     name: str
     writer: Any
-    layout: DataFileWriter
+    packing: DataFileWriter  # where each chunk lands in the data file
 
     @property
     def pos(self) -> int:
-        return self.layout.pos
+        return self.packing.pos
 
 
 @dataclass
@@ -213,7 +213,7 @@ class CheckpointWriter:
             raise ConversionError(f"writer rank must be >= 0, got {rank}")
         f = self._file(rank)
         mv = tensor_bytes(data)
-        t.chunks.append(f.layout.add(mv, box))
+        t.chunks.append(f.packing.add(mv, box))
         self.bytes_written += len(mv)
         self.placements.setdefault(fqn, placement)
 

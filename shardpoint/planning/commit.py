@@ -115,13 +115,13 @@ def assemble_manifest(
             grids.setdefault(fqn, set()).add((grid, e.copy))
             mentions[fqn] = mentions.get(fqn, 0) + len(members)
     values: dict[str, Any] = {}
-    layout: dict[str, Any] = {}
+    frameworks: dict[str, Any] = {}
     for d in docs:
         if d.values is not None:
             for k, vdoc in d.values.values.items():
                 values[k] = merge_values(values[k], vdoc) if k in values else vdoc
-            for k, fw in d.values.layout.items():
-                layout.setdefault(k, fw)
+            for k, fw in d.values.frameworks.items():
+                frameworks.setdefault(k, fw)
     cover: dict[str, int] = {}
     for st in statuses:
         for fqn, n in st.cover.items():
@@ -140,7 +140,7 @@ def assemble_manifest(
         tensors=tensors,
         values=values,
         files=files,
-        layout={"world_size": world, "entries": layout, "placements": placements},
+        layout={"world_size": world, "entries": frameworks, "placements": placements},
         created=created,
         format_version=FORMAT_VERSION,
         ranks=tuple(ranks),

@@ -87,14 +87,14 @@ def _digest(meshes: Sequence[Mesh], rows: Mapping[str, tuple]) -> str:
 
 @dataclass(frozen=True)
 class ValuesDoc:
-    """A rank's value documents (``values``) and each entry's save-time framework (``layout``)."""
+    """A rank's value documents (``values``) and each entry's save-time framework (``frameworks``)."""
 
     values: Mapping[str, Any]
-    layout: Mapping[str, Any]
+    frameworks: Mapping[str, Any]
 
     def digest(self) -> str:
         """xxh3_128 of the documents' JSON (``repr`` for anything JSON cannot encode)."""
-        doc = {"values": self.values, "layout": self.layout}
+        doc = {"values": self.values, "layout": self.frameworks}  # the manifest's name for it
         return xxhash.xxh3_128_hexdigest(json.dumps(doc, separators=(",", ":"), default=repr).encode("utf-8"))
 
 
@@ -162,7 +162,7 @@ class CandidateGrids:
             if key not in self._memo:
                 self._memo[key] = (t.grid if self.to_group is None else self.to_group(t.grid), t.grid)
             return self._memo[key][0]
-        if t.layout not in ("replicated", "local"):
+        if t.placement not in ("replicated", "local"):
             return None
         ranks = self.replica_ranks(t.fqn)
         key = ("plain", id(ranks), len(t.shape))
@@ -239,15 +239,15 @@ def describe(tensors: Sequence[HeldTensor], mine: Sequence[HeldTensor], choice: 
             grid = checked_grid(t, grids.of(t), rank, id(t) in own, copy)
         if grid is None:
             listed.add(fqn)
-            e = entries[fqn] = ListedEntry(dt, shape, t.layout, any(id(x) in own for x in ts))
-            rows[fqn] = (dt, shape, t.layout, None, None, e.wrote)
+            e = entries[fqn] = ListedEntry(dt, shape, t.placement, any(id(x) in own for x in ts))
+            rows[fqn] = (dt, shape, t.placement, None, None, e.wrote)
             continue
         # Tuples do not cache their hash: hash each distinct rank tuple once, not per tensor.
         hit = mesh_of.get((id(grid.ranks), grid.mesh_shape))
         if hit is None:
             hit = mesh_of[(id(grid.ranks), grid.mesh_shape)] = (meshes.setdefault((grid.mesh_shape, grid.ranks), len(meshes)), grid.ranks)
-        entries[fqn] = GridEntry(dt, shape, t.layout, hit[0], grid.splits, copy)
-        rows[fqn] = (dt, shape, t.layout, hit[0], grid.splits, copy)
+        entries[fqn] = GridEntry(dt, shape, t.placement, hit[0], grid.splits, copy)
+        rows[fqn] = (dt, shape, t.placement, hit[0], grid.splits, copy)
     mesh_list = tuple(Mesh(tuple(s), tuple(r)) for s, r in sorted(meshes, key=meshes.get))
     return Description(TensorsDoc(mesh_list, entries), _digest(mesh_list, rows), frozenset(listed))
 
@@ -266,12 +266,12 @@ def cover_of(mine: Sequence[HeldTensor], listed: Collection[str]) -> dict[str, i
     return out
 
 
-def values_doc(values: Mapping[str, Any], layout: Mapping[str, Any]) -> tuple[ValuesDoc, str]:
+def values_doc(values: Mapping[str, Any], frameworks: Mapping[str, Any]) -> tuple[ValuesDoc, str]:
     """A rank's value documents as a :class:`ValuesDoc`, with its digest.
 
     Example::
 
         doc, digest = values_doc({"extra": {"step": 3}}, {"extra": "values"})
     """
-    doc = ValuesDoc(values, layout)
+    doc = ValuesDoc(values, frameworks)
     return doc, doc.digest()

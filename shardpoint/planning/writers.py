@@ -33,7 +33,7 @@ class HeldTensor(Protocol):
     replica_index: int
     replica_count: int
     cost: float
-    layout: str
+    placement: str
     replica_group: str
     grid: Any
 
@@ -145,7 +145,7 @@ def plan_signature(tensors: Sequence[HeldTensor]) -> tuple:
     """What a writer choice depends on: names, shapes, dtypes, geometry and replica facts.
 
     Equal signatures give equal choices, so a saver can reuse the last one;
-    a changed shape or layout never reuses stale choices.
+    a changed shape or placement never reuses stale choices.
 
     Example::
 

@@ -37,7 +37,7 @@ def rank_local_tensors(tensors: Sequence[SaveTensor], where: str) -> list[SaveTe
         if t.flat is not None or t.box != full:
             piece = f"flat range {t.flat} of box {t.box}" if t.flat is not None else f"box {t.box.offsets}+{t.box.sizes}"
             raise UnsupportedStateError(
-                f"{where}: tensor {t.fqn!r} of shape {tuple(t.shape)} is sharded across ranks ({t.layout or 'sharded'}); "
+                f"{where}: tensor {t.fqn!r} of shape {tuple(t.shape)} is sharded across ranks ({t.placement or 'sharded'}); "
                 f"this rank holds only its {piece}, so a rank-local save (process_group=sp.LOCAL) cannot save it "
                 "completely. Save collectively over the ranks that hold it, or save a full copy "
                 "(DTensor.full_tensor(), or get_model_state_dict(..., full_state_dict=True))"

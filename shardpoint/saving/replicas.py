@@ -64,7 +64,7 @@ class Row:
 def _checked(t: SaveTensor) -> bool:
     # Copies compared: every replicated piece, and plain tensors a rank holds alone
     # (another group may hold the same name: see copied_names).
-    return t.replica_count > 1 or t.layout == "local"
+    return t.replica_count > 1 or t.placement == "local"
 
 
 def rows_of(tensors: Iterable[SaveTensor], digests: bool = True) -> list[Row]:

@@ -102,7 +102,7 @@ class PreparedSave:
     tensors: list[SaveTensor]
     mine: list[SaveTensor]
     values: dict
-    layout: dict
+    frameworks: dict
     lazy_ok: AbstractSet[str]
     choice: WriterChoice = field(default_factory=lambda: WriterChoice((), {}))
     ctx: AdapterContext | None = None
@@ -125,7 +125,7 @@ class PreparedSave:
         if self.described is None:
             self.described = describe_prepared(self, comm)
         d = self.described
-        vdoc, vdig = values_doc(self.values, self.layout)
+        vdoc, vdig = values_doc(self.values, self.frameworks)
         status = RankStatus(files, index, d.digest, vdig, cover_of(self.mine, d.listed))
         return RankReport(status, d.doc, vdoc)
 
@@ -216,7 +216,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     ta = time.monotonic()
     rules = [*rules, *deepspeed_expert_rules(state)]  # DeepSpeed MoE experts: stored at their global index
     ctx = build_context(state, comm.rank, comm.world, allow_pickle, replicated_over)
-    tensors, values, layout = _parts(state, ctx, rules, cache)
+    tensors, values, frameworks = _parts(state, ctx, rules, cache)
     # The very SaveTensor objects checked last time (every part reused): only the values are checked again.
     # Layout rules reduce across ranks, so a save under rules is checked in full.
     same = None if rules else (rank_local, tuple(map(id, tensors)))
@@ -228,7 +228,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     elif len(checked.tensors) != len(tensors) or any(a is not b for a, b in zip(checked.tensors, tensors)):
         cache.forget("checked")  # renamed or cut by the checks: made from more than the tensors
     mine = [checked.tensors[i] for i in checked.choice.picked]
-    prep = PreparedSave(list(checked.tensors), mine, values, layout, checked.lazy_ok, checked.choice, ctx,
+    prep = PreparedSave(list(checked.tensors), mine, values, frameworks, checked.lazy_ok, checked.choice, ctx,
                         checked.prepared.described if hit else None)
     checked.prepared = prep
     mark_phase(result, "plan", ta)

@@ -24,8 +24,8 @@ def _listed(shape, placement, wrote):
     return ListedEntry("float32", tuple(shape), placement, wrote)
 
 
-def _values(values=None, layout=None) -> ValuesDoc:
-    return ValuesDoc(values or {}, layout or {})
+def _values(values=None, frameworks=None) -> ValuesDoc:
+    return ValuesDoc(values or {}, frameworks or {})
 
 
 GRID_DOC = _doc([((4,), (0, 1, 2, 3))], w=_grid([8, 2], "dtensor", 0, [[0], []], 0))
