@@ -53,10 +53,11 @@ def _deepspeed():
     return deepspeed
 
 
-def build(ep: int, stage: int, seed: int, stray: bool = False):
+def build(ep: int, stage: int, seed: int, stray: bool = False, bf16: bool = False):
     """(engine, ZeRO optimizer, global index of local expert 0); global expert ``g`` starts from seed ``seed + g``.
 
     ``stray``: the network also holds an expert-parallel parameter outside the MoE layer's experts.
+    ``bf16``: the engine computes in bf16 with fp32 masters.
     """
     ds = _deepspeed()
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -76,7 +77,7 @@ def build(ep: int, stage: int, seed: int, stray: bool = False):
     opt = torch.optim.AdamW(groups, lr=0.1)
     cfg = {
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+        "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "bf16": {"enabled": bf16},
     }
     engine, zopt, _, _ = ds.initialize(model=net, optimizer=opt, config=cfg)
     return engine, zopt, offset
@@ -85,12 +86,13 @@ def build(ep: int, stage: int, seed: int, stray: bool = False):
 def _step(engine, offset: int, s: int) -> None:
     # Each expert's gradient depends on its global index only; the dense ones are the same on every rank.
     net = engine.module
+    dt = net.inp.weight.dtype
     loss = 0
     for i, e in enumerate(net.experts()):
         torch.manual_seed(500 + 10 * s + offset + i)
-        loss = loss + e(torch.randn(3, HIDDEN)).square().sum()
+        loss = loss + e(torch.randn(3, HIDDEN, dtype=dt)).float().square().sum()
     torch.manual_seed(7 + s)
-    loss = loss + net.moe.deepspeed_moe.gate.wg(net.inp(torch.randn(3, HIDDEN))).square().sum()
+    loss = loss + net.moe.deepspeed_moe.gate.wg(net.inp(torch.randn(3, HIDDEN, dtype=dt))).float().square().sum()
     engine.backward(loss)
     engine.step()
 
@@ -115,8 +117,8 @@ def _by_global(engine, offset: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_job(rank: int, world: int, root: str, ep: int, stage: int) -> dict:
-    engine, zopt, offset = build(ep, stage, seed=100)
+def save_job(rank: int, world: int, root: str, ep: int, stage: int, bf16: bool = False) -> dict:
+    engine, zopt, offset = build(ep, stage, seed=100, bf16=bf16)
     for s in range(2):
         _step(engine, offset, s)
     path = os.path.join(root, "ck")
@@ -126,11 +128,11 @@ def save_job(rank: int, world: int, root: str, ep: int, stage: int) -> dict:
     return {"offset": offset, "experts": [n for n in names if n.startswith("model.") and "deepspeed_experts" in n]}
 
 
-def load_job(rank: int, world: int, root: str, ep: int, stage: int, saved_world: int) -> dict:
+def load_job(rank: int, world: int, root: str, ep: int, stage: int, saved_world: int, bf16: bool = False) -> dict:
     ref = {}
     for r in range(saved_world):
         ref.update(load_file(os.path.join(root, f"ref{r}.safetensors")))
-    engine, zopt, offset = build(ep, stage, seed=900)
+    engine, zopt, offset = build(ep, stage, seed=900, bf16=bf16)
     _step(engine, offset, 5)  # state the load must overwrite
     sp.load(os.path.join(root, "ck"), {"model": engine, "optimizer": zopt})
     got = _by_global(engine, offset)

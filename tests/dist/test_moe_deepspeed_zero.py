@@ -26,8 +26,9 @@ def _checked(ep: int) -> int:
     return PER_TENSOR * (2 * 4 // ep + DENSE)  # weight and bias of each local expert, and the dense tensors
 
 
-def _load(root: str, world: int, ep: int, stage: int, saved_world: int) -> list[dict]:
-    results = launch(world, f"{CASES}:load_job", {"root": root, "ep": ep, "stage": stage, "saved_world": saved_world})
+def _load(root: str, world: int, ep: int, stage: int, saved_world: int, bf16: bool = False) -> list[dict]:
+    args = {"root": root, "ep": ep, "stage": stage, "saved_world": saved_world, "bf16": bf16}
+    results = launch(world, f"{CASES}:load_job", args)
     for r in results:
         assert r["bad"] == [] and r["checked"] == _checked(ep), r
         # the engine's MoE group keeps its own expert-parallel name, which DeepSpeed looks its groups up by
@@ -65,6 +66,13 @@ def test_experts_split_over_expert_data_parallel_ranks_load_at_ep1(tmp_path):
     root = str(tmp_path)
     launch(4, f"{CASES}:save_job", {"root": root, "ep": 2, "stage": 2})
     _load(root, 2, 1, 1, saved_world=4)
+
+
+def test_bf16_engine_with_fp32_masters_loads_at_ep1(tmp_path):
+    """bf16 compute: the fp32 masters and moments are restored, and the module's bf16 copies refreshed from them."""
+    root = str(tmp_path)
+    launch(2, f"{CASES}:save_job", {"root": root, "ep": 2, "stage": 1, "bf16": True})
+    _load(root, 1, 1, 2, saved_world=2, bf16=True)
 
 
 def test_expert_parallel_parameter_outside_the_experts_is_refused(tmp_path):
