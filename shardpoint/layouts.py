@@ -311,6 +311,9 @@ def apply_save(tensors: Iterable[SaveTensor], rules: Sequence[Rule]) -> list[Sav
             out.append(t)
             continue
         if t.flat is not None:
+            if isinstance(rule, WholeRule):  # a rename: the flat range stays what it is
+                out.append(replace(t, fqn=_scalar_names(rule, m)[0]))
+                continue
             raise UnsupportedStateError(f"{t.fqn}: layout rules do not apply to flat-parameter shards yet")
         d = rule.dim
         if len(t.shape) <= d:
@@ -335,6 +338,9 @@ def apply_load(targets: Iterable[LoadTarget], rules: Sequence[Rule]) -> list[Loa
             out.append(t)
             continue
         if t.flat is not None:
+            if isinstance(rule, WholeRule):
+                out.append(replace(t, fqn=_scalar_names(rule, m)[0]))
+                continue
             raise UnsupportedStateError(f"{t.fqn}: layout rules do not apply to flat-parameter targets yet")
         d = rule.dim
         if len(t.shape) <= d:

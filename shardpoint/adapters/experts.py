@@ -12,7 +12,10 @@ so each expert's moments follow it.
 Megatron-Core's MoE layers tell their global indices
 (``local_expert_indices``); :func:`megatron_expert_prefixes` reads them and
 :mod:`shardpoint.adapters.megatron` renames the local experts of its
-``SequentialMLP``. A plain module holding a per-rank list of local experts is
+``SequentialMLP``; a ``GroupedMLP``'s two weights (:func:`megatron_grouped_experts`)
+are stored as 3-D tensors indexed by global expert. DeepSpeed MoE layers are
+found by :func:`deepspeed_expert_rules`, in plain modules and in ZeRO-1/2
+engines alike (flat ZeRO pieces are renamed, their ranges unchanged). A plain module holding a per-rank list of local experts is
 declared with one layout rule, :class:`Experts`::
 
     sp.save(path, state, layouts=[sp.Experts("model.experts", num_experts=8, group=ep_group)])
@@ -27,7 +30,7 @@ checked against each other.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from torch import nn
@@ -36,7 +39,7 @@ from ..errors import ExpertLayoutError, UnsupportedStateError
 from ..items import SaveTensor
 from ..layouts import WholeRule
 
-__all__ = ["Experts", "megatron_expert_prefixes", "megatron_grouped_experts", "rename_prefix", "place_experts", "check_divides", "deepspeed_expert_rules"]
+__all__ = ["Experts", "GroupedWeight", "megatron_expert_prefixes", "megatron_grouped_experts", "rename_prefix", "place_experts", "check_divides", "deepspeed_expert_rules"]
 
 
 def check_divides(num_experts: int, ep: int, where: str) -> int:
@@ -95,24 +98,45 @@ def megatron_expert_prefixes(m: nn.Module) -> dict[str, str]:
     return out
 
 
-def megatron_grouped_experts(m: nn.Module) -> dict[str, int]:
-    """Local names of Megatron ``GroupedMLP`` weights -> the dim along which their local experts are concatenated.
+@dataclass(frozen=True)
+class GroupedWeight:
+    """What a Megatron ``GroupedMLP`` weight holds: ``fc1`` (``weight1``) or ``fc2`` (``weight2``) of its local experts.
 
-    ``weight1`` (``[hidden, experts x ffn]``) concatenates experts along dim 1
-    and ``weight2`` (``[experts x ffn, hidden]``) along dim 0, so EP rank
-    ``r``'s local tensor is one box of the global tensor holding every expert.
+    ``experts`` is the number of local experts, ``hidden`` the hidden size
+    and ``glu`` whether ``fc1`` holds a gate and an up projection per expert
+    (``gated_linear_unit=True``).
 
     Example::
 
-        megatron_grouped_experts(moe_layer)  # {"experts.weight1": 1, "experts.weight2": 0}
+        GroupedWeight("fc1", experts=2, hidden=1024, glu=True)
     """
-    out: dict[str, int] = {}
+
+    kind: str
+    experts: int
+    hidden: int
+    glu: bool = False
+
+
+def megatron_grouped_experts(m: nn.Module) -> dict[str, GroupedWeight]:
+    """Local names of Megatron ``GroupedMLP`` weights -> what they hold (:class:`GroupedWeight`).
+
+    ``weight1`` is ``[hidden, local experts x ffn]`` and ``weight2``
+    ``[local experts x ffn, hidden]``, but the grouped GEMM reads their
+    memory as ``[experts, hidden, ffn]`` and ``[experts, ffn, hidden]``: the
+    local experts are consecutive blocks of memory, not column blocks.
+
+    Example::
+
+        megatron_grouped_experts(moe_layer)  # {"experts.weight1": GroupedWeight("fc1", 2, 8), ...}
+    """
+    out: dict[str, GroupedWeight] = {}
     for name, mod in m.named_modules():
         if type(mod).__name__ != "GroupedMLP" or not type(mod).__module__.startswith("megatron."):
             continue
         base = f"{name}." if name else ""
-        out[f"{base}weight1"] = 1
-        out[f"{base}weight2"] = 0
+        n, cfg = int(mod.num_local_experts), mod.config
+        out[f"{base}weight1"] = GroupedWeight("fc1", n, int(cfg.hidden_size), bool(cfg.gated_linear_unit))
+        out[f"{base}weight2"] = GroupedWeight("fc2", n, int(cfg.hidden_size))
     return out
 
 
@@ -242,12 +266,15 @@ def deepspeed_expert_rules(state: Mapping[str, Any]) -> list[Experts]:
 
         rules = deepspeed_expert_rules({"model": model_with_deepspeed_moe})
     """
+    from .deepspeed.detect import is_deepspeed_engine
     from .module import unwrap_module
 
     rules: list[Experts] = []
     for key, obj in state.items():
         if not isinstance(obj, nn.Module):
             continue
+        if is_deepspeed_engine(obj):  # named as its module's own tensors
+            obj = obj.module
         for name, mod in unwrap_module(obj).named_modules():
             local = getattr(mod, "deepspeed_experts", None)
             if not isinstance(local, nn.ModuleList) or not type(mod).__module__.startswith("deepspeed."):

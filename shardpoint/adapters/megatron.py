@@ -32,9 +32,14 @@ experts at their global index (the layer's ``local_expert_indices``; see
 group and replicated over the expert data-parallel group, so a checkpoint
 saved at one EP degree loads at another. Router weights and expert-bias
 buffers are replicated like any dense tensor. A ``GroupedMLP``'s
-``weight1``/``weight2`` concatenate the local experts, so EP rank ``r``
-holds box ``r`` of a global tensor holding every expert (expert tensor
-parallelism is refused there). Other expert-parallel parameters
+``weight1`` (``[hidden, local experts x ffn]``) and ``weight2`` are read
+as the grouped GEMM reads their memory, ``[experts, hidden, ffn]`` and
+``[experts, ffn, hidden]``, and stored as 3-D tensors holding every global
+expert at its index along dim 0: EP rank ``r`` holds the boxes of its
+experts, expert TP rank ``t`` its ffn columns (with gated linear units, its
+columns of the gate half and of the up half, as Megatron's own
+``sharded_state_dict`` splits them). So GroupedMLP checkpoints reshard
+across EP and expert TP degrees. Other expert-parallel parameters
 (``allreduce=False`` outside such experts, e.g. ``TEGroupedMLP``) and tied
 embeddings across pipeline stages are refused with
 :class:`~shardpoint.errors.UnsupportedStateError`.
@@ -53,7 +58,7 @@ from torch import nn
 from ..errors import UnsupportedStateError
 from ..geometry import Box
 from .base import Adapter, AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor
-from .experts import megatron_expert_prefixes, megatron_grouped_experts, rename_prefix
+from .experts import GroupedWeight, megatron_expert_prefixes, megatron_grouped_experts, rename_prefix
 from .module import unwrap_module
 
 __all__ = ["MegatronAdapter", "MegatronShard", "is_megatron", "megatron_names", "megatron_shards", "megatron_global_shapes"]
@@ -87,7 +92,9 @@ class MegatronShard:
     ``pieces`` are ``(local offset, global box)`` along ``dim``: the local
     rows ``[local, local + box.sizes[dim])`` are the global ``box``.
     ``replica`` is (index, count) among ranks holding the same pieces and
-    ``group`` names those ranks (for balancing writers).
+    ``group`` names those ranks (for balancing writers). ``view``, when set,
+    is the shape the local tensor's memory is read in before it is cut (a
+    ``GroupedMLP`` weight: ``[experts, hidden, ffn]``).
 
     Example: TP rank 1 of 2 holding rows 4..8 of an ``[8, 3]`` weight::
 
@@ -101,10 +108,14 @@ class MegatronShard:
     group: str
     holders: tuple[int, int] = (0, 1)
     holders_group: str = ""
+    view: tuple[int, ...] | None = None  # the local tensor's memory read in this shape first (GroupedMLP)
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(self.view) if self.view is not None else t
 
     def save(self, fqn: str, t: torch.Tensor) -> list[SaveTensor]:
         """:class:`SaveTensor` items for ``t`` (the local tensor or state shaped like it)."""
-        t = t.detach()
+        t = self._local(t.detach())
         out = []
         for lo, box in self.pieces:
             data = t.narrow(self.dim, lo, box.sizes[self.dim]) if len(self.pieces) > 1 else t
@@ -125,6 +136,7 @@ class MegatronShard:
 
     def targets(self, fqn: str, dest: torch.Tensor) -> list[LoadTarget]:
         """:class:`LoadTarget` items that fill ``dest`` (shaped like the local tensor) in place."""
+        dest = self._local(dest)
         return [
             LoadTarget(fqn, dest.narrow(self.dim, lo, box.sizes[self.dim]), self.shape, box)
             for lo, box in self.pieces
@@ -154,30 +166,49 @@ def _expert_holders(ps) -> tuple[tuple[int, int], str]:
     return (ranks.index(me), len(ranks)), ",".join(str(r) for r in ranks)
 
 
-def _grouped_shard(name: str, p: torch.Tensor, dim: int) -> MegatronShard:
-    """A ``GroupedMLP`` weight: EP rank ``r``'s local experts are box ``r`` along ``dim`` of the global tensor."""
-    ps = _ps()
-    shape = tuple(int(s) for s in p.shape)
-    if not ps.model_parallel_is_initialized():
-        return MegatronShard(shape, dim, ((0, Box.full(shape)),), (0, 1), "")
-    if ps.get_expert_tensor_parallel_world_size() > 1:
-        raise UnsupportedStateError(
-            f"{name}: GroupedMLP experts with expert tensor parallelism are not supported yet; use "
-            "moe_grouped_gemm=False (SequentialMLP) or expert_tensor_parallel_size=1"
-        )
+def _grouped_shard(name: str, p: torch.Tensor, w: GroupedWeight) -> MegatronShard:
+    """A ``GroupedMLP`` weight as boxes of ``[experts, hidden, ffn]`` (fc1) or ``[experts, ffn, hidden]`` (fc2).
+
+    The grouped GEMM reads the local weight's memory as one block per local
+    expert; EP rank ``r`` holds experts ``r * n .. (r + 1) * n - 1`` (dim 0)
+    and expert TP rank ``t`` of ``tp`` the ffn columns ``t`` of ``tp`` (fc1 with
+    gated linear units: ``t`` of the gate and ``t`` of the up half, as
+    Megatron's own ``sharded_state_dict`` splits them).
+    """
     import torch.distributed as dist
 
-    ep, r = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
-    gshape, offs = list(shape), [0] * len(shape)
-    gshape[dim], offs[dim] = shape[dim] * ep, shape[dim] * r
-    dpg = ps.get_expert_data_parallel_group()
-    hg = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)  # every EP rank holds a box of it
-    holders, hname = (dist.get_rank(hg), dist.get_world_size(hg)), _group_name(hg)
-    replica = (dist.get_rank(dpg), dist.get_world_size(dpg))
-    return MegatronShard(tuple(gshape), dim, ((0, Box(tuple(offs), shape)),), replica, _group_name(dpg), holders, hname)
+    ps = _ps()
+    shape = tuple(int(s) for s in p.shape)
+    n, h = w.experts, w.hidden
+    if n < 1 or h < 1 or p.numel() % (n * h):
+        raise UnsupportedStateError(f"{name}: GroupedMLP weight of shape {shape} does not hold {n} experts of hidden size {h}")
+    ffn = p.numel() // (n * h)  # local ffn columns per expert (gate and up together with GLU)
+    stride = 2 if w.kind == "fc1" and w.glu else 1
+    if ffn % stride:
+        raise UnsupportedStateError(f"{name}: {ffn} local fc1 columns per expert cannot hold a gate and an up half")
+    view, dim = ((n, h, ffn), 2) if w.kind == "fc1" else ((n, ffn, h), 1)
+    if ps.model_parallel_is_initialized():
+        ep, er = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+        tp, tr = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+        dpg = ps.get_expert_data_parallel_group()
+        hg = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)  # every EP rank holds a box of it
+        holders, hname = (dist.get_rank(hg), dist.get_world_size(hg)), _group_name(hg)
+        replica, rname = (dist.get_rank(dpg), dist.get_world_size(dpg)), _group_name(dpg)
+    else:
+        ep, er, tp, tr = 1, 0, 1, 0
+        holders, hname, replica, rname = (0, 1), "", (0, 1), ""
+    k = ffn // stride  # columns per half on this rank
+    gshape = list(view)
+    gshape[0], gshape[dim] = n * ep, ffn * tp
+    pieces = []
+    for j in range(stride):
+        offs, sizes = [0] * 3, list(view)
+        offs[0], offs[dim], sizes[dim] = er * n, (j * tp + tr) * k, k
+        pieces.append((j * k, Box(tuple(offs), tuple(sizes))))
+    return MegatronShard(tuple(gshape), dim, tuple(pieces), replica, rname, holders, hname, view)
 
 
-def _shard_for(name: str, local: str, p: torch.Tensor, experts: Mapping[str, str], grouped: Mapping[str, int]) -> MegatronShard:
+def _shard_for(name: str, local: str, p: torch.Tensor, experts: Mapping[str, str], grouped: Mapping[str, GroupedWeight]) -> MegatronShard:
     if local in grouped:
         return _grouped_shard(name, p, grouped[local])
     return _shard_of(name, p, _is_expert(local, experts))

@@ -39,12 +39,15 @@ def on_cpu():
         torch.cuda.current_device = old
 
 
-def build(ep: int, seed: int, tp: int = 1, grouped: bool = False):
+def build(ep: int, seed: int, tp: int = 1, grouped: bool = False, glu: bool = False):
     """A ``MoELayer`` with ``EXPERTS`` experts at EP ``ep`` and TP ``tp`` (parallel state initialised here).
 
     ``grouped``: ``GroupedMLP`` experts, built without the grouped-GEMM kernel
     (which has no CPU build), so such a layer is saved and loaded but never run.
+    ``glu``: gated linear units (SwiGLU), fc1 holding a gate and an up half per expert.
     """
+    import torch.nn.functional as F
+
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer import TransformerConfig
@@ -61,6 +64,7 @@ def build(ep: int, seed: int, tp: int = 1, grouped: bool = False):
         moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep, moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True, hidden_dropout=0.0, bias_activation_fusion=False,
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1, moe_grouped_gemm=grouped,
+        gated_linear_unit=glu, activation_func=F.silu if glu else F.gelu,
     )
     if grouped:
         from megatron.core.transformer.moe import grouped_gemm_util
@@ -131,7 +135,7 @@ def load_job(rank: int, world: int, root: str, saved_world: int = 2) -> dict:
     return {"indices": list(layer.local_expert_indices), "checked": len(got), "bad": bad}
 
 
-__all__ = ["build", "on_cpu", "save_job", "load_job", "etp_save_job", "etp_load_job", "grouped_save_job", "grouped_load_job"]
+__all__ = ["build", "on_cpu", "save_job", "load_job", "etp_save_job", "etp_load_job"]
 
 
 def _global(g: int, name: str, shape, salt: int) -> torch.Tensor:
@@ -193,54 +197,3 @@ def etp_load_job(rank: int, world: int, root: str) -> dict:
             if not torch.equal(opt.state[p][k], st[k]):
                 bad.append(f"e{g}.{n}.{k}")
     return {"checked": len(refs), "bad": bad}
-
-
-_GROUPED_DIM = {"weight1": 1, "weight2": 0}
-
-
-def grouped_save_job(rank: int, world: int, root: str) -> dict:
-    """GroupedMLP experts at EP ``world``: each rank's weights are its box of tensors seeded whole."""
-    from megatron.core import parallel_state as ps
-
-    layer = build(world, seed=0, grouped=True)
-    r = ps.get_expert_model_parallel_rank()
-    params = [layer.experts.weight1, layer.experts.weight2]
-    opt = torch.optim.AdamW(params, lr=0.01)
-    with torch.no_grad():
-        for n, p in zip(("weight1", "weight2"), params):
-            d = _GROUPED_DIM[n]
-            shape = list(p.shape)
-            shape[d] *= world
-            p.copy_(_global(0, n, shape, 1).narrow(d, r * p.shape[d], p.shape[d]))
-            p.grad = _global(0, n, shape, 2).narrow(d, r * p.shape[d], p.shape[d]).clone()
-    opt.step()
-    sp.save(os.path.join(root, "grouped"), {"model": layer, "optimizer": opt})
-    return {"shapes": [list(p.shape) for p in params]}
-
-
-def grouped_load_job(rank: int, world: int, root: str) -> dict:
-    """Load the GroupedMLP checkpoint at EP ``world``; compare with the whole seeded tensors after one AdamW step."""
-    from megatron.core import parallel_state as ps
-
-    layer = build(world, seed=4, grouped=True)
-    r = ps.get_expert_model_parallel_rank()
-    params = [layer.experts.weight1, layer.experts.weight2]
-    opt = torch.optim.AdamW(params, lr=0.01)
-    for p in params:
-        p.grad = torch.ones_like(p)
-    opt.step()
-    sp.load(os.path.join(root, "grouped"), {"model": layer, "optimizer": opt}, strict=False)
-    bad = []
-    for n, p in zip(("weight1", "weight2"), params):
-        d = _GROUPED_DIM[n]
-        shape = list(p.shape)
-        shape[d] *= world
-        whole = torch.nn.Parameter(_global(0, n, shape, 1))
-        whole.grad = _global(0, n, shape, 2)
-        ref = torch.optim.AdamW([whole], lr=0.01)
-        ref.step()
-        mine = lambda t: t.detach().narrow(d, r * p.shape[d], p.shape[d])  # noqa: E731
-        if not torch.equal(p.detach(), mine(whole)):
-            bad.append(n)
-        bad += [f"{n}.{k}" for k in ("exp_avg", "exp_avg_sq") if not torch.equal(opt.state[p][k], mine(ref.state[whole][k]))]
-    return {"bad": bad, "shapes": [list(p.shape) for p in params]}

@@ -50,15 +50,3 @@ def test_expert_tensor_parallel_experts_load_whole_at_ep1(tmp_path):
     assert [r["etp"] for r in saved] == [[2, 0], [2, 1], [2, 0], [2, 1]]
     (r,) = launch(1, "tests.dist.moe_cases:etp_load_job", {"root": root})
     assert r == {"checked": 8, "bad": []}
-
-
-@pytest.mark.slow  # in `make test-slow`, which CI runs
-def test_grouped_mlp_experts_reshard_between_ep2_and_ep1(tmp_path):
-    """GroupedMLP weights concatenate the local experts: each EP rank's is a box of the global tensor."""
-    root = str(tmp_path)
-    saved = launch(2, "tests.dist.moe_cases:grouped_save_job", {"root": root})
-    assert [r["shapes"] for r in saved] == [[[8, 24], [24, 8]]] * 2
-    (one,) = launch(1, "tests.dist.moe_cases:grouped_load_job", {"root": root})
-    assert one == {"bad": [], "shapes": [[8, 48], [48, 8]]}
-    for r in launch(2, "tests.dist.moe_cases:grouped_load_job", {"root": root}):
-        assert r == {"bad": [], "shapes": [[8, 24], [24, 8]]}

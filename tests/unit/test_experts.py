@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given
@@ -53,3 +55,34 @@ def test_optimizer_documents_follow_the_global_names():
     doc = {"state": {"model.experts.1.w": {"exp_avg": {"__sp__": "tensor", "key": "opt.state.model.experts.1.w.exp_avg"}}},
            "group_of": {"model.experts.1.w": 0}}
     assert optimizer_doc_to_logical("opt", doc, [rule]) == doc  # one process: local index == global index
+
+
+class _Shifted(sp.layouts.WholeRule):
+    """Experts renamed as EP rank 1 of 2 renames them: local ``i`` -> global ``i + 2``."""
+
+    pattern, dim = "model.experts.*", 0
+
+    def logical_name(self, param, part):
+        return re.sub(r"(model\.experts\.)(\d+)", lambda m: f"{m.group(1)}{int(m.group(2)) + 2}", param, count=1)
+
+
+def test_flat_pieces_of_experts_are_renamed_and_keep_their_range():
+    """ZeRO keeps experts as flat ranges of their parameters: a rename moves the range under the global name."""
+    rule = _Shifted()
+    data = torch.arange(3.0)
+    piece = SaveTensor("model.experts.1.w", data, (2, 3), Box.full((2, 3)), (2, 5))
+    moment = SaveTensor("opt.state.model.experts.0.w.exp_avg", data, (2, 3), Box.full((2, 3)), (2, 5))
+    out = apply_save([piece, moment], [rule])
+    assert [(t.fqn, t.flat, t.shape) for t in out] == [("model.experts.3.w", (2, 5), (2, 3)), ("opt.state.model.experts.2.w.exp_avg", (2, 5), (2, 3))]
+    assert out[0].data.data_ptr() == data.data_ptr()
+    (t,) = apply_load([LoadTarget("model.experts.1.w", data, (2, 3), Box.full((2, 3)), (2, 5))], [rule])
+    assert (t.fqn, t.flat, t.dest.data_ptr()) == ("model.experts.3.w", (2, 5), data.data_ptr())
+
+
+def test_rules_that_cut_tensors_still_refuse_flat_pieces():
+    rule = sp.Fused("*.fc1.weight", dim=0, parts=[("gate", 1), ("up", 1)])
+    piece = SaveTensor("m.fc1.weight", torch.zeros(2), (2, 3), Box.full((2, 3)), (0, 2))
+    with pytest.raises(sp.UnsupportedStateError, match="m.fc1.weight: layout rules do not apply to flat-parameter shards"):
+        apply_save([piece], [rule])
+    with pytest.raises(sp.UnsupportedStateError, match="flat-parameter targets"):
+        apply_load([LoadTarget("m.fc1.weight", torch.zeros(2), (2, 3), Box.full((2, 3)), (0, 2))], [rule])

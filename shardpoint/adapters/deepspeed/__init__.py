@@ -42,10 +42,23 @@ Pass the engine and its optimizer, exactly as for any other layout::
 same state. With ``engine`` the model entry also records DeepSpeed's step
 counters (``global_steps``, ``global_samples``, ``skipped_steps``) and
 restores them when present. Supported: one data-parallel group spanning the
-whole process group (no DeepSpeed tensor/pipeline/expert parallelism, no
-ZeRO++ hpZ or MiCS), optimizer states in memory (no NVMe swapping), fp32 or
-bf16 training. ZeRO stage 0 engines with a plain torch optimizer work as plain
+whole process group (no DeepSpeed tensor/pipeline parallelism, no ZeRO++
+hpZ or MiCS), optimizer states in memory (no NVMe swapping), fp32 or bf16
+training. ZeRO stage 0 engines with a plain torch optimizer work as plain
 modules.
+
+Expert parallelism under ZeRO-1/2: the local experts of a
+``deepspeed.moe.layer.MoE`` layer live in MoE param groups that ZeRO
+partitions over the expert data-parallel group instead. Their pieces are
+saved under the experts' global names (``...deepspeed_experts.5.weight``,
+see :func:`~shardpoint.adapters.experts.deepspeed_expert_rules`), moments
+included, so such a checkpoint loads at any EP degree and ZeRO stage 1 or 2
+(or without DeepSpeed). A load keeps the MoE param groups' ``name`` (their
+expert-parallel group, ``ep_size_2``), which describes the loading engine.
+A MoE group holding anything but those experts is refused with
+:class:`~shardpoint.errors.UnsupportedStateError`, as is a layout whose
+expert and expert data-parallel groups do not make up the process group.
+DeepSpeed itself runs its native MoE under ZeRO stage 1 and 2 only.
 
 The package keeps apart what changes for different reasons:
 :mod:`.partition` is the pure ZeRO arithmetic (which elements of which

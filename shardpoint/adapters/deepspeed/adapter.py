@@ -77,6 +77,7 @@ def _check_extra_state(module: nn.Module, where: str) -> None:
 
 
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+_GROUP_IDENTITY = ("name", "moe")  # param-group keys that name DeepSpeed's groups, kept on load
 # fp16 dynamic loss scaling: the state that decides which of the next steps are skipped.
 _SCALER = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
@@ -217,6 +218,18 @@ class DeepSpeedAdapter(Adapter):
             raise unsupported(where, "ZeRO partitions map to unknown inner param groups")
         return lay
 
+    def logical_value(self, key: str, value: Any, rules) -> Any:
+        """A ZeRO optimizer's document under the layout rules' names (experts: their global names)."""
+        if isinstance(value, dict) and {"groups", "group_of", "state"} <= set(value):
+            return OptimizerAdapter().logical_value(key, value, rules)
+        return value
+
+    def read_value(self, key: str, obj: Any, doc: Any, ctx: AdapterContext, rules, where: str) -> Any:
+        """A ZeRO optimizer's document in this rank's parameter names (the inverse of :meth:`logical_value`)."""
+        if is_deepspeed_optimizer(obj) and rules:
+            return OptimizerAdapter().read_value(key, obj, doc, ctx, rules, where)
+        return doc
+
     # ------------------------------------------------------------ load
     def load(self, key: str, obj: Any, doc: Any, tensors: Mapping[str, Any], ctx: AdapterContext, where: str = "<checkpoint>") -> LoadPart:
         if is_deepspeed_optimizer(obj):
@@ -310,9 +323,14 @@ class DeepSpeedAdapter(Adapter):
         inner_finish = part.finish
 
         scaler = ((doc or {}).get("deepspeed") or {}).get("loss_scaler") if isinstance(doc, dict) else None
+        # A MoE group's name is its expert-parallel group (``ep_size_2``), which DeepSpeed looks its
+        # process groups up by: it describes this engine's layout, not a saved hyper-parameter.
+        own = [{k: g[k] for k in _GROUP_IDENTITY if k in g} for g in zopt.optimizer.param_groups]
 
         def finish():
             inner_finish()
+            for g, keep in zip(zopt.optimizer.param_groups, own):
+                g.update(keep)
             if scaler and getattr(zopt, "dynamic_loss_scale", False):
                 _restore_scaler(zopt, scaler)
             # ZeRO-1/2 keep per-parameter views of the state (for safe_get_full_optimizer_state and

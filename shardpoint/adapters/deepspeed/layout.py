@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..base import ParamView
+from ..experts import deepspeed_expert_rules
 from ..fsdp1 import Piece1D
 from .detect import is_deepspeed_engine, is_zero3_param, is_zero_optimizer, remember_owner, unsupported, world_and_rank, zero_stage
 from .partition import zero3_holders, zero3_partition_size, zero3_pieces, zero12_holders, zero12_partitions, zero12_pieces
@@ -99,11 +100,48 @@ def _check_world(where: str, world: int) -> None:
         )
 
 
-def _zero12_slots(zopt: Any, names: dict[int, list[str]], where: str) -> list[ZeroSlot]:
+def _is_moe_group(zopt: Any, i: int) -> bool:
+    flags = getattr(zopt, "is_moe_param_group", None)
+    return bool(flags and i < len(flags) and flags[i])
+
+
+def _check_expert_group(where: str, world: int, params: Sequence[torch.Tensor], names: dict[int, list[str]], rules) -> None:
+    """A ZeRO-1/2 MoE group: partitioned over the expert data-parallel group, every parameter a detected expert.
+
+    Its pieces are saved under the experts' global names (the
+    :class:`~shardpoint.adapters.experts.Experts` rules), so each parameter
+    must be one of a DeepSpeed MoE layer's local experts, and the expert
+    data-parallel degree times the EP degree must make up the process group.
+    """
+    full, _ = world_and_rank()
+    for p in params:
+        name = names.get(id(p), ["<unnamed>"])[0]
+        rule = next((r for r in rules if r.param_match(name) is not None), None)
+        if rule is None:
+            raise unsupported(
+                where,
+                f"{name}: a parameter of a DeepSpeed MoE optimizer group that is not a local expert of a "
+                "deepspeed.moe.layer.MoE layer (deepspeed_moe.experts.deepspeed_experts) is not supported; keep "
+                "expert-parallel parameters inside MoE layers, or train it without expert parallelism",
+            )
+        ep = rule.ep()[1]
+        if world * ep != full:
+            raise unsupported(
+                where,
+                f"{name}: ZeRO partitions it over {world} ranks and DeepSpeed's expert-parallel group has {ep}, "
+                f"which do not make up the {full} ranks (DeepSpeed tensor or pipeline parallelism with experts); "
+                "only expert x expert-data parallelism over the whole process group is supported",
+            )
+
+
+def _zero12_slots(zopt: Any, names: dict[int, list[str]], where: str, rules=()) -> list[ZeroSlot]:
     slots = []
     for i, fp32 in enumerate(zopt.single_partition_of_fp32_groups):
         world, rank = world_and_rank(zopt.real_dp_process_group[i])
-        _check_world(where, world)
+        if _is_moe_group(zopt, i):  # experts: partitioned over the expert data-parallel group
+            _check_expert_group(where, world, zopt.round_robin_bit16_groups[i], names, rules)
+        else:
+            _check_world(where, world)
         params = list(zopt.round_robin_bit16_groups[i])
         metas = getattr(zopt, "round_robin_bit16_meta", None)
         shapes = [tuple(int(x) for x in (metas[i][k].shape if metas else p.shape)) for k, p in enumerate(params)]
@@ -198,7 +236,10 @@ def zero_layout(key: str, module: nn.Module, zopt: Any, where: str = "") -> Zero
         raise unsupported(where, f"{type(zopt).__name__} is not a ZeRO optimizer")
     names = _names(key, module)
     lay = ZeroLayout(key, stage, module, zopt)
-    lay.slots = _zero3_slots(zopt, module, names, where) if stage == 3 else _zero12_slots(zopt, names, where)
+    if stage == 3:
+        lay.slots = _zero3_slots(zopt, module, names, where)
+    else:
+        lay.slots = _zero12_slots(zopt, names, where, deepspeed_expert_rules({key: module}))
     lay.managed = {id(e.param) for s in lay.slots for e in s.entries}
     inner = zopt.optimizer
     for s in lay.slots:
