@@ -64,15 +64,15 @@ The package keeps apart what changes for different reasons:
 :mod:`.partition` is the pure ZeRO arithmetic (which elements of which
 parameter each rank's flat slice holds; also used by the converter of native
 DeepSpeed checkpoints), :mod:`.detect` recognises DeepSpeed objects without
-importing DeepSpeed, :mod:`.layout` reads a live ZeRO optimizer into a
-:class:`ZeroLayout`, and :mod:`.adapter` saves and loads through it.
+importing DeepSpeed, :mod:`.zero_map` reads a live ZeRO optimizer into a
+:class:`ZeroMap`, and :mod:`.adapter` saves and loads through it.
 """
 
 from __future__ import annotations
 
 from .adapter import DeepSpeedAdapter, scaler_doc
 from .detect import is_deepspeed_engine, is_deepspeed_optimizer, is_zero_optimizer, zero_stage
-from .layout import ZeroLayout, deepspeed_names_and_views, zero_layout
+from .zero_map import ZeroMap, deepspeed_names_and_views, zero_map
 from .partition import zero3_holders, zero3_pieces, zero12_holders, zero12_partitions, zero12_pieces
 
 __all__ = [
@@ -85,8 +85,8 @@ __all__ = [
     "is_deepspeed_optimizer",
     "is_zero_optimizer",
     "zero_stage",
-    "ZeroLayout",
-    "zero_layout",
+    "ZeroMap",
+    "zero_map",
     "deepspeed_names_and_views",
     "scaler_doc",
     "DeepSpeedAdapter",

@@ -1,4 +1,4 @@
-"""The DeepSpeed ZeRO adapter: saves and loads engines and ZeRO optimizers through their :class:`ZeroLayout`."""
+"""The DeepSpeed ZeRO adapter: saves and loads engines and ZeRO optimizers through their :class:`ZeroMap`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ..tensors import load_target, save_tensor
 from .detect import (
     is_deepspeed_engine, is_deepspeed_optimizer, is_zero3_param, is_zero_optimizer, owner_of, unsupported, zero_stage,
 )
-from .layout import ZeroLayout, ZeroSlot, engine_parts, zero_layout
+from .zero_map import ZeroMap, ZeroSlot, engine_parts, zero_map
 
 __all__ = ["scaler_doc", "DeepSpeedAdapter"]
 
@@ -157,7 +157,7 @@ class DeepSpeedAdapter(Adapter):
             return part
         where = f"state[{key!r}]"
         _check_extra_state(module, where)
-        lay = zero_layout(key, module, zopt, where)
+        lay = zero_map(key, module, zopt, where)
         part = SavePart(framework=f"deepspeed_zero{lay.stage}")
         for s in lay.slots:
             for e in s.entries:
@@ -184,7 +184,7 @@ class DeepSpeedAdapter(Adapter):
         return {"deepspeed": {k: int(getattr(obj, k)) for k in _COUNTERS if isinstance(getattr(obj, k, None), int)}}
 
     def _save_optimizer(self, key: str, zopt: Any, ctx: AdapterContext) -> SavePart:
-        lay = self._optimizer_layout(key, zopt, ctx)
+        lay = self._optimizer_map(key, zopt, ctx)
         part = OptimizerAdapter().save(key, _InnerView(zopt.optimizer, lay.inner_params()), ctx)
         part.framework = f"deepspeed_zero{lay.stage}:{type(zopt.optimizer).__name__}"
         scaler = scaler_doc(getattr(zopt, "loss_scaler", None))
@@ -192,7 +192,7 @@ class DeepSpeedAdapter(Adapter):
             part.value = dict(part.value, deepspeed={"loss_scaler": scaler})
         return part
 
-    def _optimizer_layout(self, key: str, zopt: Any, ctx: AdapterContext) -> ZeroLayout:
+    def _optimizer_map(self, key: str, zopt: Any, ctx: AdapterContext) -> ZeroMap:
         where = f"state[{key!r}]"
         if not is_zero_optimizer(zopt):
             raise unsupported(
@@ -207,8 +207,8 @@ class DeepSpeedAdapter(Adapter):
                 "a ZeRO optimizer needs its model in the same state (the engine, or engine.module), so that its "
                 "flat partitions can be split by parameter name",
             )
-        # The layout's key only names the views, which the context already holds.
-        lay = ZeroLayout("", zero_stage(zopt), getattr(zopt, "module", None), zopt)
+        # The map's key only names the views, which the context already holds.
+        lay = ZeroMap("", zero_stage(zopt), getattr(zopt, "module", None), zopt)
         inner = zopt.optimizer
         if lay.stage < 3:
             lay.slots = [ZeroSlot(f, f, i, [], 0, 1) for i, f in enumerate(flats)]
@@ -250,7 +250,7 @@ class DeepSpeedAdapter(Adapter):
             part.finish = finish0
             return part
         _check_extra_state(module, where)
-        lay = zero_layout(key, module, zopt, where)
+        lay = zero_map(key, module, zopt, where)
         part = LoadPart()
         casts: list[tuple[torch.Tensor, torch.Tensor]] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -318,7 +318,7 @@ class DeepSpeedAdapter(Adapter):
                     setattr(obj, k, counters[k])
 
     def _load_optimizer(self, key, zopt, doc, tensors, ctx, where) -> LoadPart:
-        lay = self._optimizer_layout(key, zopt, ctx)
+        lay = self._optimizer_map(key, zopt, ctx)
         part = OptimizerAdapter().load(key, _InnerView(zopt.optimizer, lay.inner_params()), doc, tensors, ctx, where)
         inner_finish = part.finish
 

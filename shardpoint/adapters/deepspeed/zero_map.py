@@ -16,7 +16,7 @@ from ..fsdp1 import Piece1D
 from .detect import is_deepspeed_engine, is_zero3_param, is_zero_optimizer, remember_owner, unsupported, world_and_rank, zero_stage
 from .partition import zero3_holders, zero3_partition_size, zero3_pieces, zero12_holders, zero12_partitions, zero12_pieces
 
-__all__ = ["ZeroEntry", "ZeroSlot", "ZeroLayout", "zero_layout", "engine_parts", "deepspeed_names_and_views"]
+__all__ = ["ZeroEntry", "ZeroSlot", "ZeroMap", "zero_map", "engine_parts", "deepspeed_names_and_views"]
 
 
 @dataclass
@@ -59,7 +59,7 @@ class ZeroSlot:
 
 
 @dataclass
-class ZeroLayout:
+class ZeroMap:
     """Where every parameter of a DeepSpeed-managed module lies on this rank."""
 
     key: str
@@ -170,7 +170,7 @@ def _zero12_slots(zopt: Any, names: dict[int, list[str]], where: str, rules=()) 
                 ours = (pc.start, pc.numel, pc.offset) if pc is not None else None
                 theirs = (hp.lp_fragment_address.start, hp.lp_fragment_address.numel, hp.hp_fragment_address.start) if hp is not None else None
                 if hasattr(p, "_hp_mapping") and ours != theirs:
-                    raise unsupported(where, f"{names[id(p)][0]}: unexpected ZeRO layout (DeepSpeed says {theirs}, "
+                    raise unsupported(where, f"{names[id(p)][0]}: unexpected ZeRO partitioning (DeepSpeed says {theirs}, "
                                        f"expected {ours}); this DeepSpeed version is not supported")
             if numels[k] and p.data.numel() == numels[k] and p.data.data_ptr() != flat.data_ptr() + offsets[k] * flat.element_size():
                 raise unsupported(where, f"{names[id(p)][0]}: the parameter is not a view of ZeRO's flat buffer "
@@ -229,13 +229,13 @@ def _zero3_slots(zopt: Any, module: nn.Module, names: dict[int, list[str]], wher
     return slots
 
 
-def zero_layout(key: str, module: nn.Module, zopt: Any, where: str = "") -> ZeroLayout:
+def zero_map(key: str, module: nn.Module, zopt: Any, where: str = "") -> ZeroMap:
     """The pieces of every parameter of ``module`` (state key ``key``) held by ZeRO optimizer ``zopt``."""
     stage = zero_stage(zopt)
     if stage == 0:
         raise unsupported(where, f"{type(zopt).__name__} is not a ZeRO optimizer")
     names = _names(key, module)
-    lay = ZeroLayout(key, stage, module, zopt)
+    lay = ZeroMap(key, stage, module, zopt)
     if stage == 3:
         lay.slots = _zero3_slots(zopt, module, names, where)
     else:
@@ -313,6 +313,6 @@ def deepspeed_names_and_views(state: Mapping[str, Any]) -> tuple[dict[int, str],
         for i, ns in _names(key, module).items():
             names[i] = ns[0]
         if zopt is not None:
-            lay = zero_layout(key, module, zopt, f"state[{key!r}]")
+            lay = zero_map(key, module, zopt, f"state[{key!r}]")
             views.update(lay.views())
     return names, views
