@@ -295,9 +295,11 @@ class _OptimizerLoad:
             opt.state.pop(p, None)
         for p, s in self.new_state.values():
             opt.state[p] = s
+        # Keys that name the live run's own groups (declared by the adapters in the context) stay.
+        live = (getattr(self.ctx, "live_group_keys", None) or {}).get(id(opt), frozenset())
         for g, hyper in self.decoded_groups:
             for k, v in hyper.items():
-                if k != "params":
+                if k != "params" and k not in live:
                     g[k] = v
         return opt
 

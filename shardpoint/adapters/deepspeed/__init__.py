@@ -71,7 +71,7 @@ importing DeepSpeed, :mod:`.zero_map` reads a live ZeRO optimizer into a
 from __future__ import annotations
 
 from .adapter import DeepSpeedAdapter, scaler_doc
-from .detect import is_deepspeed_engine, is_deepspeed_optimizer, is_zero_optimizer, zero_stage
+from .detect import is_deepspeed_engine, is_deepspeed_optimizer, is_zero_optimizer, live_group_keys, zero_stage
 from .zero_map import ZeroMap, deepspeed_names_and_views, zero_map
 from .partition import zero3_holders, zero3_pieces, zero12_holders, zero12_partitions, zero12_pieces
 
@@ -85,6 +85,7 @@ __all__ = [
     "is_deepspeed_optimizer",
     "is_zero_optimizer",
     "zero_stage",
+    "live_group_keys",
     "ZeroMap",
     "zero_map",
     "deepspeed_names_and_views",
