@@ -16,6 +16,11 @@ original parameter, ``<key>.state.<orig fqn>.<name>``; other state (the
 scalar ``step``) is stored once per original parameter, replicated over the
 ranks holding pieces of it. Loading reassembles the local state in place,
 with zeros in padding, so FSDP1 state moves to and from any layout.
+
+A load restores each param group's saved hyper-parameters, except the keys
+the context lists for this optimizer in ``live_group_keys``: a framework
+adapter declares there the keys that describe the live run (the name a
+group's process groups are looked up by), which keep their live values.
 """
 
 from __future__ import annotations
