@@ -65,8 +65,9 @@ At stage 0 (and for a torch optimizer over DeepSpeed's MoE param groups,
 way. The generic optimizer adapter restores each group's hyper-parameters,
 but not the keys :func:`live_group_keys` declares for that optimizer in the
 context (``name`` and ``moe``): they describe the loading engine, whose
-expert-parallel groups DeepSpeed looks up by that name, so a checkpoint
-saved at EP 2 loads at EP 1 with its group still named ``ep_size_1``.
+expert-parallel groups DeepSpeed looks up by that name. So after a load
+of a checkpoint saved at EP 2, an EP 1 engine's MoE group is still named
+``ep_size_1``.
 
 The package keeps apart what changes for different reasons:
 :mod:`.partition` is the pure ZeRO arithmetic (which elements of which
