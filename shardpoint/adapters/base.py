@@ -131,7 +131,10 @@ class AdapterContext:
     splits such a parameter's state into per-original-parameter pieces.
     ``replicas`` maps a state key to the ranks holding copies of its plain
     tensors (``sp.save(..., replicated_over=...)``); keys not listed are
-    replicated over the whole group.
+    replicated over the whole group. ``live_group_keys`` maps
+    ``id(optimizer)`` to param-group keys that describe the live run, not
+    hyper-parameters (the name a framework looks a group's process groups up
+    by): a load keeps their live values instead of restoring the saved ones.
     """
 
     rank: int
@@ -141,6 +144,7 @@ class AdapterContext:
     views: Mapping[int, tuple[ParamView, ...]] = field(default_factory=dict)
     replicas: Mapping[str, Replicas] = field(default_factory=dict)
     patterns: tuple[tuple[str, Replicas | None], ...] = ()
+    live_group_keys: Mapping[int, frozenset[str]] = field(default_factory=dict)
 
     def _replicas(self, fqn: str | None) -> Replicas | None:
         if fqn is None:

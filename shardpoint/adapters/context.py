@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 from torch import nn
 
 from .base import AdapterContext, ParamView, Replicas
-from .deepspeed import deepspeed_names_and_views
+from .deepspeed import deepspeed_names_and_views, live_group_keys
 from .fsdp1 import fsdp1_names_and_views, is_fsdp1
 from .megatron import is_megatron, megatron_shards
 from .module import unwrap_module
@@ -138,7 +138,7 @@ def build_context(
     views.update(v)
     ctx = AdapterContext(
         rank, world, names, allow_pickle, views, resolve_replicas(replicated_over, list(state)),
-        resolve_patterns(replicated_over),
+        resolve_patterns(replicated_over), live_group_keys(state),
     )
     ctx.shards = shards  # id(param) -> MegatronShard: optimizer state follows it
     return ctx

@@ -16,6 +16,11 @@ original parameter, ``<key>.state.<orig fqn>.<name>``; other state (the
 scalar ``step``) is stored once per original parameter, replicated over the
 ranks holding pieces of it. Loading reassembles the local state in place,
 with zeros in padding, so FSDP1 state moves to and from any layout.
+
+A load restores each param group's saved hyper-parameters, except the keys
+the context lists for this optimizer in ``live_group_keys``: a framework
+adapter declares there the keys that describe the live run (the name a
+group's process groups are looked up by), which keep their live values.
 """
 
 from __future__ import annotations
@@ -295,9 +300,11 @@ class _OptimizerLoad:
             opt.state.pop(p, None)
         for p, s in self.new_state.values():
             opt.state[p] = s
+        # Keys that name the live run's own groups (declared by the adapters in the context) stay.
+        live = (getattr(self.ctx, "live_group_keys", None) or {}).get(id(opt), frozenset())
         for g, hyper in self.decoded_groups:
             for k, v in hyper.items():
-                if k != "params":
+                if k != "params" and k not in live:
                     g[k] = v
         return opt
 

@@ -45,7 +45,7 @@ restores them when present. Supported: one data-parallel group spanning the
 whole process group (no DeepSpeed tensor/pipeline parallelism, no ZeRO++
 hpZ or MiCS), optimizer states in memory (no NVMe swapping), fp32 or bf16
 training. ZeRO stage 0 engines with a plain torch optimizer work as plain
-modules.
+modules; the optimizer is saved and loaded by the generic optimizer adapter.
 
 Expert parallelism under ZeRO-1/2: the local experts of a
 ``deepspeed.moe.layer.MoE`` layer live in MoE param groups that ZeRO
@@ -60,6 +60,15 @@ A MoE group holding anything but those experts is refused with
 expert and expert data-parallel groups do not make up the process group.
 DeepSpeed itself runs its native MoE under ZeRO stage 1 and 2 only.
 
+At stage 0 (and for a torch optimizer over DeepSpeed's MoE param groups,
+``moe: True``, with no engine in the state) the experts are stored the same
+way. The generic optimizer adapter restores each group's hyper-parameters,
+but not the keys :func:`live_group_keys` declares for that optimizer in the
+context (``name`` and ``moe``): they describe the loading engine, whose
+expert-parallel groups DeepSpeed looks up by that name. So after a load
+of a checkpoint saved at EP 2, an EP 1 engine's MoE group is still named
+``ep_size_1``.
+
 The package keeps apart what changes for different reasons:
 :mod:`.partition` is the pure ZeRO arithmetic (which elements of which
 parameter each rank's flat slice holds; also used by the converter of native
@@ -71,7 +80,7 @@ importing DeepSpeed, :mod:`.zero_map` reads a live ZeRO optimizer into a
 from __future__ import annotations
 
 from .adapter import DeepSpeedAdapter, scaler_doc
-from .detect import is_deepspeed_engine, is_deepspeed_optimizer, is_zero_optimizer, zero_stage
+from .detect import is_deepspeed_engine, is_deepspeed_optimizer, is_zero_optimizer, live_group_keys, zero_stage
 from .zero_map import ZeroMap, deepspeed_names_and_views, zero_map
 from .partition import zero3_holders, zero3_pieces, zero12_holders, zero12_partitions, zero12_pieces
 
@@ -85,6 +94,7 @@ __all__ = [
     "is_deepspeed_optimizer",
     "is_zero_optimizer",
     "zero_stage",
+    "live_group_keys",
     "ZeroMap",
     "zero_map",
     "deepspeed_names_and_views",

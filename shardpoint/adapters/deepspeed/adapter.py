@@ -17,7 +17,7 @@ from ..landing import live_storages, module_tensors, storage_of, unlanded
 from ..optimizer import OptimizerAdapter
 from ..tensors import load_target, save_tensor
 from .detect import (
-    is_deepspeed_engine, is_deepspeed_optimizer, is_zero3_param, is_zero_optimizer, owner_of, unsupported, zero_stage,
+    GROUP_IDENTITY, is_deepspeed_engine, is_deepspeed_optimizer, is_zero3_param, is_zero_optimizer, owner_of, unsupported, zero_stage,
 )
 from .zero_map import ZeroMap, ZeroSlot, engine_parts, zero_map
 
@@ -77,7 +77,6 @@ def _check_extra_state(module: nn.Module, where: str) -> None:
 
 
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps")
-_GROUP_IDENTITY = ("name", "moe")  # param-group keys that name DeepSpeed's groups, kept on load
 # fp16 dynamic loss scaling: the state that decides which of the next steps are skipped.
 _SCALER = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
@@ -325,7 +324,7 @@ class DeepSpeedAdapter(Adapter):
         scaler = ((doc or {}).get("deepspeed") or {}).get("loss_scaler") if isinstance(doc, dict) else None
         # A MoE group's name is its expert-parallel group (``ep_size_2``), which DeepSpeed looks its
         # process groups up by: it describes this engine's layout, not a saved hyper-parameter.
-        own = [{k: g[k] for k in _GROUP_IDENTITY if k in g} for g in zopt.optimizer.param_groups]
+        own = [{k: g[k] for k in GROUP_IDENTITY if k in g} for g in zopt.optimizer.param_groups]
 
         def finish():
             inner_finish()

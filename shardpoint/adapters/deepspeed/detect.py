@@ -6,6 +6,7 @@ import sys
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 from ...errors import UnsupportedStateError
@@ -20,6 +21,8 @@ __all__ = [
     "remember_owner",
     "owner_of",
     "unsupported",
+    "GROUP_IDENTITY",
+    "live_group_keys",
 ]
 
 
@@ -54,6 +57,36 @@ def zero_stage(opt: Any) -> int:
 def is_zero_optimizer(obj: Any) -> bool:
     """True for a ZeRO optimizer of stage 1, 2 or 3 (never imports DeepSpeed)."""
     return zero_stage(obj) > 0
+
+
+# Param-group keys by which DeepSpeed names a group's process groups: a MoE group's ``name`` is
+# its expert-parallel group (``ep_size_2``), ``moe`` marks it. They describe the engine that
+# holds the optimizer, so a load at another expert-parallel degree keeps the live ones.
+GROUP_IDENTITY = frozenset({"name", "moe"})
+
+
+def live_group_keys(state: Any) -> dict[int, frozenset[str]]:
+    """``id(optimizer)`` -> :data:`GROUP_IDENTITY` for each torch optimizer in ``state`` whose groups DeepSpeed names.
+
+    Those are the optimizers a stage-0 engine in ``state`` steps itself
+    (``engine.optimizer``), and any whose param groups are DeepSpeed MoE
+    groups (``moe: True``, as ``split_params_into_different_moe_groups_for_optimizer``
+    makes them). ZeRO optimizers keep theirs in the DeepSpeed adapter.
+
+    Example::
+
+        live_group_keys({"model": engine, "optimizer": engine.optimizer})  # {id(opt): GROUP_IDENTITY}
+    """
+    if "deepspeed" not in sys.modules:
+        return {}
+    stepped = {id(getattr(o, "optimizer", None)) for o in state.values() if is_deepspeed_engine(o)}
+    out = {}
+    for o in state.values():
+        if not isinstance(o, torch.optim.Optimizer) or is_deepspeed_optimizer(o):
+            continue
+        if id(o) in stepped or any(isinstance(g, dict) and g.get("moe") for g in o.param_groups):
+            out[id(o)] = GROUP_IDENTITY
+    return out
 
 
 def is_zero3_param(p: Any) -> bool:
