@@ -31,7 +31,7 @@ from ..runtime.monitor import Recorder
 from ..planning.describe import CandidateGrids, Description, RankReport, RankStatus, cover_of, describe, values_doc
 from ..planning.writers import WriterChoice, WriterPlan, choose_writers, plan_signature
 from ..runtime.rank_local import rank_local_tensors
-from .replicas import Gate, check_replicas
+from .replicas import Gate, ReplicaTable, check_replicas
 from ..storage import Storage
 
 __all__ = [
@@ -96,7 +96,9 @@ class PreparedSave:
     ``choice`` is the writer choice (:func:`~shardpoint.planning.writers.choose_writers`);
     ``ctx`` the adapter context (replica groups of plain tensors);
     ``described`` the rank's description, made by the first :meth:`summary`
-    and reused by repeated saves of the same tensors.
+    and reused by repeated saves of the same tensors; ``replicas`` the
+    rank's replica table, compared at the commit
+    (:func:`~shardpoint.saving.replicas.check_replicas`).
     """
 
     tensors: list[SaveTensor]
@@ -107,6 +109,7 @@ class PreparedSave:
     choice: WriterChoice = field(default_factory=lambda: WriterChoice((), {}))
     ctx: AdapterContext | None = None
     described: Description | None = None
+    replicas: ReplicaTable | None = None
 
     def summary(self, storage: Storage, records, files: dict, comm: Comm) -> RankReport:
         """Write this rank's index file next to its data file; return what the commit needs.
@@ -126,8 +129,9 @@ class PreparedSave:
             self.described = describe_prepared(self, comm)
         d = self.described
         vdoc, vdig = values_doc(self.values, self.layout)
-        status = RankStatus(files, index, d.digest, vdig, cover_of(self.mine, d.listed))
-        return RankReport(status, d.doc, vdoc)
+        table = self.replicas
+        status = RankStatus(files, index, d.digest, vdig, cover_of(self.mine, d.listed), table.encoded if table else b"")
+        return RankReport(status, d.doc, vdoc, table.rows if table else ())
 
 
 def describe_prepared(prep: PreparedSave, comm: Any) -> Description:
@@ -222,10 +226,10 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     prev = cache.checked if cache is not None and not rules else None
     if prev is not None and len(prev.tensors) == len(tensors) and all(a is b for a, b in zip(prev.tensors, tensors)):
         # The very SaveTensor objects checked and planned last time: only the values are checked again.
-        check_replicas(list(prev.tensors), comm, where, gate)
+        _, table = check_replicas(list(prev.tensors), comm, where, gate, declared=replicated_over is not None)
         result.plan_cached = True
         mine = [tensors[i] for i in prev.choice.picked]
-        prep = PreparedSave(tensors, mine, values, layout, prev.lazy_ok, prev.choice, ctx, prev.prepared.described)
+        prep = PreparedSave(tensors, mine, values, layout, prev.lazy_ok, prev.choice, ctx, prev.prepared.described, table)
         cache.checked = CheckedSave(prev.tensors, prev.choice, prev.lazy_ok, prep)
         mark_phase(result, "plan", ta)
         return prep
@@ -235,7 +239,8 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     if rules:
         tensors, lazy_ok = _logical(tensors, lazy_ok, rules, comm, gate)
     _check_tensors(tensors, where)
-    tensors = check_replicas(tensors, comm, where, gate)  # before anything is written; copies per group get their own names
+    # Declared groups compare before anything is written (copies per group get their own names); else at the commit.
+    tensors, table = check_replicas(tensors, comm, where, gate, declared=replicated_over is not None or bool(rules))
 
     # Plan cache: the same names, shapes, dtypes and geometry give the same writers.
     sig = plan_signature(tensors)
@@ -249,7 +254,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
             cache.plan = WriterPlan(sig, choice)  # one layout: a changed layout never reuses stale choices
     mine = [tensors[i] for i in choice.picked]
     lazy = frozenset(lazy_ok)
-    prep = PreparedSave(tensors, mine, values, layout, lazy, choice, ctx)
+    prep = PreparedSave(tensors, mine, values, layout, lazy, choice, ctx, replicas=table)
     if cache is not None and not rules:
         cache.checked = CheckedSave(tuple(tensors), choice, lazy, prep)
     mark_phase(result, "plan", ta)
