@@ -116,9 +116,9 @@ def _decide(gathered: Sequence[Outcome]) -> CommitDecision:
     return CommitDecision(representatives(statuses), replicas=suspicious([s.replicas for s in statuses]))
 
 
-def _refuse(rows: Sequence[Sequence[Row]], where: str) -> None:
-    """Rank 0: raise the replica comparison's verdict, if it refuses the save."""
-    error = refusal(rows, where)
+def _refuse(held: Sequence[Sequence[tuple]], where: str) -> None:
+    """Rank 0: raise the replica comparison's verdict on every rank's rows (as tuples), if it refuses the save."""
+    error = refusal([[Row(*h) for h in rows] for rows in held], where)
     if error is not None:
         raise error
 

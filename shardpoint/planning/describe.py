@@ -19,7 +19,6 @@ import xxhash
 
 from ..format.manifest import RankFiles
 from ..geometry.grid import Grid
-from .replicas import Row
 from .writers import HeldTensor, WriterChoice
 
 __all__ = [
@@ -134,13 +133,14 @@ class RankReport:
     """One rank's save outcome: its status, and what is sent only when rank 0 asks for it.
 
     ``tensors`` and ``values``: its two documents; ``replicas``: the named
-    rows of its replica table (:class:`~shardpoint.planning.replicas.Row`).
+    rows of its replica table
+    (:attr:`~shardpoint.planning.replicas.ReplicaTable.held`).
     """
 
     status: RankStatus
     tensors: TensorsDoc
     values: ValuesDoc
-    replicas: tuple[Row, ...] = ()
+    replicas: tuple[tuple, ...] = ()
 
 
 class CandidateGrids:

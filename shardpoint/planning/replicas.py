@@ -58,21 +58,27 @@ class ReplicaTable:
     """A rank's rows for the comparison at the commit.
 
     ``encoded``: the int64 ``[n, 6]`` table (:func:`encode_rows`) as bytes,
-    sent with the rank's status; ``rows``: the named rows, sent only when
-    rank 0 finds the tables :func:`suspicious`.
+    sent with the rank's status; ``held``: each row's fields as a plain
+    tuple (``Row(*fields)``), sent only when rank 0 finds the tables
+    :func:`suspicious`.
 
     Example::
 
-        ReplicaTable.of(rows)
+        ReplicaTable.of([("w", (0,), (4,), None, "", (0, 1, 2, 3))]).rows()
     """
 
     encoded: bytes
-    rows: tuple[Row, ...]
+    held: tuple[tuple, ...]
 
     @staticmethod
-    def of(rows: Sequence[Row]) -> "ReplicaTable":
-        """The table of ``rows``."""
-        return ReplicaTable(encode_rows(rows).numpy().tobytes(), tuple(rows))
+    def of(held: Sequence[tuple]) -> "ReplicaTable":
+        """The table of rows given as tuples of :class:`Row`'s fields (or as rows)."""
+        held = tuple(tuple(h) if isinstance(h, tuple) else (h.fqn, h.offsets, h.sizes, h.flat, h.group, h.digest) for h in held)
+        return ReplicaTable(_encode(held).tobytes(), held)
+
+    def rows(self) -> list[Row]:
+        """The rows, named."""
+        return [Row(*h) for h in self.held]
 
 
 def mismatches(table: Sequence[Sequence[Row]]) -> list[tuple[str, list[list[int]]]]:
@@ -166,6 +172,26 @@ def _key(*parts: Any) -> int:
     return _signed(xxhash.xxh3_64_intdigest(repr(parts).encode()))
 
 
+_KEYS: dict[tuple, int] = {}  # piece or group -> its key, kept across saves (bounded below)
+
+
+def _cached_key(*parts: Any) -> int:
+    k = _KEYS.get(parts)
+    if k is None:
+        if len(_KEYS) >= 1 << 16:
+            _KEYS.clear()
+        k = _KEYS[parts] = _key(*parts)
+    return k
+
+
+def _encode(held: Sequence[tuple]) -> np.ndarray:
+    data = [
+        (_cached_key(fqn, offsets, sizes, flat), _cached_key(group), *(_signed(int(d)) for d in digest))
+        for fqn, offsets, sizes, flat, group, digest in held
+    ]
+    return np.array(data, dtype=np.int64).reshape(-1, 6)
+
+
 def encode_rows(rows: Sequence[Row]) -> torch.Tensor:
     """``rows`` as an int64 ``[n, 6]`` table: piece key, group key and the four digest fields.
 
@@ -176,14 +202,7 @@ def encode_rows(rows: Sequence[Row]) -> torch.Tensor:
 
         encode_rows(rows_of(tensors)).shape  # (n, 6)
     """
-    groups: dict[str, int] = {}
-    data = []
-    for r in rows:
-        g = groups.get(r.group)
-        if g is None:
-            g = groups[r.group] = _key(r.group)
-        data.append([_key(*r.piece), g, *(_signed(int(d)) for d in r.digest)])
-    return torch.tensor(data, dtype=torch.int64).reshape(-1, 6)
+    return torch.from_numpy(_encode([(*r.piece, r.group, r.digest) for r in rows]))
 
 
 def _array(table: Any) -> np.ndarray:

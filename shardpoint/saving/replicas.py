@@ -51,7 +51,7 @@ from ..planning.replicas import (
 )
 
 __all__ = [
-    "COPY_MARK", "Row", "ReplicaTable", "rows_of", "mismatches", "copied_names", "encode_rows", "suspicious", "Gate",
+    "COPY_MARK", "Row", "ReplicaTable", "rows_of", "table_of", "mismatches", "copied_names", "encode_rows", "suspicious", "Gate",
     "FAILED", "copy_name", "parse_copy_name", "check_replicas", "CopyRule", "copy_rule", "with_copies",
 ]
 
@@ -72,9 +72,23 @@ def rows_of(tensors: Iterable[SaveTensor], digests: bool = True) -> list[Row]:
 
         rows = rows_of(prep.tensors)
     """
+    return ReplicaTable.of(_held(tensors, digests)).rows()
+
+
+def _held(tensors: Iterable[SaveTensor], digests: bool) -> list[tuple]:
     held = [t for t in tensors if _checked(t)]
-    digests = digest_all([t.data for t in held]) if digests else [(HOST, 0, 0, 0)] * len(held)
-    return [Row(t.fqn, tuple(t.box.offsets), tuple(t.box.sizes), t.flat, t.replica_group, d) for t, d in zip(held, digests)]
+    found = digest_all([t.data for t in held]) if digests else [(HOST, 0, 0, 0)] * len(held)
+    return [(t.fqn, tuple(t.box.offsets), tuple(t.box.sizes), t.flat, t.replica_group, d) for t, d in zip(held, found)]
+
+
+def table_of(tensors: Iterable[SaveTensor], digests: bool = True) -> ReplicaTable:
+    """This rank's :class:`ReplicaTable`: the rows of :func:`rows_of`, encoded for the commit.
+
+    Example::
+
+        table_of(prep.tensors).encoded  # 48 bytes per row
+    """
+    return ReplicaTable.of(_held(tensors, digests))
 
 
 FAILED = -(1 << 63)  # the piece key of the marker row a failed rank sends
@@ -155,7 +169,7 @@ def check_replicas(
         return tensors, None
     if not declared:
         gate.close()
-        return tensors, ReplicaTable.of(rows_of(tensors, check_mode() != "off"))
+        return tensors, table_of(tensors, check_mode() != "off")
     failure: Exception | None = None
     try:
         mine = rows_of(tensors, check_mode() != "off")

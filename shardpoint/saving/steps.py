@@ -131,7 +131,7 @@ class PreparedSave:
         vdoc, vdig = values_doc(self.values, self.layout)
         table = self.replicas
         status = RankStatus(files, index, d.digest, vdig, cover_of(self.mine, d.listed), table.encoded if table else b"")
-        return RankReport(status, d.doc, vdoc, table.rows if table else ())
+        return RankReport(status, d.doc, vdoc, table.held if table else ())
 
 
 def describe_prepared(prep: PreparedSave, comm: Any) -> Description:

@@ -15,6 +15,7 @@ from shardpoint.geometry import Box
 from shardpoint.items import LoadTarget
 from shardpoint.layouts import apply_load
 from shardpoint.saving.digest import HOST_FULL_BYTES, SAMPLES, digest_all, digest_tensor
+from shardpoint.planning.replicas import ReplicaTable, refusal
 from shardpoint.saving.replicas import (
     Row, copied_names, copy_name, copy_rule, encode_rows, mismatches, parse_copy_name, suspicious,
 )
@@ -190,3 +191,34 @@ def test_the_fast_path_sees_what_the_named_table_sees():
     big = [_row("w", "", (2**64 - 1, 2**63, 7))]  # unsigned 64-bit digests fit the int64 table
     assert encode_rows(big).shape == (1, 6)
     assert not suspicious([encode_rows([]), encode_rows([])])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.complex128])
+def test_large_tensors_read_from_memory_digest_like_the_torch_path(dtype):
+    torch.manual_seed(1)
+    n = HOST_FULL_BYTES + 4099  # sampled on every dtype
+    a = torch.randn(n, dtype=dtype) if dtype.is_complex else (torch.randn(n) * 1000).to(dtype)
+    strided = torch.stack([a, a], 1)[:, 1]  # the same elements, not contiguous: torch ops sample it
+    assert not strided.is_contiguous() and torch.equal(strided, a)
+    assert digest_tensor(a) == digest_tensor(strided)
+    b = a.clone()
+    b[-1] = b[0] if not bool(b[0] == b[-1]) else b[1]  # the last element is always sampled
+    assert digest_tensor(a) != digest_tensor(b)
+
+
+def test_the_commit_reads_the_tables_as_bytes_and_refuses_with_names():
+    agree = [[_row("w", "", (1, 1, 1))], [_row("w", "", (1, 1, 1))]]
+    differ = [[_row("w", "", (1, 1, 1)), _row("b", "", (3, 3, 3))], [_row("w", "", (1, 2, 1)), _row("b", "", (3, 3, 3))]]
+    assert not suspicious([ReplicaTable.of(r).encoded for r in agree]) and refusal(agree, "ck") is None
+    tables = [ReplicaTable.of(r) for r in differ]
+    assert tables[1].rows() == differ[1] and suspicious([t.encoded for t in tables])
+    err = refusal(differ, "ck")
+    assert isinstance(err, ReplicaMismatchError) and err.tensor == "w" and err.groups == [[0], [1]]
+    assert str(err).startswith("ck: tensor 'w' is to be saved as one copy") and "ranks [0]; ranks [1]" in str(err)
+    # Several groups holding one name, with no declaration to store a copy per group: refused, naming them.
+    grouped = [[_row("e", "0", (1, 1, 1))], [_row("e", "1", (2, 1, 1))]]
+    assert suspicious([ReplicaTable.of(r).encoded for r in grouped])
+    err = refusal(grouped, "ck")
+    assert err.tensor == "e" and err.groups == [[0], [1]] and "replicated_over" in str(err)
+    with pytest.raises(ReplicaMismatchError, match="overlapping"):
+        refusal([[_row("e", "0,1", (1, 1, 1))], [_row("e", "", (1, 1, 1))]], "ck")
