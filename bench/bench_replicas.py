@@ -6,10 +6,16 @@ check's parts are then timed alone on the same prepared tensors, the way
 the save runs them:
 
 - ``check_s``: what the check adds to a save without declared groups (the
-  default): the digests and the int64 table at the call, rank 0's
+  default), its parts timed one after the other: the digests and the int64
+  table (``at_call_s``: on the training thread in an asynchronous save; a
+  blocking save computes them on a thread alongside its write), rank 0's
   comparison of every rank's table at the commit, and the table's extra
   bytes in the commit's first gather (``gather_extra_s``, the gather with
   the table less the gather without it, at least 0);
+- ``ab_share``: the whole save with the check against the same save with
+  the check left out, alternating, ``2 * --repeats`` of each: the check's
+  cost as a blocking save pays it, overlap included (noisy on a loaded
+  machine: a difference of medians);
 - ``prewrite_s``: the check as a save with ``replicated_over`` runs it:
   digests, one gather of the tables before the write, the comparison.
 
@@ -79,6 +85,43 @@ def _commit_side(comm, table, repeats: int) -> tuple[float, float]:
     return compare, max(0.0, statistics.median(loaded) - statistics.median(plain))
 
 
+def _without_check():
+    """A stand-in for the check that compares nothing (for the save without it); restores the real one on exit."""
+    import contextlib
+
+    from shardpoint.saving import steps
+
+    @contextlib.contextmanager
+    def patched():
+        real = steps.check_replicas
+
+        def skip(tensors, comm, where, gate=None, declared=True):
+            if gate is not None:
+                gate.close()
+            return tensors, None
+
+        steps.check_replicas = skip
+        try:
+            yield
+        finally:
+            steps.check_replicas = real
+
+    return patched()
+
+
+def _ab(save, repeats: int) -> tuple[float, float]:
+    """Median save time with the check and without it, alternating, ``2 * repeats`` of each after a warm-up."""
+    with_check, without = [], []
+    for i in range(2 * repeats + 1):
+        a = _timed(save)
+        with _without_check():
+            b = _timed(save)
+        if i:
+            with_check.append(a)
+            without.append(b)
+    return statistics.median(with_check), statistics.median(without)
+
+
 def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats: int) -> dict:
     """Per layout: median save time, median check time and the check's share, bytes digested per rank."""
     import shardpoint as sp
@@ -94,12 +137,12 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
         train_step(model, opt, 0, c)
         state = {"model": model, "optimizer": opt}
         path = os.path.join(root, layout)
-        save = _medians(lambda: sp.save(path, state), repeats)
+        save, save_off = _ab(lambda: sp.save(path, state), repeats)
         comm = Comm.resolve(None)
         prep = prepare_save(state, comm, False, path, SaveResult(path, "bench"))
         cpu: list[float] = []
-        at_call = _medians(lambda: check_replicas(prep.tensors, comm, path, declared=False), repeats, cpu)
-        _, table = check_replicas(prep.tensors, comm, path, declared=False)
+        at_call = _medians(lambda: check_replicas(prep.tensors, comm, path, declared=False)[1].table(), repeats, cpu)
+        table = check_replicas(prep.tensors, comm, path, declared=False)[1].table()
         compare, extra = _commit_side(comm, table, repeats)
         prewrite = _medians(lambda: check_replicas(prep.tensors, comm, path, declared=True), repeats)
         check = at_call + compare + extra
@@ -107,6 +150,7 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
         out[layout] = {
             "save_s": save, "check_s": check, "share": check / save,
             "check_cpu_s": statistics.median(cpu[1:]), "cpu_share": statistics.median(cpu[1:]) / save,
+            "save_without_s": save_off, "ab_share": (save - save_off) / save,
             "at_call_s": at_call, "compare_s": compare, "gather_extra_s": extra,
             "digest_s": _medians(lambda: rows_of(prep.tensors), repeats),
             "prewrite_s": prewrite, "prewrite_share": prewrite / save,

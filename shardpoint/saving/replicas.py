@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -51,7 +52,7 @@ from ..planning.replicas import (
 )
 
 __all__ = [
-    "COPY_MARK", "Row", "ReplicaTable", "rows_of", "table_of", "mismatches", "copied_names", "encode_rows", "suspicious", "Gate",
+    "COPY_MARK", "Row", "ReplicaTable", "rows_of", "table_of", "PendingTable", "mismatches", "copied_names", "encode_rows", "suspicious", "Gate",
     "FAILED", "copy_name", "parse_copy_name", "check_replicas", "CopyRule", "copy_rule", "with_copies",
 ]
 
@@ -89,6 +90,57 @@ def table_of(tensors: Iterable[SaveTensor], digests: bool = True) -> ReplicaTabl
         table_of(prep.tensors).encoded  # 48 bytes per row
     """
     return ReplicaTable.of(_held(tensors, digests))
+
+
+class PendingTable:
+    """This rank's :class:`ReplicaTable` for the commit, computed when the save says.
+
+    The digests must be of the state at the call. An asynchronous save calls
+    :meth:`table` before the call returns; a blocking save may call
+    :meth:`start` instead, which digests CPU tensors on a thread alongside
+    the planning, the claim and the write (its caller, blocked in the save,
+    cannot change the state before the commit), and the summary's
+    :meth:`table` waits for it. Nothing is computed before either.
+
+    Example::
+
+        pending = PendingTable(prep.tensors); pending.start(); ...; pending.table().encoded
+    """
+
+    def __init__(self, tensors: Iterable[SaveTensor], digests: bool = True):
+        self.tensors = [t for t in tensors if _checked(t)]
+        self.digests = digests
+        self.thread: threading.Thread | None = None
+        self.done: ReplicaTable | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        """Compute the table (on the calling thread), keeping its error for :meth:`table`."""
+        try:
+            self.done = table_of(self.tensors, self.digests)
+        except BaseException as e:  # noqa: BLE001 - raised by table(), on the save's thread
+            self.error = e
+
+    def start(self) -> None:
+        """Compute the table on a thread, when every tensor is on the CPU (else now: device digests are quick)."""
+        if self.thread is not None or self.done is not None or self.error is not None:
+            return
+        if any(not t.data.is_cpu for t in self.tensors):
+            self.run()
+            return
+        self.thread = threading.Thread(target=self.run, name="shardpoint-replica-digests", daemon=True)
+        self.thread.start()
+
+    def table(self) -> ReplicaTable:
+        """The table: waited for if started, else computed now; raises what computing it raised."""
+        if self.thread is not None:
+            self.thread.join()
+        elif self.done is None and self.error is None:
+            self.run()
+        if self.error is not None:
+            raise self.error
+        assert self.done is not None
+        return self.done
 
 
 FAILED = -(1 << 63)  # the piece key of the marker row a failed rank sends
@@ -142,7 +194,7 @@ class Gate:
 
 def check_replicas(
     tensors: list[SaveTensor], comm: Any, where: str, gate: Gate | None = None, declared: bool = True,
-) -> tuple[list[SaveTensor], ReplicaTable | None]:
+) -> tuple[list[SaveTensor], PendingTable | None]:
     """Digest every copy this rank holds; compare now when the comparison may change what is written.
 
     ``declared``: groups are declared (``replicated_over``, or layout rules
@@ -153,7 +205,8 @@ def check_replicas(
     names held by several groups get their copy names. Else nothing is
     gathered here: the returned :class:`ReplicaTable` travels with the rank's
     status and rank 0 compares the tables at the commit
-    (:func:`~shardpoint.planning.replicas.refusal`).
+    (:func:`~shardpoint.planning.replicas.refusal`); it is computed when
+    the save says (:class:`PendingTable`).
 
     Returns the tensors (with copy names where groups keep their own) and
     the table for the commit (``None``: compared already, or nothing to
@@ -169,7 +222,7 @@ def check_replicas(
         return tensors, None
     if not declared:
         gate.close()
-        return tensors, table_of(tensors, check_mode() != "off")
+        return tensors, PendingTable(tensors, check_mode() != "off")
     failure: Exception | None = None
     try:
         mine = rows_of(tensors, check_mode() != "off")

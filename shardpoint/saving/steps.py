@@ -31,7 +31,7 @@ from ..runtime.monitor import Recorder
 from ..planning.describe import CandidateGrids, Description, RankReport, RankStatus, cover_of, describe, values_doc
 from ..planning.writers import WriterChoice, WriterPlan, choose_writers, plan_signature
 from ..runtime.rank_local import rank_local_tensors
-from .replicas import Gate, ReplicaTable, check_replicas
+from .replicas import Gate, PendingTable, check_replicas
 from ..storage import Storage
 
 __all__ = [
@@ -98,7 +98,8 @@ class PreparedSave:
     ``described`` the rank's description, made by the first :meth:`summary`
     and reused by repeated saves of the same tensors; ``replicas`` the
     rank's replica table, compared at the commit
-    (:func:`~shardpoint.saving.replicas.check_replicas`).
+    (:func:`~shardpoint.saving.replicas.check_replicas`), which the summary
+    waits for.
     """
 
     tensors: list[SaveTensor]
@@ -109,7 +110,7 @@ class PreparedSave:
     choice: WriterChoice = field(default_factory=lambda: WriterChoice((), {}))
     ctx: AdapterContext | None = None
     described: Description | None = None
-    replicas: ReplicaTable | None = None
+    replicas: PendingTable | None = None
 
     def summary(self, storage: Storage, records, files: dict, comm: Comm) -> RankReport:
         """Write this rank's index file next to its data file; return what the commit needs.
@@ -129,7 +130,7 @@ class PreparedSave:
             self.described = describe_prepared(self, comm)
         d = self.described
         vdoc, vdig = values_doc(self.values, self.layout)
-        table = self.replicas
+        table = self.replicas.table() if self.replicas is not None else None
         status = RankStatus(files, index, d.digest, vdig, cover_of(self.mine, d.listed), table.encoded if table else b"")
         return RankReport(status, d.doc, vdoc, table.held if table else ())
 

@@ -209,6 +209,8 @@ class SaveTransaction:
     def local_phases(self) -> RankReport:
         """Prepare, claim and write on this rank (the sync save runs them guarded, as one)."""
         self.prepare()
+        if self.prep.replicas is not None:  # the caller waits until the commit: digest alongside the write
+            self.prep.replicas.start()
         self.claim_path()
         return self.write()
 
