@@ -1,7 +1,8 @@
 """The commit's I/O: each rank's index file, the two gathers to rank 0, the manifest written last, cleanup.
 
-The first gather also carries each rank's replica table, which rank 0
-compares before it writes anything (:mod:`shardpoint.planning.replicas`).
+The gathers also carry the replica check's tables: each status the digest
+of its rank's table, and one rank per distinct digest its table, which rank
+0 compares before it writes anything (:mod:`shardpoint.planning.replicas`).
 
 What goes into the manifest is decided by :mod:`shardpoint.planning.commit`;
 this module moves it. Every collective goes through
@@ -21,7 +22,7 @@ from ..format.index import encode_index, index_digest
 from ..format.manifest import MANIFEST_NAME, RankFiles
 from ..planning.commit import AskFor, Documents, assemble_manifest, representatives
 from ..planning.describe import RankReport, RankStatus
-from ..planning.replicas import Row, refusal, suspicious
+from ..planning.replicas import ReplicaTable, commit_refusal, table_representatives
 from ..storage import Storage
 from .claim import CommitPolicy, SaveClaim, cleanup_after_commit
 
@@ -99,13 +100,13 @@ def commit_save(
 class CommitDecision:
     """Rank 0's answer to the first gather: whom to ask for documents, or every rank's failure.
 
-    ``replicas``: the replica tables show differing copies (or a name held
-    by several groups), so every rank also sends its named rows.
+    ``replicas``: the ranks that send their replica tables, one per
+    distinct table digest.
     """
 
     ask: AskFor | None
     failures: tuple[Outcome, ...] = ()
-    replicas: bool = False
+    replicas: frozenset[int] = frozenset()
 
 
 def _decide(gathered: Sequence[Outcome]) -> CommitDecision:
@@ -113,12 +114,12 @@ def _decide(gathered: Sequence[Outcome]) -> CommitDecision:
     if not all(o.ok for o in gathered):
         return CommitDecision(None, tuple(o.sendable(with_value=False) for o in gathered))
     statuses = [o.value for o in gathered]
-    return CommitDecision(representatives(statuses), replicas=suspicious([s.replicas for s in statuses]))
+    return CommitDecision(representatives(statuses), replicas=table_representatives([s.replicas for s in statuses]))
 
 
-def _refuse(held: Sequence[Sequence[tuple]], where: str) -> None:
-    """Rank 0: raise the replica comparison's verdict on every rank's rows (as tuples), if it refuses the save."""
-    error = refusal([[Row(*h) for h in rows] for rows in held], where)
+def _refuse(digests: Sequence[str], tables: Mapping[int, ReplicaTable], where: str) -> None:
+    """Rank 0: raise the replica comparison's verdict, if it refuses the save."""
+    error = commit_refusal(digests, tables, where)
     if error is not None:
         raise error
 
@@ -129,10 +130,9 @@ def commit_gathered(
 ) -> str:
     """Every rank: commit on rank 0 from two small gathers; return the manifest's save id or raise everywhere.
 
-    First every rank's fixed-size :class:`RankStatus`, with its replica
-    table; then only the ranks rank 0 asks for, one per distinct digest,
-    send their documents (and every rank its named replica rows, when the
-    tables differ). Chunk records never travel: each rank wrote its own
+    First every rank's fixed-size :class:`RankStatus`; then only the ranks
+    rank 0 asks for, one per distinct digest, send their documents and
+    replica tables. Chunk records never travel: each rank wrote its own
     index file. Copies that should agree but differ fail the save on every
     rank with :class:`~shardpoint.errors.ReplicaMismatchError` before the
     manifest is written, and each rank removes its files. ``out`` is this
@@ -156,12 +156,13 @@ def commit_gathered(
     docs = comm.gather((Documents(
         report.tensors if comm.rank in ask.tensors else None,
         report.values if comm.rank in ask.values else None,
-    ), report.replicas if decision.replicas else ()))
+    ), report.replicas if comm.rank in decision.replicas else None))
     final: tuple[list[Outcome], bool] | None = None
     if comm.rank == 0:
         assert gathered is not None and docs is not None
         statuses = [o.value for o in gathered]
-        refused = run_guarded(lambda: _refuse([rows for _, rows in docs], where))
+        tables = {r: t for r, (_, t) in enumerate(docs) if t is not None}
+        refused = run_guarded(lambda: _refuse([s.replicas for s in statuses], tables, where))
         if not refused.ok:
             final = ([refused.sendable()], True)
         else:

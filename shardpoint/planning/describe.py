@@ -19,6 +19,7 @@ import xxhash
 
 from ..format.manifest import RankFiles
 from ..geometry.grid import Grid
+from .replicas import ReplicaTable
 from .writers import HeldTensor, WriterChoice
 
 __all__ = [
@@ -114,10 +115,9 @@ class RankStatus:
     ``files``: the files it wrote and their sizes; ``index``: its data and
     index file (``None`` when it wrote nothing); the digests of its two
     documents; ``cover``: elements it wrote of each listed tensor;
-    ``replicas``: its replica table for the comparison at the commit
-    (:attr:`~shardpoint.planning.replicas.ReplicaTable.encoded`; empty when
-    the ranks compared before writing), 48 bytes per copy it holds that
-    others hold too.
+    ``replicas``: the digest of its replica table for the comparison at
+    the commit (:meth:`~shardpoint.planning.replicas.ReplicaTable.digest`;
+    empty when the ranks compared before writing).
     """
 
     files: Mapping[str, int]
@@ -125,22 +125,21 @@ class RankStatus:
     tensors_digest: str
     values_digest: str
     cover: Mapping[str, int]
-    replicas: bytes = b""
+    replicas: str = ""
 
 
 @dataclass(frozen=True)
 class RankReport:
     """One rank's save outcome: its status, and what is sent only when rank 0 asks for it.
 
-    ``tensors`` and ``values``: its two documents; ``replicas``: the named
-    rows of its replica table
-    (:attr:`~shardpoint.planning.replicas.ReplicaTable.held`).
+    ``tensors`` and ``values``: its two documents; ``replicas``: its replica
+    table (:class:`~shardpoint.planning.replicas.ReplicaTable`), or ``None``.
     """
 
     status: RankStatus
     tensors: TensorsDoc
     values: ValuesDoc
-    replicas: tuple[tuple, ...] = ()
+    replicas: ReplicaTable | None = None
 
 
 class CandidateGrids:

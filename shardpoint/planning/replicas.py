@@ -9,8 +9,10 @@ tensors and :func:`copied_names` the names several declared groups hold.
 
 Where the comparison runs is the save's business
 (:mod:`shardpoint.saving.replicas`): before anything is written when
-declared groups may get per-group copy names, else at the commit, from the
-tables every rank sends with its status (:func:`refusal`).
+declared groups may get per-group copy names, else at the commit
+(:func:`commit_refusal`), where each rank's status carries its table's
+digest and rank 0 fetches one table per distinct digest, like the
+documents of :mod:`shardpoint.planning.commit`.
 
 Example::
 
@@ -21,7 +23,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +33,7 @@ from ..errors import ReplicaMismatchError
 
 __all__ = [
     "COPY_MARK", "Row", "ReplicaTable", "mismatches", "copied_names", "copy_name", "parse_copy_name", "encode_rows",
-    "suspicious", "replica_message", "refusal",
+    "suspicious", "replica_message", "refusal", "table_representatives", "commit_refusal",
 ]
 
 COPY_MARK = "@ranks"
@@ -79,6 +81,10 @@ class ReplicaTable:
     def rows(self) -> list[Row]:
         """The rows, named."""
         return [Row(*h) for h in self.held]
+
+    def digest(self) -> str:
+        """xxh3_128 of the encoded table: equal on ranks that hold the same pieces with the same values."""
+        return xxhash.xxh3_128_hexdigest(self.encoded)
 
 
 def mismatches(table: Sequence[Sequence[Row]]) -> list[tuple[str, list[list[int]]]]:
@@ -249,7 +255,7 @@ def replica_message(where: str, fqn: str, groups: list[list[int]], others: Seque
 
 
 def refusal(table: Sequence[Sequence[Row]], where: str) -> ReplicaMismatchError | None:
-    """The commit's verdict on every rank's named rows (``table[r]``: rank ``r``'s): the error to fail with, or ``None``.
+    """The verdict on every rank's named rows (``table[r]``: rank ``r``'s): the error to fail with, or ``None``.
 
     Differing copies within a group are refused, and so is a name that the
     ranks of several groups hold: without a declaration (``replicated_over``)
@@ -274,3 +280,38 @@ def refusal(table: Sequence[Sequence[Row]], where: str) -> ReplicaMismatchError 
         "on every rank, naming the ranks that hold this rank's copy (a group, or patterns over tensor names), so "
         "that each group's copy is stored", fqn, groups,
     )
+
+
+def table_representatives(digests: Sequence[str]) -> frozenset[int]:
+    """The lowest rank of each distinct replica table digest (``digests[r]``: rank ``r``'s; empty: no table).
+
+    Ranks whose tables are equal hold the same pieces with the same values
+    (every rank of a DDP job, say), so the commit fetches one table of each.
+
+    Example::
+
+        table_representatives(["a", "a", "b", ""])  # frozenset({0, 2})
+    """
+    first: dict[str, int] = {}
+    for r, d in enumerate(digests):
+        if d:
+            first.setdefault(d, r)
+    return frozenset(first.values())
+
+
+def commit_refusal(digests: Sequence[str], tables: Mapping[int, ReplicaTable], where: str) -> ReplicaMismatchError | None:
+    """Rank 0's verdict at the commit, from each rank's table digest and the representatives' ``tables``.
+
+    ``tables`` maps each rank of :func:`table_representatives` to its
+    table. Only when the distinct tables are :func:`suspicious` are rows
+    compared by name, each rank taking its representative's rows.
+
+    Example::
+
+        err = commit_refusal(["a", "b"], {0: table0, 1: table1}, "ckpt/step_100")
+    """
+    rep = {d: r for r, d in reversed(list(enumerate(digests))) if d}  # the lowest rank of each digest
+    if not suspicious([tables[r].encoded for r in rep.values()]):
+        return None
+    rows = {d: tables[r].rows() for d, r in rep.items()}
+    return refusal([rows[d] if d else [] for d in digests], where)

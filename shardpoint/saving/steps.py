@@ -131,8 +131,8 @@ class PreparedSave:
         d = self.described
         vdoc, vdig = values_doc(self.values, self.layout)
         table = self.replicas.table() if self.replicas is not None else None
-        status = RankStatus(files, index, d.digest, vdig, cover_of(self.mine, d.listed), table.encoded if table else b"")
-        return RankReport(status, d.doc, vdoc, table.held if table else ())
+        status = RankStatus(files, index, d.digest, vdig, cover_of(self.mine, d.listed), table.digest() if table else "")
+        return RankReport(status, d.doc, vdoc, table)
 
 
 def describe_prepared(prep: PreparedSave, comm: Any) -> Description:

@@ -226,6 +226,12 @@ def commit_job(rank: int, world: int, root: str) -> dict:
         model.bias.add_(rank)
     out["reused"] = _failure(lambda: saver.save(os.path.join(root, "reuse"), {"model": model}))
     saver.close()
+    # Whether groups are declared decides whether the check gathers before the write: ranks must agree on it.
+    try:
+        sp.save(os.path.join(root, "disagree"), {"model": good}, replicated_over=list(range(world)) if rank == 0 else None)
+        out["disagree"] = []
+    except sp.CheckpointError as e:
+        out["disagree"] = [type(e).__name__, str(e)]
     return out
 
 

@@ -53,6 +53,12 @@ def test_the_digests_are_of_the_state_at_the_call(at_commit):
         assert r["reused"][0] == "ReplicaMismatchError" and r["reused"][2] == "model.bias" and r["reused"][4] == "wait", r
 
 
+def test_ranks_that_disagree_on_declaring_groups_are_stopped_at_entry(at_commit):
+    for r in at_commit:
+        name, msg = r["disagree"]
+        assert name == "DistributedError" and "save with replicated_over of" in msg and "rank 0 is in save with" in msg, r
+
+
 def test_per_rank_plain_tensors_are_refused_naming_the_tensor_and_ranks(per_rank):
     for r in per_rank:
         name, msg, tensor, ranks = r["p1"]

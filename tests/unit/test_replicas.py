@@ -15,7 +15,7 @@ from shardpoint.geometry import Box
 from shardpoint.items import LoadTarget
 from shardpoint.layouts import apply_load
 from shardpoint.saving.digest import HOST_FULL_BYTES, SAMPLES, digest_all, digest_tensor
-from shardpoint.planning.replicas import ReplicaTable, refusal
+from shardpoint.planning.replicas import ReplicaTable, commit_refusal, refusal, table_representatives
 from shardpoint.saving.replicas import (
     Row, copied_names, copy_name, copy_rule, encode_rows, mismatches, parse_copy_name, suspicious,
 )
@@ -222,3 +222,15 @@ def test_the_commit_reads_the_tables_as_bytes_and_refuses_with_names():
     assert err.tensor == "e" and err.groups == [[0], [1]] and "replicated_over" in str(err)
     with pytest.raises(ReplicaMismatchError, match="overlapping"):
         refusal([[_row("e", "0,1", (1, 1, 1))], [_row("e", "", (1, 1, 1))]], "ck")
+
+
+def test_the_commit_fetches_one_table_per_distinct_digest_and_names_every_rank():
+    same = ReplicaTable.of([_row("w", "", (1, 1, 1)), _row("b", "", (3, 3, 3))])
+    other = ReplicaTable.of([_row("w", "", (1, 1, 2)), _row("b", "", (3, 3, 3))])
+    assert same.digest() == ReplicaTable.of(same.rows()).digest() != other.digest()
+    digests = [same.digest(), same.digest(), other.digest(), other.digest(), ""]
+    assert table_representatives(digests) == frozenset({0, 2})
+    assert commit_refusal(digests[:2], {0: same}, "ck") is None  # one distinct table: nothing to compare
+    err = commit_refusal(digests, {0: same, 2: other}, "ck")
+    assert err.tensor == "w" and err.groups == [[0, 1], [2, 3]] and "ranks [0, 1]; ranks [2, 3]" in str(err)
+    assert commit_refusal(["", ""], {}, "ck") is None
