@@ -107,6 +107,8 @@ def _raw_digest(t: torch.Tensor, full: bool) -> tuple[int, ...] | None:
     nbytes = t.numel() * size
     if nbytes == 0:
         return (HOST, xxhash.xxh3_64_intdigest(b""), 0, 0)
+    if t.untyped_storage().nbytes() < t.storage_offset() * size + nbytes:  # a freed or shrunk storage: torch decides
+        return None
     buf = (ctypes.c_char * nbytes).from_address(t.data_ptr())
     if full or nbytes <= HOST_FULL_BYTES:
         return (HOST, xxhash.xxh3_64_intdigest(buf), n, 0)
