@@ -12,10 +12,13 @@ the save runs them:
   comparison of every rank's table at the commit, and the table's extra
   bytes in the commit's first gather (``gather_extra_s``, the gather with
   the table less the gather without it, at least 0);
+- ``sync_s``: the check's part of a blocking save's critical path: the time
+  its summary waited for the digests (``wait_s``: the part the write did
+  not hide), the comparison and the gather's extra bytes;
 - ``ab_share``: the whole save with the check against the same save with
-  the check left out, alternating, ``2 * --repeats`` of each: the check's
-  cost as a blocking save pays it, overlap included (noisy on a loaded
-  machine: a difference of medians);
+  the check left out, ``2 * --repeats`` of each in alternating order: the
+  check's cost as a blocking save pays it, contention for the interpreter
+  included (noisy on a loaded machine: a difference of medians);
 - ``prewrite_s``: the check as a save with ``replicated_over`` runs it:
   digests, one gather of the tables before the write, the comparison.
 
@@ -109,17 +112,42 @@ def _without_check():
     return patched()
 
 
-def _ab(save, repeats: int) -> tuple[float, float]:
-    """Median save time with the check and without it, alternating, ``2 * repeats`` of each after a warm-up."""
-    with_check, without = [], []
-    for i in range(2 * repeats + 1):
-        a = _timed(save)
-        with _without_check():
-            b = _timed(save)
-        if i:
-            with_check.append(a)
-            without.append(b)
-    return statistics.median(with_check), statistics.median(without)
+def _ab(save, repeats: int) -> tuple[float, float, float]:
+    """Median save time with the check and without it, ``2 * repeats`` of each after a warm-up, in alternating order.
+
+    Also the median time a save's summary waited for its digests (the part
+    of the digests its write did not hide), slowest rank.
+    """
+    from shardpoint.saving.replicas import PendingTable
+
+    real, waited = PendingTable.table, []
+
+    def timed_table(self):
+        t0 = time.perf_counter()
+        try:
+            return real(self)
+        finally:
+            waited.append(time.perf_counter() - t0)
+
+    with_check, without, waits = [], [], []
+    PendingTable.table = timed_table
+    try:
+        for i in range(2 * repeats + 1):
+            for check in ((True, False) if i % 2 else (False, True)):
+                waited.clear()
+                if check:
+                    a = _timed(save)
+                    w = _slowest(sum(waited))
+                else:
+                    with _without_check():
+                        b = _timed(save)
+            if i:
+                with_check.append(a)
+                without.append(b)
+                waits.append(w)
+    finally:
+        PendingTable.table = real
+    return statistics.median(with_check), statistics.median(without), statistics.median(waits)
 
 
 def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats: int) -> dict:
@@ -137,7 +165,7 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
         train_step(model, opt, 0, c)
         state = {"model": model, "optimizer": opt}
         path = os.path.join(root, layout)
-        save, save_off = _ab(lambda: sp.save(path, state), repeats)
+        save, save_off, wait = _ab(lambda: sp.save(path, state), repeats)
         comm = Comm.resolve(None)
         prep = prepare_save(state, comm, False, path, SaveResult(path, "bench"))
         cpu: list[float] = []
@@ -151,6 +179,7 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
             "save_s": save, "check_s": check, "share": check / save,
             "check_cpu_s": statistics.median(cpu[1:]), "cpu_share": statistics.median(cpu[1:]) / save,
             "save_without_s": save_off, "ab_share": (save - save_off) / save,
+            "sync_s": wait + compare + extra, "sync_share": (wait + compare + extra) / save, "wait_s": wait,
             "at_call_s": at_call, "compare_s": compare, "gather_extra_s": extra,
             "digest_s": _medians(lambda: rows_of(prep.tensors), repeats),
             "prewrite_s": prewrite, "prewrite_share": prewrite / save,
