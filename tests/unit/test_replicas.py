@@ -17,7 +17,7 @@ from shardpoint.layouts import apply_load
 from shardpoint.saving.digest import HOST_FULL_BYTES, SAMPLES, digest_all, digest_tensor
 from shardpoint.planning.replicas import ReplicaTable, commit_refusal, refusal, table_representatives
 from shardpoint.saving.replicas import (
-    Row, copied_names, copy_name, copy_rule, encode_rows, mismatches, parse_copy_name, suspicious,
+    PendingTable, Row, table_of, copied_names, copy_name, copy_rule, encode_rows, mismatches, parse_copy_name, suspicious,
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
@@ -234,3 +234,33 @@ def test_the_commit_fetches_one_table_per_distinct_digest_and_names_every_rank()
     err = commit_refusal(digests, {0: same, 2: other}, "ck")
     assert err.tensor == "w" and err.groups == [[0, 1], [2, 3]] and "ranks [0, 1]; ranks [2, 3]" in str(err)
     assert commit_refusal(["", ""], {}, "ck") is None
+
+
+def _tensors():
+    import shardpoint as sp
+    from shardpoint.dist import Comm
+    from shardpoint.saving.steps import SaveResult, prepare_save
+
+    state = {"w": torch.arange(12.0).view(3, 4), "big": torch.randn(HOST_FULL_BYTES)}
+    return prepare_save(state, Comm.resolve(None), False, "ck", SaveResult("ck", "x")).tensors
+
+
+def test_a_pending_table_computes_on_a_thread_or_now_and_raises_its_error_where_asked():
+    tensors = _tensors()
+    want = table_of(tensors)
+    started = PendingTable(tensors)
+    started.start()
+    assert started.thread is not None and started.table() == want  # a thread, joined by table()
+    now = PendingTable(tensors)
+    assert now.table() == want and now.thread is None  # nothing computed before: computed when asked
+
+    class Broken:
+        replica_count, layout = 2, "replicated"
+        fqn, flat, replica_group = "x", None, ""
+        data = torch.ones(2)
+        box = None  # table_of cannot read its offsets
+
+    failing = PendingTable([Broken()])
+    failing.start()
+    with pytest.raises(AttributeError):
+        failing.table()
