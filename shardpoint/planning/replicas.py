@@ -191,10 +191,14 @@ def _cached_key(*parts: Any) -> int:
 
 
 def _encode(held: Sequence[tuple]) -> np.ndarray:
-    data = [
-        (_cached_key(fqn, offsets, sizes, flat), _cached_key(group), *(_signed(int(d)) for d in digest))
-        for fqn, offsets, sizes, flat, group, digest in held
-    ]
+    top, wrap = 1 << 63, 1 << 64  # unsigned 64-bit digests as int64
+    data = []
+    for fqn, offsets, sizes, flat, group, (kind, a, b, c) in held:
+        a, b, c = int(a), int(b), int(c)
+        data.append((
+            _cached_key(fqn, offsets, sizes, flat), _cached_key(group), int(kind),
+            a - wrap if a >= top else a, b - wrap if b >= top else b, c - wrap if c >= top else c,
+        ))
     return np.array(data, dtype=np.int64).reshape(-1, 6)
 
 
