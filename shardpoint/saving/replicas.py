@@ -13,8 +13,8 @@ Where they compare (:func:`check_replicas`):
   the commit's first gather, with its status, and rank 0 compares them
   (:func:`~shardpoint.planning.replicas.refusal`); a save then costs no
   collective more than one without the check;
-- when groups are declared (``replicated_over``, or layout rules that place
-  experts), before anything is written, in one gather of the tables: there
+- when groups are declared (``replicated_over``, or layout rules, which
+  place experts), before anything is written, in one gather of the tables: there
   ranks of different groups may hold one name with different values, and
   such tensors are stored as one copy per group, named
   ``<name>@ranks<r0>,<r1>,...`` (:func:`copy_name`); a load takes the copy
@@ -197,8 +197,8 @@ def check_replicas(
 ) -> tuple[list[SaveTensor], PendingTable | None]:
     """Digest every copy this rank holds; compare now when the comparison may change what is written.
 
-    ``declared``: groups are declared (``replicated_over``, or layout rules
-    that place experts), so ranks of several groups may hold one name, and
+    ``declared``: groups are declared (``replicated_over``, or layout rules,
+    which place experts), so ranks of several groups may hold one name, and
     those names must be known before anything is written. Then the ranks
     compare now (``gate``'s last gather, see :class:`Gate`): every rank
     reaches the same verdict and raises the same error on a mismatch, and
