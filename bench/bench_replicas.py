@@ -1,13 +1,32 @@
 """The cost of the replica check at save, against the whole save, on the benchmark states.
 
 Each layout's 4-rank TinyGPT state (model and AdamW after one step, at a
-suite size) is saved ``--repeats`` times with ``sp.save``; the replica check
-(digests of every copy a rank holds, one gather, the comparison) is then
-timed alone on the same prepared tensors. Times are the slowest rank's,
-from a barrier; the report gives medians and the check's share of the save,
-in wall-clock time and in the CPU time of the checking thread (on a machine
-with fewer cores than ranks, wall-clock spans include scheduling waits).
-DDP is the worst case: every rank holds, and digests, the whole state.
+suite size) is saved ``--repeats`` times with ``sp.save``; the replica
+check's parts are then timed alone on the same prepared tensors, the way
+the save runs them:
+
+- ``check_s``: what the check adds to a save without declared groups (the
+  default), its parts timed one after the other: the digests and the int64
+  table (``at_call_s``: on the training thread in an asynchronous save; a
+  blocking save computes them on a thread alongside its write), rank 0's
+  comparison of every rank's table at the commit, and the table's extra
+  bytes in the commit's first gather (``gather_extra_s``, the gather with
+  the table less the gather without it, at least 0);
+- ``sync_s``: the check's part of a blocking save's critical path: the time
+  its summary waited for the digests (``wait_s``: the part the write did
+  not hide), the comparison and the gather's extra bytes;
+- ``ab_share``: the whole save with the check against the same save with
+  the check left out, ``2 * --repeats`` of each in alternating order: the
+  check's cost as a blocking save pays it, contention for the interpreter
+  included (noisy on a loaded machine: a difference of medians);
+- ``prewrite_s``: the check as a save with ``replicated_over`` runs it:
+  digests, one gather of the tables before the write, the comparison.
+
+Times are the slowest rank's, from a barrier; the report gives medians and
+each one's share of the save, in wall-clock time and (for ``check_s``) in
+the CPU time of the checking thread (on a machine with fewer cores than
+ranks, wall-clock spans include scheduling waits). DDP is the worst case:
+every rank holds, and digests, the whole state.
 
     .venv/bin/python bench/bench_replicas.py                     # 100mb, ddp fsdp2 hsdp 2d
     .venv/bin/python bench/bench_replicas.py --size 1.5gb --layouts ddp
@@ -53,11 +72,89 @@ def _timed(fn, cpu: list | None = None) -> float:
     return _slowest(t1 - t0)
 
 
+def _medians(fn, repeats: int, cpu: list | None = None) -> float:
+    """Median wall seconds of ``fn`` (slowest rank) over ``repeats`` runs after one warm-up."""
+    return statistics.median([_timed(fn, cpu) for _ in range(repeats + 1)][1:])
+
+
+def _commit_side(comm, table, repeats: int) -> tuple[float, float]:
+    """Rank 0's comparison of every rank's table, and the table's extra cost in a gather to rank 0."""
+    from shardpoint.planning.replicas import suspicious
+
+    tables = comm.all_gather(table.encoded)
+    compare = _medians(lambda: suspicious(tables) if comm.rank == 0 else None, repeats)
+    plain = [_timed(lambda: comm.gather(b"")) for _ in range(2 * repeats + 1)][1:]
+    loaded = [_timed(lambda: comm.gather(table.encoded)) for _ in range(2 * repeats + 1)][1:]
+    return compare, max(0.0, statistics.median(loaded) - statistics.median(plain))
+
+
+def _without_check():
+    """A stand-in for the check that compares nothing (for the save without it); restores the real one on exit."""
+    import contextlib
+
+    from shardpoint.saving import steps
+
+    @contextlib.contextmanager
+    def patched():
+        real = steps.check_replicas
+
+        def skip(tensors, comm, where, gate=None, declared=True):
+            if gate is not None:
+                gate.close()
+            return tensors, None
+
+        steps.check_replicas = skip
+        try:
+            yield
+        finally:
+            steps.check_replicas = real
+
+    return patched()
+
+
+def _ab(save, repeats: int) -> tuple[float, float, float]:
+    """Median save time with the check and without it, ``2 * repeats`` of each after a warm-up, in alternating order.
+
+    Also the median time a save's summary waited for its digests (the part
+    of the digests its write did not hide), slowest rank.
+    """
+    from shardpoint.saving.replicas import PendingTable
+
+    real, waited = PendingTable.table, []
+
+    def timed_table(self):
+        t0 = time.perf_counter()
+        try:
+            return real(self)
+        finally:
+            waited.append(time.perf_counter() - t0)
+
+    with_check, without, waits = [], [], []
+    PendingTable.table = timed_table
+    try:
+        for i in range(2 * repeats + 1):
+            for check in ((True, False) if i % 2 else (False, True)):
+                waited.clear()
+                if check:
+                    a = _timed(save)
+                    w = _slowest(sum(waited))
+                else:
+                    with _without_check():
+                        b = _timed(save)
+            if i:
+                with_check.append(a)
+                without.append(b)
+                waits.append(w)
+    finally:
+        PendingTable.table = real
+    return statistics.median(with_check), statistics.median(without), statistics.median(waits)
+
+
 def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats: int) -> dict:
-    """Per layout: median save time, median check time, the check's share, bytes digested per rank."""
+    """Per layout: median save time, median check time and the check's share, bytes digested per rank."""
     import shardpoint as sp
     from shardpoint.dist import Comm
-    from shardpoint.saving.replicas import check_replicas, encode_rows, rows_of
+    from shardpoint.saving.replicas import check_replicas, rows_of
     from shardpoint.saving.steps import SaveResult, prepare_save
     from shardpoint.testing import GPTConfig, build, train_step
 
@@ -68,23 +165,26 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
         train_step(model, opt, 0, c)
         state = {"model": model, "optimizer": opt}
         path = os.path.join(root, layout)
-        saves = [_timed(lambda: sp.save(path, state)) for _ in range(repeats + 1)][1:]
+        save, save_off, wait = _ab(lambda: sp.save(path, state), repeats)
         comm = Comm.resolve(None)
         prep = prepare_save(state, comm, False, path, SaveResult(path, "bench"))
         cpu: list[float] = []
-        checks = [_timed(lambda: check_replicas(prep.tensors, comm, path), cpu) for _ in range(repeats + 1)][1:]
-        digests = [_timed(lambda: rows_of(prep.tensors)) for _ in range(repeats + 1)][1:]
+        at_call = _medians(lambda: check_replicas(prep.tensors, comm, path, declared=False)[1].table(), repeats, cpu)
+        table = check_replicas(prep.tensors, comm, path, declared=False)[1].table()
+        compare, extra = _commit_side(comm, table, repeats)
+        prewrite = _medians(lambda: check_replicas(prep.tensors, comm, path, declared=True), repeats)
+        check = at_call + compare + extra
         held = [t for t in prep.tensors if t.replica_count > 1 or t.placement == "local"]
-        rows = rows_of(prep.tensors)
-        table = encode_rows(rows)
-        gathers = [_timed(lambda: comm.all_gather_rows(table)) for _ in range(repeats + 1)][1:]
         out[layout] = {
-            "save_s": statistics.median(saves), "check_s": statistics.median(checks),
-            "share": statistics.median(checks) / statistics.median(saves),
-            "check_cpu_s": statistics.median(cpu[1:]), "cpu_share": statistics.median(cpu[1:]) / statistics.median(saves),
-            "digest_s": statistics.median(digests), "gather_s": statistics.median(gathers),
-            "checked_tensors": len(rows), "checked_bytes": sum(t.nbytes for t in held),
-            "state_bytes": sum(t.nbytes for t in prep.tensors),
+            "save_s": save, "check_s": check, "share": check / save,
+            "check_cpu_s": statistics.median(cpu[1:]), "cpu_share": statistics.median(cpu[1:]) / save,
+            "save_without_s": save_off, "ab_share": (save - save_off) / save,
+            "sync_s": wait + compare + extra, "sync_share": (wait + compare + extra) / save, "wait_s": wait,
+            "at_call_s": at_call, "compare_s": compare, "gather_extra_s": extra,
+            "digest_s": _medians(lambda: rows_of(prep.tensors), repeats),
+            "prewrite_s": prewrite, "prewrite_share": prewrite / save,
+            "checked_tensors": len(table.held), "table_bytes": len(table.encoded),
+            "checked_bytes": sum(t.nbytes for t in held), "state_bytes": sum(t.nbytes for t in prep.tensors),
         }
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)

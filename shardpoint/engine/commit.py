@@ -1,5 +1,9 @@
 """The commit's I/O: each rank's index file, the two gathers to rank 0, the manifest written last, cleanup.
 
+The gathers also carry the replica check's tables: each status the digest
+of its rank's table, and one rank per distinct digest its table, which rank
+0 compares before it writes anything (:mod:`shardpoint.planning.replicas`).
+
 What goes into the manifest is decided by :mod:`shardpoint.planning.commit`;
 this module moves it. Every collective goes through
 :class:`~shardpoint.dist.Comm`.
@@ -18,6 +22,7 @@ from ..format.index import encode_index, index_digest
 from ..format.manifest import MANIFEST_NAME, RankFiles
 from ..planning.commit import AskFor, Documents, assemble_manifest, representatives
 from ..planning.describe import RankReport, RankStatus
+from ..planning.replicas import ReplicaTable, commit_refusal, table_representatives
 from ..storage import Storage
 from .claim import CommitPolicy, SaveClaim, cleanup_after_commit
 
@@ -93,10 +98,30 @@ def commit_save(
 
 @dataclass(frozen=True)
 class CommitDecision:
-    """Rank 0's answer to the first gather: whom to ask for documents, or every rank's failure."""
+    """Rank 0's answer to the first gather: whom to ask for documents, or every rank's failure.
+
+    ``replicas``: the ranks that send their replica tables, one per
+    distinct table digest.
+    """
 
     ask: AskFor | None
     failures: tuple[Outcome, ...] = ()
+    replicas: frozenset[int] = frozenset()
+
+
+def _decide(gathered: Sequence[Outcome]) -> CommitDecision:
+    """Rank 0: the decision on every rank's first-gather outcome."""
+    if not all(o.ok for o in gathered):
+        return CommitDecision(None, tuple(o.sendable(with_value=False) for o in gathered))
+    statuses = [o.value for o in gathered]
+    return CommitDecision(representatives(statuses), replicas=table_representatives([s.replicas for s in statuses]))
+
+
+def _refuse(digests: Sequence[str], tables: Mapping[int, ReplicaTable], where: str) -> None:
+    """Rank 0: raise the replica comparison's verdict, if it refuses the save."""
+    error = commit_refusal(digests, tables, where)
+    if error is not None:
+        raise error
 
 
 def commit_gathered(
@@ -106,9 +131,12 @@ def commit_gathered(
     """Every rank: commit on rank 0 from two small gathers; return the manifest's save id or raise everywhere.
 
     First every rank's fixed-size :class:`RankStatus`; then only the ranks
-    rank 0 asks for, one per distinct digest, send their documents. Chunk
-    records never travel: each rank wrote its own index file. ``out`` is
-    this rank's outcome, holding a :class:`RankReport` when it succeeded.
+    rank 0 asks for, one per distinct digest, send their documents and
+    replica tables. Chunk records never travel: each rank wrote its own
+    index file. Copies that should agree but differ fail the save on every
+    rank with :class:`~shardpoint.errors.ReplicaMismatchError` before the
+    manifest is written, and each rank removes its files. ``out`` is this
+    rank's outcome, holding a :class:`RankReport` when it succeeded.
 
     Example::
 
@@ -117,13 +145,7 @@ def commit_gathered(
     report: RankReport | None = out.value if out.ok else None
     status = Outcome(True, report.status) if report is not None else out.sendable(with_value=False)
     gathered = comm.gather(status)
-    decision = CommitDecision(None)
-    if comm.rank == 0:
-        assert gathered is not None
-        if all(o.ok for o in gathered):
-            decision = CommitDecision(representatives([o.value for o in gathered]))
-        else:
-            decision = CommitDecision(None, tuple(o.sendable(with_value=False) for o in gathered))
+    decision = _decide(gathered) if comm.rank == 0 else CommitDecision(None)
     decision = comm.broadcast(decision)
     if decision.ask is None:
         if report is not None:  # nothing will list this rank's files (unique to this save): remove them now
@@ -131,18 +153,26 @@ def commit_gathered(
         raise_if_failed(list(decision.failures), f"save to {where}")
     assert report is not None and decision.ask is not None
     ask = decision.ask
-    docs = comm.gather(Documents(
+    docs = comm.gather((Documents(
         report.tensors if comm.rank in ask.tensors else None,
         report.values if comm.rank in ask.values else None,
-    ))
-    final: list[Outcome] | None = None
+    ), report.replicas if comm.rank in decision.replicas else None))
+    final: tuple[list[Outcome], bool] | None = None
     if comm.rank == 0:
         assert gathered is not None and docs is not None
         statuses = [o.value for o in gathered]
-        commit = run_guarded(lambda: commit_save(storage, save_id, comm.world, block, statuses, docs, where, claim, policy))
-        if comm.world == 1 and not commit.ok:
-            raise commit.exc
-        final = [commit.sendable()]
-    final = comm.broadcast(final)
-    raise_if_failed(final, f"save to {where}")
-    return final[0].value  # the manifest's id (rank 0's)
+        tables = {r: t for r, (_, t) in enumerate(docs) if t is not None}
+        refused = run_guarded(lambda: _refuse([s.replicas for s in statuses], tables, where))
+        if not refused.ok:
+            final = ([refused.sendable()], True)
+        else:
+            documents = [d for d, _ in docs]
+            commit = run_guarded(lambda: commit_save(storage, save_id, comm.world, block, statuses, documents, where, claim, policy))
+            if comm.world == 1 and not commit.ok:
+                raise commit.exc
+            final = ([commit.sendable()], False)
+    outcomes, discard = comm.broadcast(final)
+    if discard:  # refused before the manifest: nothing lists this save's files
+        discard_files(storage, list(report.status.files), comm.rank)
+    raise_if_failed(outcomes, f"save to {where}")
+    return outcomes[0].value  # the manifest's id (rank 0's)

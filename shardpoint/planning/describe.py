@@ -19,6 +19,7 @@ import xxhash
 
 from ..format.manifest import RankFiles
 from ..geometry.grid import Grid
+from .replicas import ReplicaTable
 from .writers import HeldTensor, WriterChoice
 
 __all__ = [
@@ -113,7 +114,10 @@ class RankStatus:
 
     ``files``: the files it wrote and their sizes; ``index``: its data and
     index file (``None`` when it wrote nothing); the digests of its two
-    documents; ``cover``: elements it wrote of each listed tensor.
+    documents; ``cover``: elements it wrote of each listed tensor;
+    ``replicas``: the digest of its replica table for the comparison at
+    the commit (:meth:`~shardpoint.planning.replicas.ReplicaTable.digest`;
+    empty when the ranks compared before writing).
     """
 
     files: Mapping[str, int]
@@ -121,15 +125,21 @@ class RankStatus:
     tensors_digest: str
     values_digest: str
     cover: Mapping[str, int]
+    replicas: str = ""
 
 
 @dataclass(frozen=True)
 class RankReport:
-    """One rank's save outcome: its status, and the two documents sent only when rank 0 asks for them."""
+    """One rank's save outcome: its status, and what is sent only when rank 0 asks for it.
+
+    ``tensors`` and ``values``: its two documents; ``replicas``: its replica
+    table (:class:`~shardpoint.planning.replicas.ReplicaTable`), or ``None``.
+    """
 
     status: RankStatus
     tensors: TensorsDoc
     values: ValuesDoc
+    replicas: ReplicaTable | None = None
 
 
 class CandidateGrids:

@@ -26,7 +26,7 @@ from ..engine.staging import SaverStaging, StagingRing, optimizer_order
 from ..errors import CheckpointError
 from ..planning.describe import RankReport
 from .reuse import SaveCache
-from .steps import data_file_name, mark_phase
+from .steps import PreparedSave, data_file_name, mark_phase
 from .transaction import SaveOptions, SaveTransaction
 
 __all__ = ["BackgroundSave"]
@@ -59,9 +59,16 @@ class BackgroundSave(SaveTransaction):
 
     def prepare_guarded(self, cache: SaveCache) -> None:
         """The prepare phase; a failure waits for the commit (so no rank hangs) unless this rank saves alone."""
-        self.prepared = run_guarded(functools.partial(self.prepare, cache))
+        self.prepared = run_guarded(functools.partial(self.prepare_at_call, cache))
         if self.comm.world == 1 and not self.prepared.ok:
             raise self.prepared.exc
+
+    def prepare_at_call(self, cache: SaveCache) -> PreparedSave:
+        """The prepare phase, with the replica digests: of the state at the call, which changes once it returns."""
+        prep = self.prepare(cache)
+        if prep.replicas is not None:
+            prep.replicas.table()
+        return prep
 
     def stage(self, staging: SaverStaging, piece_bytes: int) -> AsyncSaveHandle:
         """Size the staging ring for this save, order what it copies, and make the handle."""

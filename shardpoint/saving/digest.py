@@ -23,9 +23,11 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Sequence
 
+import numpy as np
 import torch
 import xxhash
 
@@ -76,12 +78,46 @@ def _sample_index(n: int, device: torch.device, cache: dict) -> tuple[torch.Tens
     return cache[key]
 
 
-def _host_digest(t: torch.Tensor, full: bool, cache: dict) -> tuple[int, ...]:
-    """``xxh3_64`` of a CPU tensor's bytes in row-major order, or of a strided sample of its elements.
+_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64, 16: np.int64}
+_NP_SAMPLES: dict[int, np.ndarray] = {}  # numel -> sample index, kept across saves (bounded below)
 
-    Plain numpy on the tensor's memory: a few microseconds per tensor, where
-    each torch op costs tens.
+
+def _np_sample(n: int) -> np.ndarray:
+    idx = _NP_SAMPLES.get(n)
+    if idx is None:
+        k = min(n, SAMPLES)
+        idx = np.arange(k, dtype=np.int64) * n // k
+        idx[-1] = n - 1
+        if len(_NP_SAMPLES) >= 1024:
+            _NP_SAMPLES.clear()
+        _NP_SAMPLES[n] = idx
+    return idx
+
+
+def _raw_digest(t: torch.Tensor, full: bool) -> tuple[int, ...] | None:
+    """:func:`_host_digest` of a dense CPU tensor, read straight from its memory; ``None`` where that does not apply.
+
+    No torch op per tensor (each costs microseconds, and a save digests
+    hundreds of tensors): a contiguous tensor's memory is its row-major bytes.
     """
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None
+    size = t.element_size()
+    n = t.numel() * (2 if size == 16 else 1)  # complex128: counted as int64 halves, as _bits views it
+    nbytes = t.numel() * size
+    if nbytes == 0:
+        return (HOST, xxhash.xxh3_64_intdigest(b""), 0, 0)
+    if t.untyped_storage().nbytes() < t.storage_offset() * size + nbytes:  # a freed or shrunk storage: torch decides
+        return None
+    buf = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    if full or nbytes <= HOST_FULL_BYTES:
+        return (HOST, xxhash.xxh3_64_intdigest(buf), n, 0)
+    sample = np.frombuffer(buf, dtype=_NP[size]).take(_np_sample(n))
+    return (HOST, xxhash.xxh3_64_intdigest(memoryview(sample).cast("B")), n, 0)
+
+
+def _host_digest(t: torch.Tensor, full: bool, cache: dict) -> tuple[int, ...]:
+    """``xxh3_64`` of a CPU tensor's bytes in row-major order, or of a strided sample of its elements."""
     bits = _bits(t)
     n = bits.numel()
     sample = not full and n * bits.element_size() > HOST_FULL_BYTES
@@ -90,10 +126,7 @@ def _host_digest(t: torch.Tensor, full: bool, cache: dict) -> tuple[int, ...]:
         sample = False
     arr = bits.reshape(-1).numpy()
     if sample:
-        key = ("np", n)
-        if key not in cache:
-            cache[key] = _sample_index(n, bits.device, cache)[0].numpy()
-        arr = arr[cache[key]]
+        arr = arr[_np_sample(n)]
     return (HOST, xxhash.xxh3_64_intdigest(memoryview(arr).cast("B")) if arr.size else xxhash.xxh3_64_intdigest(b""), n, 0)
 
 
@@ -135,10 +168,11 @@ def digest_all(tensors: Sequence[torch.Tensor], host: bool = True) -> list[tuple
     cache: dict = {}
     full = check_mode() == "full"
     for i, t in enumerate(tensors):
-        t = t.detach()
-        if host and t.device.type == "cpu":
-            out[i] = _host_digest(t, full, cache)
+        if host and t.is_cpu:
+            d = _raw_digest(t, full)
+            out[i] = d if d is not None else _host_digest(t.detach(), full, cache)
             continue
+        t = t.detach()
         parts[i] = _device_parts(t, cache)
         by_dev.setdefault(t.device, []).append(i)
     for idx in by_dev.values():

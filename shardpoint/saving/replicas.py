@@ -1,64 +1,60 @@
 """The replica check at save: ranks that are to hold the same copy of a tensor prove it.
 
 A plain tensor is written once per replica group, so a rank whose copy
-differs from the written one would lose its values in silence. Before any
-data is written each rank computes a small digest of every copy it holds
-where the data lives, the digests of all tensors travel in one gather, and
-every rank compares the same table and reaches the same verdict.
+differs from the written one would lose its values in silence. At the call
+each rank computes a small digest of every copy it holds, where the data
+lives (so the digests are of the state at the call), and the ranks compare
+them; a mismatch fails the save with :class:`ReplicaMismatchError` on every
+rank and nothing is committed.
+
+Where they compare (:func:`check_replicas`):
+
+- by default, at the commit: each rank's int64 table of digests travels in
+  the commit's first gather, with its status, and rank 0 compares them
+  (:func:`~shardpoint.planning.replicas.refusal`); a save then costs no
+  collective more than one without the check;
+- when groups are declared (``replicated_over``, or layout rules, which
+  place experts), before anything is written, in one gather of the tables: there
+  ranks of different groups may hold one name with different values, and
+  such tensors are stored as one copy per group, named
+  ``<name>@ranks<r0>,<r1>,...`` (:func:`copy_name`); a load takes the copy
+  whose ranks include its own (:func:`copy_rule`).
 
 Digests (:mod:`shardpoint.saving.digest`) compare bit patterns: on the CPU an
 ``xxh3_64`` of the whole tensor up to 64 KiB, else of a strided sample that
 always includes elements from every stretch of the tensor; on an accelerator,
 torch ops on the device (a sample plus the exact sum of every bit pattern).
 Copies that differ everywhere, such as per-rank expert weights, are always
-caught. The gather sends int64 tables only; names follow in a second gather
-only when the tables show a mismatch or a name held by several groups.
-
-The same table tells where ranks of different declared groups hold one name
-with possibly different values: those tensors are stored as one copy per
-group, named ``<name>@ranks<r0>,<r1>,...`` (:func:`copy_name`), and a load
-takes the copy whose ranks include its own (:func:`copy_rule`).
+caught. The tables are int64 only; names follow only when the tables show a
+mismatch or a name held by several groups. The pure comparison lives in
+:mod:`shardpoint.planning.replicas`.
 
 Example::
 
-    tensors = check_replicas(tensors, comm, "ckpt/step_100")
+    tensors, table = check_replicas(tensors, comm, "ckpt/step_100", declared=False)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import threading
+from dataclasses import replace
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
-import xxhash
 
 from .digest import HOST, check_mode, digest_all
 from ..errors import ReplicaMismatchError
 from ..items import SaveTensor
 from ..layouts import WholeRule
+from ..planning.replicas import (
+    COPY_MARK, ReplicaTable, Row, copied_names, copy_name, encode_rows, mismatches, parse_copy_name, replica_message,
+    suspicious,
+)
 
 __all__ = [
-    "COPY_MARK", "Row", "rows_of", "mismatches", "copied_names", "encode_rows", "suspicious", "Gate", "FAILED",
-    "copy_name", "parse_copy_name", "check_replicas", "CopyRule", "copy_rule", "with_copies",
+    "COPY_MARK", "Row", "ReplicaTable", "rows_of", "table_of", "PendingTable", "mismatches", "copied_names", "encode_rows", "suspicious", "Gate",
+    "FAILED", "copy_name", "parse_copy_name", "check_replicas", "CopyRule", "copy_rule", "with_copies",
 ]
-
-COPY_MARK = "@ranks"
-
-
-@dataclass(frozen=True)
-class Row:
-    """One held copy as the ranks compare it: which piece of which tensor, in which declared group, its digest."""
-
-    fqn: str
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    flat: tuple[int, int] | None
-    group: str
-    digest: tuple[int, ...]
-
-    @property
-    def piece(self) -> tuple:
-        return (self.fqn, self.offsets, self.sizes, self.flat)
 
 
 def _checked(t: SaveTensor) -> bool:
@@ -77,126 +73,74 @@ def rows_of(tensors: Iterable[SaveTensor], digests: bool = True) -> list[Row]:
 
         rows = rows_of(prep.tensors)
     """
+    return ReplicaTable.of(_held(tensors, digests)).rows()
+
+
+def _held(tensors: Iterable[SaveTensor], digests: bool) -> list[tuple]:
     held = [t for t in tensors if _checked(t)]
-    digests = digest_all([t.data for t in held]) if digests else [(HOST, 0, 0, 0)] * len(held)
-    return [Row(t.fqn, tuple(t.box.offsets), tuple(t.box.sizes), t.flat, t.replica_group, d) for t, d in zip(held, digests)]
+    found = digest_all([t.data for t in held]) if digests else [(HOST, 0, 0, 0)] * len(held)
+    return [(t.fqn, tuple(t.box.offsets), tuple(t.box.sizes), t.flat, t.replica_group, d) for t, d in zip(held, found)]
 
 
-def mismatches(table: Sequence[Sequence[Row]]) -> list[tuple[str, list[list[int]]]]:
-    """Per tensor whose copies differ within one declared group: its name and the ranks of each distinct value.
-
-    ``table[r]`` is rank ``r``'s rows. Pure: every rank computes the same answer.
+def table_of(tensors: Iterable[SaveTensor], digests: bool = True) -> ReplicaTable:
+    """This rank's :class:`ReplicaTable`: the rows of :func:`rows_of`, encoded for the commit.
 
     Example::
 
-        mismatches([[Row("w", (0,), (4,), None, "", (0, 1, 2, 3))], [Row("w", (0,), (4,), None, "", (0, 4, 5, 6))]])
-        # [("w", [[0], [1]])]
+        table_of(prep.tensors).encoded  # 48 bytes per row
     """
-    seen: dict[tuple, dict[tuple[int, ...], list[int]]] = {}
-    for rank, rows in enumerate(table):
-        for row in rows:
-            seen.setdefault((*row.piece, row.group), {}).setdefault(row.digest, []).append(rank)
-    out: dict[str, list[list[int]]] = {}
-    for key, by_digest in seen.items():
-        kinds = {d[0] for d in by_digest}
-        if len(by_digest) > len(kinds) and key[0] not in out:  # two values digested the same way
-            out[key[0]] = sorted(sorted(r) for r in by_digest.values())
-    return sorted(out.items())
+    return ReplicaTable.of(_held(tensors, digests))
 
 
-def copied_names(table: Sequence[Sequence[Row]]) -> dict[str, list[str]]:
-    """Names that ranks of several declared groups hold as the same piece: name -> the groups.
+class PendingTable:
+    """This rank's :class:`ReplicaTable` for the commit, computed when the save says.
 
-    Each such group keeps its own copy. Raises :class:`ReplicaMismatchError`
-    where the groups overlap or one of them is the whole group, since no
-    declaration can then say which copy a rank holds.
+    The digests must be of the state at the call. An asynchronous save calls
+    :meth:`table` before the call returns; a blocking save may call
+    :meth:`start` instead, which digests CPU tensors on a thread alongside
+    the planning, the claim and the write (its caller, blocked in the save,
+    cannot change the state before the commit), and the summary's
+    :meth:`table` waits for it. Nothing is computed before either.
 
     Example::
 
-        copied_names([[Row("w", (), (), None, "0", (0, 1, 1, 1))], [Row("w", (), (), None, "1", (0, 2, 2, 2))]])
-        # {"w": ["0", "1"]}
+        pending = PendingTable(prep.tensors); pending.start(); ...; pending.table().encoded
     """
-    groups: dict[tuple, set[str]] = {}
-    for rows in table:
-        for row in rows:
-            groups.setdefault(row.piece, set()).add(row.group)
-    out: dict[str, list[str]] = {}
-    for piece, gs in groups.items():
-        if len(gs) < 2:
-            continue
-        members = [set(g.split(",")) if g else None for g in gs]
-        if any(m is None for m in members) or sum(len(m) for m in members) != len(set().union(*members)):
-            raise ReplicaMismatchError(
-                f"tensor {piece[0]!r} is declared with overlapping replica groups {sorted(gs)} on different ranks; "
-                "pass the same replicated_over on every rank, each rank naming the ranks that hold its copy",
-                piece[0], [sorted(int(r) for r in g.split(",")) if g else [] for g in sorted(gs)],
-            )
-        out[piece[0]] = sorted(gs)
-    return out
 
+    def __init__(self, tensors: Iterable[SaveTensor], digests: bool = True):
+        self.tensors = [t for t in tensors if _checked(t)]
+        self.digests = digests
+        self.thread: threading.Thread | None = None
+        self.done: ReplicaTable | None = None
+        self.error: BaseException | None = None
 
-def copy_name(fqn: str, group: str) -> str:
-    """The stored name of the copy of ``fqn`` that the ranks ``group`` (``"0,1"``) hold.
+    def run(self) -> None:
+        """Compute the table (on the calling thread), keeping its error for :meth:`table`."""
+        try:
+            self.done = table_of(self.tensors, self.digests)
+        except BaseException as e:  # noqa: BLE001 - raised by table(), on the save's thread
+            self.error = e
 
-    Example::
+    def start(self) -> None:
+        """Compute the table on a thread, when every tensor is on the CPU (else now: device digests are quick)."""
+        if self.thread is not None or self.done is not None or self.error is not None:
+            return
+        if any(not t.data.is_cpu for t in self.tensors):
+            self.run()
+            return
+        self.thread = threading.Thread(target=self.run, name="shardpoint-replica-digests", daemon=True)
+        self.thread.start()
 
-        copy_name("model.experts.w", "2,3")  # 'model.experts.w@ranks2,3'
-    """
-    return f"{fqn}{COPY_MARK}{group}"
-
-
-def parse_copy_name(name: str) -> tuple[str, frozenset[int]] | None:
-    """``(fqn, ranks)`` of a copy's stored name, or ``None`` for an ordinary name.
-
-    Example::
-
-        parse_copy_name("model.experts.w@ranks2,3")  # ('model.experts.w', frozenset({2, 3}))
-    """
-    head, mark, tail = name.rpartition(COPY_MARK)
-    if not mark or not head:
-        return None
-    try:
-        return head, frozenset(int(r) for r in tail.split(","))
-    except ValueError:
-        return None
-
-
-def _signed(x: int) -> int:
-    return x - (1 << 64) if x >= (1 << 63) else x
-
-
-def _key(*parts: Any) -> int:
-    return _signed(xxhash.xxh3_64_intdigest(repr(parts).encode()))
-
-
-def encode_rows(rows: Sequence[Row]) -> torch.Tensor:
-    """``rows`` as an int64 ``[n, 6]`` table: piece key, group key and the four digest fields.
-
-    The fast path of the check sends this table (no pickled objects); names
-    travel only when the keys show a mismatch or a name held by several groups.
-
-    Example::
-
-        encode_rows(rows_of(tensors)).shape  # (n, 6)
-    """
-    data = [[_key(*r.piece), _key(r.group), *(_signed(int(d)) for d in r.digest)] for r in rows]
-    return torch.tensor(data, dtype=torch.int64).reshape(-1, 6)
-
-
-def suspicious(tables: Sequence[torch.Tensor]) -> bool:
-    """Whether encoded tables (one per rank) show two values of one piece in one group, or one piece in two groups.
-
-    Example::
-
-        suspicious([encode_rows(a), encode_rows(b)])
-    """
-    values: dict[tuple[int, int], set[tuple[int, ...]]] = {}
-    groups: dict[int, set[int]] = {}
-    for table in tables:
-        for piece, group, *digest in table.tolist():
-            values.setdefault((piece, group), set()).add(tuple(digest))
-            groups.setdefault(piece, set()).add(group)
-    return any(len(v) > 1 for v in values.values()) or any(len(g) > 1 for g in groups.values())
+    def table(self) -> ReplicaTable:
+        """The table: waited for if started, else computed now; raises what computing it raised."""
+        if self.thread is not None:
+            self.thread.join()
+        elif self.done is None and self.error is None:
+            self.run()
+        if self.error is not None:
+            raise self.error
+        assert self.done is not None
+        return self.done
 
 
 FAILED = -(1 << 63)  # the piece key of the marker row a failed rank sends
@@ -248,34 +192,37 @@ class Gate:
         self.closed = True
 
 
-def _message(where: str, fqn: str, groups: list[list[int]], others: list[str]) -> str:
-    shown = "; ".join(f"ranks {g}" for g in groups)
-    more = f" (also differing: {others[:8]}{' ...' if len(others) > 8 else ''})" if others else ""
-    return (
-        f"{where}: tensor {fqn!r} is to be saved as one copy for the ranks holding it, but their copies differ "
-        f"({len(groups)} distinct values: {shown}){more}; saving would keep one rank's values and lose the others'. "
-        "Say which ranks hold the same copy with replicated_over (a group, or patterns over tensor names such "
-        "as {'model.experts.*': expert_group}), or declare the tensor's layout (sp.Experts for expert-parallel "
-        "local experts, a DTensor for sharded state)"
-    )
+def check_replicas(
+    tensors: list[SaveTensor], comm: Any, where: str, gate: Gate | None = None, declared: bool = True,
+) -> tuple[list[SaveTensor], PendingTable | None]:
+    """Digest every copy this rank holds; compare now when the comparison may change what is written.
 
+    ``declared``: groups are declared (``replicated_over``, or layout rules,
+    which place experts), so ranks of several groups may hold one name, and
+    those names must be known before anything is written. Then the ranks
+    compare now (``gate``'s last gather, see :class:`Gate`): every rank
+    reaches the same verdict and raises the same error on a mismatch, and
+    names held by several groups get their copy names. Else nothing is
+    gathered here: the returned :class:`ReplicaTable` travels with the rank's
+    status and rank 0 compares the tables at the commit
+    (:func:`~shardpoint.planning.replicas.refusal`); it is computed when
+    the save says (:class:`PendingTable`).
 
-def check_replicas(tensors: list[SaveTensor], comm: Any, where: str, gate: Gate | None = None) -> list[SaveTensor]:
-    """Compare every rank's copies; raise on a mismatch, store per-group copies apart.
-
-    Returns ``tensors`` itself when no name is held by several groups, else
-    a list in which those tensors carry their copy names. Every rank reaches
-    the same verdict, so every rank raises the same error. ``gate`` carries
-    the gathers of the preparation (see :class:`Gate`); this is its last.
+    Returns the tensors (with copy names where groups keep their own) and
+    the table for the commit (``None``: compared already, or nothing to
+    compare on a world of one).
 
     Example::
 
-        tensors = check_replicas(tensors, comm, "ckpt/step_100")
+        tensors, table = check_replicas(tensors, comm, "ckpt/step_100", declared=False)
     """
     gate = gate if gate is not None else Gate(comm)
     if not gate.active:
         gate.close()
-        return tensors
+        return tensors, None
+    if not declared:
+        gate.close()
+        return tensors, PendingTable(tensors, check_mode() != "off")
     failure: Exception | None = None
     try:
         mine = rows_of(tensors, check_mode() != "off")
@@ -288,16 +235,16 @@ def check_replicas(tensors: list[SaveTensor], comm: Any, where: str, gate: Gate 
     if failure is not None:
         raise failure
     if tables is None or not suspicious(tables):
-        return tensors  # nothing to compare, or a rank failed and the commit reports its error
+        return tensors, None  # nothing to compare, or a rank failed and the commit reports its error
     table = comm.all_gather(mine)
     bad = mismatches(table)
     if bad:
         fqn, groups = bad[0]
-        raise ReplicaMismatchError(_message(where, fqn, groups, [n for n, _ in bad[1:]]), fqn, groups)
+        raise ReplicaMismatchError(replica_message(where, fqn, groups, [n for n, _ in bad[1:]]), fqn, groups)
     copies = copied_names(table)
     if not copies:
-        return tensors
-    return [replace(t, fqn=copy_name(t.fqn, t.replica_group)) if t.fqn in copies else t for t in tensors]
+        return tensors, None
+    return [replace(t, fqn=copy_name(t.fqn, t.replica_group)) if t.fqn in copies else t for t in tensors], None
 
 
 class CopyRule(WholeRule):

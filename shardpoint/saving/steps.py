@@ -30,7 +30,7 @@ from ..runtime.monitor import Recorder
 from ..planning.describe import CandidateGrids, Description, RankReport, RankStatus, cover_of, describe, values_doc
 from ..planning.writers import WriterChoice, choose_writers, plan_signature
 from ..runtime.rank_local import rank_local_tensors
-from .replicas import Gate, check_replicas
+from .replicas import Gate, PendingTable, check_replicas
 from .reuse import SaveCache
 from ..storage import Storage
 
@@ -96,7 +96,10 @@ class PreparedSave:
     ``choice`` is the writer choice (:func:`~shardpoint.planning.writers.choose_writers`);
     ``ctx`` the adapter context (replica groups of plain tensors);
     ``described`` the rank's description, made by the first :meth:`summary`
-    and reused by repeated saves of the same tensors.
+    and reused by repeated saves of the same tensors; ``replicas`` the
+    rank's replica table, compared at the commit
+    (:func:`~shardpoint.saving.replicas.check_replicas`), which the summary
+    waits for.
     """
 
     tensors: list[SaveTensor]
@@ -107,6 +110,7 @@ class PreparedSave:
     choice: WriterChoice = field(default_factory=lambda: WriterChoice((), {}))
     ctx: AdapterContext | None = None
     described: Description | None = None
+    replicas: PendingTable | None = None
 
     def summary(self, storage: Storage, records, files: dict, comm: Comm) -> RankReport:
         """Write this rank's index file next to its data file; return what the commit needs.
@@ -126,8 +130,9 @@ class PreparedSave:
             self.described = describe_prepared(self, comm)
         d = self.described
         vdoc, vdig = values_doc(self.values, self.frameworks)
-        status = RankStatus(files, index, d.digest, vdig, cover_of(self.mine, d.listed))
-        return RankReport(status, d.doc, vdoc)
+        table = self.replicas.table() if self.replicas is not None else None
+        status = RankStatus(files, index, d.digest, vdig, cover_of(self.mine, d.listed), table.digest() if table else "")
+        return RankReport(status, d.doc, vdoc, table)
 
 
 def describe_prepared(prep: PreparedSave, comm: Any) -> Description:
@@ -219,25 +224,34 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     tensors, values, frameworks = _parts(state, ctx, rules, cache)
     # The very SaveTensor objects checked last time (every part reused): only the values are checked again.
     # Layout rules reduce across ranks, so a save under rules is checked in full.
-    same = None if rules else (rank_local, tuple(map(id, tensors)))
-    checked, hit = cache.reuse("checked", same, lambda: _check_and_plan(state, tensors, ctx, rules, comm, where, cache,
-                                                                       result, rank_local, gate))
+    declared = replicated_over is not None or bool(rules)
+    same = None if rules else (rank_local, declared, tuple(map(id, tensors)))
+    tables: list[PendingTable | None] = []
+    checked, hit = cache.reuse("checked", same, lambda: _check_and_plan(
+        state, tensors, ctx, rules, comm, where, cache, result, (rank_local, declared), gate, tables))
     if hit:
-        check_replicas(list(checked.tensors), comm, where, gate)
+        _, table = check_replicas(list(checked.tensors), comm, where, gate, declared=declared)
         result.plan_cached = True
-    elif len(checked.tensors) != len(tensors) or any(a is not b for a, b in zip(checked.tensors, tensors)):
-        cache.forget("checked")  # renamed or cut by the checks: made from more than the tensors
+    else:
+        table = tables[0]
+        if len(checked.tensors) != len(tensors) or any(a is not b for a, b in zip(checked.tensors, tensors)):
+            cache.forget("checked")  # renamed or cut by the checks: made from more than the tensors
     mine = [checked.tensors[i] for i in checked.choice.picked]
     prep = PreparedSave(list(checked.tensors), mine, values, frameworks, checked.lazy_ok, checked.choice, ctx,
-                        checked.prepared.described if hit else None)
+                        checked.prepared.described if hit else None, table)
     checked.prepared = prep
     mark_phase(result, "plan", ta)
     return prep
 
 
 def _check_and_plan(state, tensors: list[SaveTensor], ctx: AdapterContext, rules, comm: Comm, where: str,
-                    cache: SaveCache, result: SaveResult, rank_local: bool, gate: Gate) -> CheckedSave:
-    """The tensors checked (dtypes, names, replicas) and the writers chosen; which may be copied lazily."""
+                    cache: SaveCache, result: SaveResult, flags: tuple[bool, bool], gate: Gate,
+                    tables: list) -> CheckedSave:
+    """The tensors checked (dtypes, names, replicas) and the writers chosen; which may be copied lazily.
+
+    ``flags`` is (rank-local save, replica groups declared); this call's replica table goes to ``tables``.
+    """
+    rank_local, declared = flags
     # Lazily copied: what an optimizer of the state changes in its step(), whose pre-hook fences the save.
     lazy_ok: set[str] = step_updates(state).names(ctx)
     lazy_ok.update(t.fqn for t in tensors if t.step_only)  # as each adapter declared it
@@ -246,7 +260,9 @@ def _check_and_plan(state, tensors: list[SaveTensor], ctx: AdapterContext, rules
     if rules:
         tensors, lazy_ok = _logical(tensors, lazy_ok, rules, comm, gate)
     _check_tensors(tensors, where)
-    tensors = check_replicas(tensors, comm, where, gate)  # before anything is written; copies per group get their own names
+    # Declared groups compare before anything is written (copies per group get their own names); else at the commit.
+    tensors, table = check_replicas(tensors, comm, where, gate, declared=declared)
+    tables.append(table)  # of the values at this call: never kept
     # The same names, shapes, dtypes and geometry give the same writers.
     choice, result.plan_cached = cache.reuse("plan", plan_signature(tensors), lambda: choose_writers(tensors))
     lazy = frozenset(lazy_ok)

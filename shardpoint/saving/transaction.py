@@ -139,7 +139,10 @@ class SaveTransaction:
             raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
         self.storage = storage_for(self.path)
         self.where = self.storage.url
-        base.enter(self.op, self.where, self.options.collective_timeout)
+        # The ranks also agree on whether groups are declared: that decides whether the replica
+        # check gathers before the write (see shardpoint.saving.replicas), so all must decide alike.
+        op = self.op if self.options.replicated_over is None else f"{self.op} with replicated_over"
+        base.enter(op, self.where, self.options.collective_timeout)
         self.base = base
         self.comm = base if coordinate is None else coordinate(base)
         self.t0 = time.monotonic()
@@ -207,6 +210,8 @@ class SaveTransaction:
     def local_phases(self) -> RankReport:
         """Prepare, claim and write on this rank (the sync save runs them guarded, as one)."""
         self.prepare()
+        if self.prep.replicas is not None:  # the caller waits until the commit: digest alongside the write
+            self.prep.replicas.start()
         self.claim_path()
         return self.write()
 

@@ -143,4 +143,96 @@ def groups_job(rank: int, world: int, root: str) -> dict:
     return out
 
 
-__all__ = ["Moe", "per_rank_job", "groups_job"]
+def _failure(fn) -> list:
+    """``[class name, message, tensor, groups, where]``: where the error surfaced (``call`` or ``wait``)."""
+    try:
+        h = fn()
+    except sp.CheckpointError as e:
+        return [type(e).__name__, str(e), getattr(e, "tensor", ""), getattr(e, "groups", []), "call"]
+    if h is not None:
+        try:
+            h.wait()
+        except sp.CheckpointError as e:
+            return [type(e).__name__, str(e), getattr(e, "tensor", ""), getattr(e, "groups", []), "wait"]
+    return []
+
+
+def _files(root: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+def _counted(out: dict, key: str, fn) -> None:
+    """Run ``fn``, counting the gathers of int64 tables (the replica check's before the write) it makes."""
+    from shardpoint.dist import Comm
+
+    real, calls = Comm.all_gather_rows, []
+
+    def counting(self, rows):
+        calls.append(tuple(rows.shape))
+        return real(self, rows)
+
+    Comm.all_gather_rows = counting
+    try:
+        fn()
+    finally:
+        Comm.all_gather_rows = real
+    out[key] = len(calls)
+
+
+def commit_job(rank: int, world: int, root: str) -> dict:
+    """Without declared groups the copies are compared at the commit: no gather before the write, the same error everywhere."""
+    out: dict = {}
+    path = os.path.join(root, "folded")
+    good = _seeded(0)
+    _counted(out, "gathers_plain", lambda: sp.save(path, {"model": good}))
+    _counted(out, "gathers_declared", lambda: sp.save(os.path.join(root, "declared"), {"model": good}, replicated_over=list(range(world))))
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+        manifest = f.read()
+    files = _files(path)
+    bad = _seeded(0)
+    with torch.no_grad():
+        bad.experts[1].weight.mul_(rank + 1)  # differs on every rank but rank 0
+    out["sync"] = _failure(lambda: sp.save(path, {"model": bad}))
+    out["async"] = _failure(lambda: sp.async_save(path, {"model": bad}))
+    # The digests are of the state at the call: values that agree only after it returns still fail ...
+    late = _seeded(0)
+    with torch.no_grad():
+        late.experts[1].weight.add_(rank)
+    h = sp.async_save(path, {"model": late})
+    with torch.no_grad():
+        late.experts[1].weight.sub_(rank)
+    out["fixed_after_call"] = _failure(lambda: h)
+    dist.barrier()
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+        out["manifest_kept"] = f.read() == manifest
+    out["files_kept"] = _files(path) == files  # the failed saves' data files are gone
+    back = _seeded(5)
+    sp.load(path, {"model": back})
+    out["kept"] = _same(good.state_dict(), back.state_dict())
+    # ... and values that differ only after it returns were saved as they were at the call.
+    drift = _seeded(0)
+    h = sp.async_save(os.path.join(root, "drift"), {"model": drift})
+    with torch.no_grad():
+        drift.experts[0].weight.add_(rank)
+    out["drift"] = _failure(lambda: h)
+    back = _seeded(6)
+    sp.load(os.path.join(root, "drift"), {"model": back})
+    out["drift_loaded"] = _same(_seeded(0).state_dict(), back.state_dict())
+    # A saver's repeated saves reuse the checked plan; the values are still compared each time.
+    saver, model = sp.AsyncSaver(), _seeded(0)
+    for _ in range(2):
+        saver.save(os.path.join(root, "reuse"), {"model": model}).wait()
+    with torch.no_grad():
+        model.bias.add_(rank)
+    out["reused"] = _failure(lambda: saver.save(os.path.join(root, "reuse"), {"model": model}))
+    saver.close()
+    # Whether groups are declared decides whether the check gathers before the write: ranks must agree on it.
+    try:
+        sp.save(os.path.join(root, "disagree"), {"model": good}, replicated_over=list(range(world)) if rank == 0 else None)
+        out["disagree"] = []
+    except sp.CheckpointError as e:
+        out["disagree"] = [type(e).__name__, str(e)]
+    return out
+
+
+__all__ = ["Moe", "per_rank_job", "groups_job", "commit_job"]

@@ -23,6 +23,42 @@ def groups(tmp_path_factory):
     return launch(4, "tests.dist.replica_cases:groups_job", {"root": str(tmp_path_factory.mktemp("groups"))})
 
 
+@pytest.fixture(scope="module")
+def at_commit(tmp_path_factory):
+    return launch(2, "tests.dist.replica_cases:commit_job", {"root": str(tmp_path_factory.mktemp("at_commit"))})
+
+
+def test_without_declared_groups_the_check_adds_no_gather_before_the_write(at_commit):
+    for r in at_commit:
+        assert r["gathers_plain"] == 0 and r["gathers_declared"] == 1, r
+
+
+@pytest.mark.parametrize("case,where", [("sync", "call"), ("async", "wait"), ("fixed_after_call", "wait")])
+def test_a_mismatch_found_at_the_commit_fails_every_rank_alike(at_commit, case, where):
+    first = at_commit[0][case]
+    assert first[0] == "ReplicaMismatchError" and first[4] == where, first
+    assert first[2] == "model.experts.1.weight" and first[3] == [[0], [1]], first
+    assert "'model.experts.1.weight'" in first[1] and "ranks [0]; ranks [1]" in first[1] and "replicated_over" in first[1]
+    assert all(r[case] == first for r in at_commit)  # the same class, message, tensor and ranks on every rank
+
+
+def test_a_mismatch_found_at_the_commit_leaves_the_checkpoint_bit_exact(at_commit):
+    for r in at_commit:
+        assert r["manifest_kept"] and r["files_kept"] and r["kept"] == [], r
+
+
+def test_the_digests_are_of_the_state_at_the_call(at_commit):
+    for r in at_commit:
+        assert r["drift"] == [] and r["drift_loaded"] == [], r
+        assert r["reused"][0] == "ReplicaMismatchError" and r["reused"][2] == "model.bias" and r["reused"][4] == "wait", r
+
+
+def test_ranks_that_disagree_on_declaring_groups_are_stopped_at_entry(at_commit):
+    for r in at_commit:
+        name, msg = r["disagree"]
+        assert name == "DistributedError" and "save with replicated_over of" in msg and "rank 0 is in save with" in msg, r
+
+
 def test_per_rank_plain_tensors_are_refused_naming_the_tensor_and_ranks(per_rank):
     for r in per_rank:
         name, msg, tensor, ranks = r["p1"]

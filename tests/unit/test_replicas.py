@@ -15,8 +15,9 @@ from shardpoint.geometry import Box
 from shardpoint.items import LoadTarget
 from shardpoint.layouts import apply_load
 from shardpoint.saving.digest import HOST_FULL_BYTES, SAMPLES, digest_all, digest_tensor
+from shardpoint.planning.replicas import ReplicaTable, commit_refusal, refusal, table_representatives
 from shardpoint.saving.replicas import (
-    Row, copied_names, copy_name, copy_rule, encode_rows, mismatches, parse_copy_name, suspicious,
+    PendingTable, Row, table_of, copied_names, copy_name, copy_rule, encode_rows, mismatches, parse_copy_name, suspicious,
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
@@ -190,3 +191,76 @@ def test_the_fast_path_sees_what_the_named_table_sees():
     big = [_row("w", "", (2**64 - 1, 2**63, 7))]  # unsigned 64-bit digests fit the int64 table
     assert encode_rows(big).shape == (1, 6)
     assert not suspicious([encode_rows([]), encode_rows([])])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.complex128])
+def test_large_tensors_read_from_memory_digest_like_the_torch_path(dtype):
+    torch.manual_seed(1)
+    n = HOST_FULL_BYTES + 4099  # sampled on every dtype
+    a = torch.randn(n, dtype=dtype) if dtype.is_complex else (torch.randn(n) * 1000).to(dtype)
+    strided = torch.stack([a, a], 1)[:, 1]  # the same elements, not contiguous: torch ops sample it
+    assert not strided.is_contiguous() and torch.equal(strided, a)
+    assert digest_tensor(a) == digest_tensor(strided)
+    b = a.clone()
+    b[-1] = b[0] if not bool(b[0] == b[-1]) else b[1]  # the last element is always sampled
+    assert digest_tensor(a) != digest_tensor(b)
+
+
+def test_the_commit_reads_the_tables_as_bytes_and_refuses_with_names():
+    agree = [[_row("w", "", (1, 1, 1))], [_row("w", "", (1, 1, 1))]]
+    differ = [[_row("w", "", (1, 1, 1)), _row("b", "", (3, 3, 3))], [_row("w", "", (1, 2, 1)), _row("b", "", (3, 3, 3))]]
+    assert not suspicious([ReplicaTable.of(r).encoded for r in agree]) and refusal(agree, "ck") is None
+    tables = [ReplicaTable.of(r) for r in differ]
+    assert tables[1].rows() == differ[1] and suspicious([t.encoded for t in tables])
+    err = refusal(differ, "ck")
+    assert isinstance(err, ReplicaMismatchError) and err.tensor == "w" and err.groups == [[0], [1]]
+    assert str(err).startswith("ck: tensor 'w' is to be saved as one copy") and "ranks [0]; ranks [1]" in str(err)
+    # Several groups holding one name, with no declaration to store a copy per group: refused, naming them.
+    grouped = [[_row("e", "0", (1, 1, 1))], [_row("e", "1", (2, 1, 1))]]
+    assert suspicious([ReplicaTable.of(r).encoded for r in grouped])
+    err = refusal(grouped, "ck")
+    assert err.tensor == "e" and err.groups == [[0], [1]] and "replicated_over" in str(err)
+    with pytest.raises(ReplicaMismatchError, match="overlapping"):
+        refusal([[_row("e", "0,1", (1, 1, 1))], [_row("e", "", (1, 1, 1))]], "ck")
+
+
+def test_the_commit_fetches_one_table_per_distinct_digest_and_names_every_rank():
+    same = ReplicaTable.of([_row("w", "", (1, 1, 1)), _row("b", "", (3, 3, 3))])
+    other = ReplicaTable.of([_row("w", "", (1, 1, 2)), _row("b", "", (3, 3, 3))])
+    assert same.digest() == ReplicaTable.of(same.rows()).digest() != other.digest()
+    digests = [same.digest(), same.digest(), other.digest(), other.digest(), ""]
+    assert table_representatives(digests) == frozenset({0, 2})
+    assert commit_refusal(digests[:2], {0: same}, "ck") is None  # one distinct table: nothing to compare
+    err = commit_refusal(digests, {0: same, 2: other}, "ck")
+    assert err.tensor == "w" and err.groups == [[0, 1], [2, 3]] and "ranks [0, 1]; ranks [2, 3]" in str(err)
+    assert commit_refusal(["", ""], {}, "ck") is None
+
+
+def _tensors():
+    import shardpoint as sp
+    from shardpoint.dist import Comm
+    from shardpoint.saving.steps import SaveResult, prepare_save
+
+    state = {"w": torch.arange(12.0).view(3, 4), "big": torch.randn(HOST_FULL_BYTES)}
+    return prepare_save(state, Comm.resolve(None), False, "ck", SaveResult("ck", "x")).tensors
+
+
+def test_a_pending_table_computes_on_a_thread_or_now_and_raises_its_error_where_asked():
+    tensors = _tensors()
+    want = table_of(tensors)
+    started = PendingTable(tensors)
+    started.start()
+    assert started.thread is not None and started.table() == want  # a thread, joined by table()
+    now = PendingTable(tensors)
+    assert now.table() == want and now.thread is None  # nothing computed before: computed when asked
+
+    class Broken:
+        replica_count, layout = 2, "replicated"
+        fqn, flat, replica_group = "x", None, ""
+        data = torch.ones(2)
+        box = None  # table_of cannot read its offsets
+
+    failing = PendingTable([Broken()])
+    failing.start()
+    with pytest.raises(AttributeError):
+        failing.table()
