@@ -1,4 +1,4 @@
-"""Everything that knows about accelerators: host buffers, copy streams, events.
+"""Internal: everything that knows about accelerators: host buffers, copy streams, events.
 
 The save and load engines stage bytes between device and host through one
 :class:`Device` object and never ask what kind it is:

@@ -1,4 +1,4 @@
-"""The on-disk contract: the JSON manifest, per-rank chunk indexes, the data-file layout and the safe value codec.
+"""Internal: the on-disk contract: the JSON manifest, per-rank chunk indexes, the data-file layout and the safe value codec.
 
 See docs/format.md.
 """

@@ -1,4 +1,4 @@
-"""Geometry of shards: boxes, flat ranges inside boxes, and their intersections.
+"""Internal: geometry of shards: boxes, flat ranges inside boxes, and their intersections.
 
 A saved chunk is a *box* (global offsets and sizes) of a logical tensor. An
 irregular shard, such as an FSDP1 or ZeRO flat-parameter slice, is a *flat

@@ -1,4 +1,4 @@
-"""The load: one transaction with named phases, and what it reports.
+"""Internal: the load: one transaction with named phases, and what it reports.
 
 :class:`~shardpoint.loading.transaction.LoadTransaction` runs a load phase
 by phase; :func:`shardpoint.load` is the public call that runs it.

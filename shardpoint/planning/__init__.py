@@ -1,4 +1,4 @@
-"""Pure planners: no processes, no I/O. Manifests and geometry in, frozen plans out.
+"""Internal: pure planners: no processes, no I/O. Manifests and geometry in, frozen plans out.
 
 ``writers``: who writes each replicated chunk; ``describe``: a rank's typed
 description of what it saved; ``commit``: rank descriptions to a manifest;

@@ -1,4 +1,4 @@
-"""The save transaction: one save as named phases, run by :func:`shardpoint.save` and the asynchronous saver.
+"""Internal: the save transaction: one save as named phases, run by :func:`shardpoint.save` and the asynchronous saver.
 
 See :mod:`shardpoint.saving.transaction` for the phases,
 :mod:`shardpoint.saving.background` for how an asynchronous save schedules
