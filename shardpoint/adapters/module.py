@@ -154,10 +154,12 @@ class ModuleAdapter(Adapter):
         return part
 
     def fingerprint(self, key: str, obj: nn.Module, ctx: AdapterContext) -> Hashable | None:
-        """The module's object graph (:func:`~shardpoint.adapters.reuse.module_fingerprint`) and its wrapper."""
-        fw = module_framework(obj)
-        fp = None if fw == "fsdp1" else module_fingerprint(unwrap_module(obj))
-        return None if fp is None else (fw, fp)
+        """The module's object graph (:func:`~shardpoint.adapters.reuse.module_fingerprint`).
+
+        The graph holds every submodule by identity, so it also fixes the
+        framework the part names (an FSDP1 module is refused at save and never kept).
+        """
+        return module_fingerprint(unwrap_module(obj))
 
     def load(self, key, obj, doc, tensors: Mapping[str, Any], ctx, where="<checkpoint>") -> LoadPart:
         m = self._check(key, obj)
