@@ -33,7 +33,7 @@ from ..errors import ReplicaMismatchError
 
 __all__ = [
     "COPY_MARK", "Row", "ReplicaTable", "mismatches", "copied_names", "copy_name", "parse_copy_name", "encode_rows",
-    "suspicious", "replica_message", "refusal", "table_representatives", "commit_refusal",
+    "suspicious", "replica_message", "mismatch_error", "refusal", "table_representatives", "commit_refusal",
 ]
 
 COPY_MARK = "@ranks"
@@ -258,6 +258,20 @@ def replica_message(where: str, fqn: str, groups: list[list[int]], others: Seque
     )
 
 
+def mismatch_error(table: Sequence[Sequence[Row]], where: str) -> ReplicaMismatchError | None:
+    """The error for the first tensor whose copies differ within a group (``table[r]``: rank ``r``'s rows), or ``None``.
+
+    Example::
+
+        err = mismatch_error([rows0, rows1], "ckpt/step_100")
+    """
+    bad = mismatches(table)
+    if not bad:
+        return None
+    fqn, groups = bad[0]
+    return ReplicaMismatchError(replica_message(where, fqn, groups, [n for n, _ in bad[1:]]), fqn, groups)
+
+
 def refusal(table: Sequence[Sequence[Row]], where: str) -> ReplicaMismatchError | None:
     """The verdict on every rank's named rows (``table[r]``: rank ``r``'s): the error to fail with, or ``None``.
 
@@ -269,10 +283,9 @@ def refusal(table: Sequence[Sequence[Row]], where: str) -> ReplicaMismatchError 
 
         err = refusal([rows0, rows1], "ckpt/step_100")
     """
-    bad = mismatches(table)
-    if bad:
-        fqn, groups = bad[0]
-        return ReplicaMismatchError(replica_message(where, fqn, groups, [n for n, _ in bad[1:]]), fqn, groups)
+    err = mismatch_error(table, where)
+    if err is not None:
+        return err
     copies = copied_names(table)
     if not copies:
         return None

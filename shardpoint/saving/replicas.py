@@ -43,11 +43,10 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from .digest import HOST, check_mode, digest_all
-from ..errors import ReplicaMismatchError
 from ..items import SaveTensor
 from ..layouts import WholeRule
 from ..planning.replicas import (
-    COPY_MARK, ReplicaTable, Row, copied_names, copy_name, encode_rows, mismatches, parse_copy_name, replica_message,
+    COPY_MARK, ReplicaTable, Row, copied_names, copy_name, encode_rows, mismatch_error, mismatches, parse_copy_name,
     suspicious,
 )
 
@@ -237,10 +236,9 @@ def check_replicas(
     if tables is None or not suspicious(tables):
         return tensors, None  # nothing to compare, or a rank failed and the commit reports its error
     table = comm.all_gather(mine)
-    bad = mismatches(table)
-    if bad:
-        fqn, groups = bad[0]
-        raise ReplicaMismatchError(replica_message(where, fqn, groups, [n for n, _ in bad[1:]]), fqn, groups)
+    err = mismatch_error(table, where)
+    if err is not None:
+        raise err
     copies = copied_names(table)
     if not copies:
         return tensors, None
