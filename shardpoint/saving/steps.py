@@ -185,6 +185,9 @@ def prepare_save(
     """
     gate = Gate(comm)  # a rank that fails still joins the gathers of the checks, so none waits on it
     try:
+        rules = [*rules, *deepspeed_expert_rules(state)]  # DeepSpeed MoE experts: stored at their global index
+        if replicated_over is None and not rules:
+            gate.close()  # no gather before the write: a rank that fails reports at the commit
         return _prepare(state, comm, allow_pickle, where, result, rules, cache or SaveCache(), replicated_over,
                         rank_local, gate)
     except Exception:
@@ -219,7 +222,6 @@ def _parts(state, ctx: AdapterContext, rules, cache: SaveCache) -> tuple[list[Sa
 def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules, cache: SaveCache,
              replicated_over: Any, rank_local: bool, gate: Gate) -> PreparedSave:
     ta = time.monotonic()
-    rules = [*rules, *deepspeed_expert_rules(state)]  # DeepSpeed MoE experts: stored at their global index
     ctx = build_context(state, comm.rank, comm.world, allow_pickle, replicated_over)
     tensors, values, frameworks = _parts(state, ctx, rules, cache)
     # The very SaveTensor objects checked last time (every part reused): only the values are checked again.
