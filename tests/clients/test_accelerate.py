@@ -42,6 +42,7 @@ def test_one_process_resume_is_exact(tmp_path):
     assert m.values["custom_0"] == {"seen": 4} and m.values["step"] == {"step": 4}
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_two_processes_resume_exact_and_on_one(tmp_path):
     full, resumed, s = phases(tmp_path, 2)

@@ -72,6 +72,7 @@ def ids_per_step(records, keep=lambda r: True):
     return {s: sorted(v) for s, v in steps.items()}
 
 
+@pytest.mark.slow
 def test_killed_rank_restarts_and_resumes_bit_exact(tmp_path):
     steps = 12
     ref_root, run_root = str(tmp_path / "uninterrupted"), str(tmp_path / "interrupted")
@@ -117,6 +118,7 @@ def test_killed_rank_restarts_and_resumes_bit_exact(tmp_path):
     assert not any(torch.equal(rows4[r], sp.read_tensor(a, "rng.rows_w2.torch")[r]) for r in range(2))
 
 
+@pytest.mark.slow
 def test_relaunch_on_fewer_ranks_loses_and_repeats_no_sample(tmp_path):
     steps = 16
     n = steps * GLOBAL_BATCH  # one epoch

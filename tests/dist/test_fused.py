@@ -9,6 +9,7 @@ from shardpoint.testing import launch
 pytestmark = pytest.mark.dist
 
 
+@pytest.mark.slow
 def test_fused_and_padded_layouts(tmp_path):
     root = str(tmp_path)
     launch(4, "tests.dist.fused_cases:save_job", {"root": root, "kind": "fused"})

@@ -10,6 +10,7 @@ from shardpoint.testing import launch
 pytestmark = pytest.mark.dist
 
 
+@pytest.mark.slow
 def test_manager_four_ranks(tmp_path):
     results = launch(4, "tests.dist.manager_cases:manager_job", {"root": str(tmp_path)})
     for rank, r in enumerate(results):

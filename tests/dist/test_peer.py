@@ -12,6 +12,7 @@ pytestmark = pytest.mark.dist
 JOB = "tests.dist.peer_cases"
 
 
+@pytest.mark.slow
 def test_lost_host_restores_from_peer_memory(tmp_path):
     root = str(tmp_path)
     trained = launch(4, f"{JOB}:train_job", {"root": root})

@@ -20,6 +20,7 @@ def s3_endpoint():
         yield endpoint
 
 
+@pytest.mark.slow
 def test_fsdp2_save_reshard_and_read_once(s3_endpoint, tmp_path):
     bucket = make_bucket(s3_endpoint)
     args = {"url": f"s3://{bucket}/run/{uuid.uuid4().hex}/step_2", "endpoint": s3_endpoint, "root": str(tmp_path)}

@@ -28,6 +28,7 @@ def expected_epoch(tail_world: int, tail_start: int) -> Counter:
     return Counter(perm + perm[:pad])
 
 
+@pytest.mark.slow
 def test_data_and_rng_across_world_sizes(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     saved = launch(4, "tests.dist.state_cases:save_job", {"path": a, "steps": STEPS})
