@@ -66,23 +66,12 @@ def check_mode() -> str:
     return mode
 
 
-def _sample_index(n: int, device: torch.device, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """One index in each of ``min(n, SAMPLES)`` equal stretches of ``[0, n)`` (the last element included), and odd weights."""
-    key = (n, device)
-    if key not in cache:
-        k = min(n, SAMPLES)
-        idx = torch.arange(k, dtype=torch.int64) * n // k
-        idx[-1] = n - 1
-        idx = idx.to(device)
-        cache[key] = (idx, idx * 2 + 1)  # odd weights: a swap of two sampled values changes the sum
-    return cache[key]
-
-
 _NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64, 16: np.int64}
 _NP_SAMPLES: dict[int, np.ndarray] = {}  # numel -> sample index, kept across saves (bounded below)
 
 
 def _np_sample(n: int) -> np.ndarray:
+    """One index in each of ``min(n, SAMPLES)`` equal stretches of ``[0, n)``, the last element included."""
     idx = _NP_SAMPLES.get(n)
     if idx is None:
         k = min(n, SAMPLES)
@@ -92,6 +81,15 @@ def _np_sample(n: int) -> np.ndarray:
             _NP_SAMPLES.clear()
         _NP_SAMPLES[n] = idx
     return idx
+
+
+def _sample_index(n: int, device: torch.device, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One index in each of ``min(n, SAMPLES)`` equal stretches of ``[0, n)`` (the last element included), and odd weights."""
+    key = (n, device)
+    if key not in cache:
+        idx = torch.from_numpy(_np_sample(n)).to(device, copy=True)  # the host digests sample the same elements
+        cache[key] = (idx, idx * 2 + 1)  # odd weights: a swap of two sampled values changes the sum
+    return cache[key]
 
 
 def _raw_digest(t: torch.Tensor, full: bool) -> tuple[int, ...] | None:
