@@ -19,8 +19,13 @@ the save runs them:
   the check left out, ``2 * --repeats`` of each in alternating order: the
   check's cost as a blocking save pays it, contention for the interpreter
   included (noisy on a loaded machine: a difference of medians);
-- ``prewrite_s``: the check as a save with ``replicated_over`` runs it:
-  digests, one gather of the tables before the write, the comparison.
+- ``prewrite_s``: what a save with ``replicated_over`` adds before its
+  write: one gather of which pieces each rank holds in which group (its
+  digests are compared at the commit, as above);
+- ``eager_*`` and ``lazy_*``: an :class:`~shardpoint.AsyncSaver`'s saves
+  with the check and without it, alternating: ``*_call_s`` the call (the
+  training thread's stall), ``*_save_s`` the whole save until ``wait()``
+  returns, and each difference as a share of the whole save.
 
 Times are the slowest rank's, from a barrier; the report gives medians and
 each one's share of the save, in wall-clock time and (for ``check_s``) in
@@ -150,6 +155,46 @@ def _ab(save, repeats: int) -> tuple[float, float, float]:
     return statistics.median(with_check), statistics.median(without), statistics.median(waits)
 
 
+def _ab_async(path: str, state: dict, mode: str, repeats: int) -> tuple[float, float, float, float]:
+    """An asynchronous saver's call (the training thread's stall) and whole save, with the check and without it.
+
+    One saver per variant, reused as a training loop does; ``2 * repeats``
+    saves of each after a warm-up, alternating. A lazy save is fenced by
+    :meth:`wait`, right after its call. Returns the median call and whole
+    save with the check, then without it (slowest rank).
+    """
+    import shardpoint as sp
+
+    savers = {True: sp.AsyncSaver(), False: sp.AsyncSaver()}
+    calls: dict[bool, list[float]] = {True: [], False: []}
+    wholes: dict[bool, list[float]] = {True: [], False: []}
+
+    def one(check: bool) -> None:
+        import contextlib
+        import torch.distributed as dist
+
+        with contextlib.nullcontext() if check else _without_check():
+            if dist.is_initialized():
+                dist.barrier()
+            t0 = time.perf_counter()
+            h = savers[check].save(path, state, mode=mode)
+            t1 = time.perf_counter()
+            h.wait()
+            t2 = time.perf_counter()
+        calls[check].append(_slowest(t1 - t0))
+        wholes[check].append(_slowest(t2 - t0))
+
+    try:
+        for i in range(2 * repeats + 1):
+            for check in ((True, False) if i % 2 else (False, True)):
+                one(check)
+    finally:
+        for saver in savers.values():
+            saver.close()
+    med = lambda xs: statistics.median(xs[1:])  # noqa: E731 - the first of each is a warm-up
+    return med(calls[True]), med(wholes[True]), med(calls[False]), med(wholes[False])
+
+
 def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats: int) -> dict:
     """Per layout: median save time, median check time and the check's share, bytes digested per rank."""
     import shardpoint as sp
@@ -172,7 +217,7 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
         at_call = _medians(lambda: check_replicas(prep.tensors, comm, path, declared=False)[1].table(), repeats, cpu)
         table = check_replicas(prep.tensors, comm, path, declared=False)[1].table()
         compare, extra = _commit_side(comm, table, repeats)
-        prewrite = _medians(lambda: check_replicas(prep.tensors, comm, path, declared=True), repeats)
+        prewrite = _medians(lambda: check_replicas(prep.tensors, comm, path, declared=True), repeats)  # digests not included
         check = at_call + compare + extra
         held = [t for t in prep.tensors if t.replica_count > 1 or t.placement == "local"]
         out[layout] = {
@@ -186,6 +231,12 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
             "checked_tensors": len(table.held), "table_bytes": len(table.encoded),
             "checked_bytes": sum(t.nbytes for t in held), "state_bytes": sum(t.nbytes for t in prep.tensors),
         }
+        for mode in ("eager", "lazy"):
+            call, whole, call_off, whole_off = _ab_async(path, state, mode, repeats)
+            out[layout].update({
+                f"{mode}_call_s": call, f"{mode}_call_without_s": call_off, f"{mode}_call_share": (call - call_off) / whole,
+                f"{mode}_save_s": whole, f"{mode}_save_without_s": whole_off, f"{mode}_save_share": (whole - whole_off) / whole,
+            })
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
     return out

@@ -26,7 +26,7 @@ from ..engine.staging import SaverStaging, StagingRing, optimizer_order
 from ..errors import CheckpointError
 from ..planning.describe import RankReport
 from .reuse import SaveCache
-from .steps import PreparedSave, data_file_name, mark_phase
+from .steps import data_file_name, mark_phase
 from .transaction import SaveOptions, SaveTransaction
 
 __all__ = ["BackgroundSave"]
@@ -54,21 +54,15 @@ class BackgroundSave(SaveTransaction):
         self.ring: StagingRing | None = None
         self.handle: AsyncSaveHandle | None = None
         self.snapshot_started = 0.0
+        self.deferred = False  # replica digests left for the lazy worker
 
     # --- prepare ----------------------------------------------------------------------------------
 
     def prepare_guarded(self, cache: SaveCache) -> None:
         """The prepare phase; a failure waits for the commit (so no rank hangs) unless this rank saves alone."""
-        self.prepared = run_guarded(functools.partial(self.prepare_at_call, cache))
+        self.prepared = run_guarded(functools.partial(self.prepare, cache))
         if self.comm.world == 1 and not self.prepared.ok:
             raise self.prepared.exc
-
-    def prepare_at_call(self, cache: SaveCache) -> PreparedSave:
-        """The prepare phase, with the replica digests: of the state at the call, which changes once it returns."""
-        prep = self.prepare(cache)
-        if prep.replicas is not None:
-            prep.replicas.table()
-        return prep
 
     def stage(self, staging: SaverStaging, piece_bytes: int) -> AsyncSaveHandle:
         """Size the staging ring for this save, order what it copies, and make the handle."""
@@ -87,6 +81,11 @@ class BackgroundSave(SaveTransaction):
             later = optimizer_order(later, step_updates(self.state).order())
         items = [t for t in mine if t.fqn not in lazy] + later
         self.split = len(items) - len(later)
+        replicas = self.prep.replicas
+        if replicas is not None:
+            # Digests of the state at the call: alongside the copies; a lazy save's on its worker, guarded to the fence.
+            replicas.start(lazy if not ring.device.asynchronous else frozenset())
+            self.deferred = bool(replicas.later)
         if items:
             name = data_file_name(self.save_id, self.comm.rank)
             self.staged = StagedWrite(self.storage, name, items, ring, self.comm.rank, self.options.block_size, piece_bytes, recorder=self.result.recorder)
@@ -105,8 +104,8 @@ class BackgroundSave(SaveTransaction):
 
     @property
     def lazy(self) -> bool:
-        """Whether part of the snapshot is copied after the call returns."""
-        return self.staged is not None and self.split < len(self.staged.items)
+        """Whether part of the snapshot is copied, or digested, after the call returns (the save is then fenced)."""
+        return self.deferred or (self.staged is not None and self.split < len(self.staged.items))
 
     def snapshot(self) -> None:
         """The snapshot phase on the training thread: the eager copies, then the lazy part's guard and hooks."""
@@ -119,6 +118,8 @@ class BackgroundSave(SaveTransaction):
             except BaseException as e:  # noqa: BLE001 - the writer reports it via wait()
                 log.debug("snapshot copy failed: %s", e)
                 handle.mark_copied()
+        if self.prepared.ok and self.prep.replicas is not None:
+            self.prep.replicas.join()  # the state may change once the call returns
         mark_phase(self.result, "snapshot", self.snapshot_started)
         if not self.lazy:
             handle.mark_copied()
@@ -131,21 +132,41 @@ class BackgroundSave(SaveTransaction):
     def copy_lazy(self) -> None:
         """The lazy part of the snapshot, on a worker; the optimizer's step is ordered after it."""
         staged, handle = self.staged, self.handle
+        copies = staged is not None and self.split < len(staged.items)
         try:
-            staged.copy(self.split, len(staged.items), last=True)
+            if copies:
+                staged.copy(self.split, len(staged.items), last=True)
         except BaseException as e:  # noqa: BLE001
             log.debug("lazy snapshot copy failed: %s", e)
         finally:
-            handle.copies_queued(staged.last_event)  # the step may now be ordered after them
+            if self.deferred:
+                self.prep.replicas.digest_later()  # before the step may change them; the guard covers the rest
+            handle.copies_queued(staged.last_event if copies else None)  # the step may now be ordered after them
             try:
-                staged.wait_copied()
+                if copies:
+                    staged.wait_copied()
             finally:
                 mark_phase(self.result, "lazy_copy", self.snapshot_started)
                 handle.mark_copied()
 
     def copy_then_finish(self, pool: cf.Executor) -> None:
-        """One hand-off from the training thread: this worker starts the writer, then copies the lazy part."""
-        self.handle.writer_started(pool.submit(self.finish))
+        """One hand-off from the training thread: this worker starts the writer, then copies the lazy part.
+
+        Once the interpreter has begun to exit, the pool takes no new work:
+        this worker then copies and writes itself, so the save still commits.
+        """
+        try:
+            writer = pool.submit(self.finish)
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            self.copy_lazy()
+            writer = cf.Future()
+            try:
+                self.finish()
+            finally:
+                writer.set_result(None)
+                self.handle.writer_started(writer)
+            return
+        self.handle.writer_started(writer)
         self.copy_lazy()
 
     # --- claim, write, commit ---------------------------------------------------------------------

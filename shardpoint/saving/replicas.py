@@ -7,18 +7,21 @@ lives (so the digests are of the state at the call), and the ranks compare
 them; a mismatch fails the save with :class:`ReplicaMismatchError` on every
 rank and nothing is committed.
 
-Where they compare (:func:`check_replicas`):
+They compare at the commit: each rank's int64 table of digests travels in
+the commit's first gather, with its status, and rank 0 compares them
+(:func:`~shardpoint.planning.replicas.refusal`), so the check adds no
+collective to a save. The digests are computed alongside the save's
+other work (:class:`PendingTable`): a blocking save digests on a thread
+while it writes, an asynchronous one while it copies, and a lazy one
+digests what it copies lazily on its worker, before the optimizer's step.
 
-- by default, at the commit: each rank's int64 table of digests travels in
-  the commit's first gather, with its status, and rank 0 compares them
-  (:func:`~shardpoint.planning.replicas.refusal`); a save then costs no
-  collective more than one without the check;
-- when groups are declared (``replicated_over``, or layout rules, which
-  place experts), before anything is written, in one gather of the tables: there
-  ranks of different groups may hold one name with different values, and
-  such tensors are stored as one copy per group, named
-  ``<name>@ranks<r0>,<r1>,...`` (:func:`copy_name`); a load takes the copy
-  whose ranks include its own (:func:`copy_rule`).
+When groups are declared (``replicated_over``, or layout rules, which
+place experts), ranks of different groups may hold one name with different
+values, and such tensors are stored as one copy per group, named
+``<name>@ranks<r0>,<r1>,...`` (:func:`copy_name`); a load takes the copy
+whose ranks include its own (:func:`copy_rule`). Which names those are
+must be known before the write, so such a save gathers, before it,
+which pieces each rank holds in which group (no digests).
 
 Digests (:mod:`shardpoint.saving.digest`) compare bit patterns: on the CPU an
 ``xxh3_64`` of the whole tensor up to 64 KiB, else of a strided sample that
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import AbstractSet, Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -72,13 +75,17 @@ def rows_of(tensors: Iterable[SaveTensor], digests: bool = True) -> list[Row]:
 
         rows = rows_of(prep.tensors)
     """
-    return ReplicaTable.of(_held(tensors, digests)).rows()
+    return [Row(*h) for h in _held(tensors, digests)]
 
 
 def _held(tensors: Iterable[SaveTensor], digests: bool) -> list[tuple]:
     held = [t for t in tensors if _checked(t)]
     found = digest_all([t.data for t in held]) if digests else [(HOST, 0, 0, 0)] * len(held)
-    return [(t.fqn, tuple(t.box.offsets), tuple(t.box.sizes), t.flat, t.replica_group, d) for t, d in zip(held, found)]
+    return [_row(t, d) for t, d in zip(held, found)]
+
+
+def _row(t: SaveTensor, digest: tuple) -> tuple:
+    return (t.fqn, tuple(t.box.offsets), tuple(t.box.sizes), t.flat, t.replica_group, digest)
 
 
 def table_of(tensors: Iterable[SaveTensor], digests: bool = True) -> ReplicaTable:
@@ -92,14 +99,21 @@ def table_of(tensors: Iterable[SaveTensor], digests: bool = True) -> ReplicaTabl
 
 
 class PendingTable:
-    """This rank's :class:`ReplicaTable` for the commit, computed when the save says.
+    """This rank's :class:`ReplicaTable` for the commit, its digests computed when the save says.
 
-    The digests must be of the state at the call. An asynchronous save calls
-    :meth:`table` before the call returns; a blocking save may call
-    :meth:`start` instead, which digests CPU tensors on a thread alongside
-    the planning, the claim and the write (its caller, blocked in the save,
-    cannot change the state before the commit), and the summary's
-    :meth:`table` waits for it. Nothing is computed before either.
+    The digests must be of the state at the call. A save hands the work
+    out in up to three parts:
+
+    - :meth:`start` digests on a thread every CPU tensor not named in
+      ``later`` (device tensors at once: their digests are queued on the
+      device), alongside what the save does next; a blocking save's caller
+      cannot change the state before the commit, an asynchronous save
+      joins the thread before its call returns;
+    - :meth:`digest_later` digests the tensors named in ``later``: a lazy
+      save's worker runs it before the optimizer's step may, and its guard
+      proves at the fence that they did not change since the call;
+    - :meth:`table` waits for both and assembles the table (computing
+      everything now if nothing was started).
 
     Example::
 
@@ -109,36 +123,67 @@ class PendingTable:
     def __init__(self, tensors: Iterable[SaveTensor], digests: bool = True):
         self.tensors = [t for t in tensors if _checked(t)]
         self.digests = digests
+        self.found: list[tuple | None] = [None] * len(self.tensors)
+        self.later: list[int] = []
+        self.later_done = threading.Event()  # set once digest_later has run (at once when nothing is left for it)
+        self.started = False
         self.thread: threading.Thread | None = None
         self.done: ReplicaTable | None = None
         self.error: BaseException | None = None
 
-    def run(self) -> None:
-        """Compute the table (on the calling thread), keeping its error for :meth:`table`."""
+    def digest(self, picked: Sequence[int]) -> None:
+        """Digest the tensors at positions ``picked`` on the calling thread, keeping an error for :meth:`table`."""
+        if not picked or self.error is not None:
+            return
         try:
-            self.done = table_of(self.tensors, self.digests)
+            data = [self.tensors[i].data for i in picked]
+            found = digest_all(data) if self.digests else [(HOST, 0, 0, 0)] * len(data)
+            for i, d in zip(picked, found):
+                self.found[i] = d
         except BaseException as e:  # noqa: BLE001 - raised by table(), on the save's thread
             self.error = e
 
-    def start(self) -> None:
-        """Compute the table on a thread, when every tensor is on the CPU (else now: device digests are quick)."""
-        if self.thread is not None or self.done is not None or self.error is not None:
+    def start(self, later: AbstractSet[str] = frozenset()) -> None:
+        """Digest every tensor not named in ``later`` (see the class documentation); runs once."""
+        if self.started:
             return
-        if any(not t.data.is_cpu for t in self.tensors):
-            self.run()
-            return
-        self.thread = threading.Thread(target=self.run, name="shardpoint-replica-digests", daemon=True)
-        self.thread.start()
+        self.started = True
+        self.later = [i for i, t in enumerate(self.tensors) if t.fqn in later and t.data.is_cpu]
+        if not self.later:
+            self.later_done.set()
+        deferred = set(self.later)
+        rest = [i for i in range(len(self.tensors)) if i not in deferred]
+        self.digest([i for i in rest if not self.tensors[i].data.is_cpu])
+        host = [i for i in rest if self.tensors[i].data.is_cpu]
+        if host:
+            self.thread = threading.Thread(target=self.digest, args=(host,), name="shardpoint-replica-digests", daemon=True)
+            self.thread.start()
+
+    def join(self) -> None:
+        """Wait for :meth:`start`'s thread."""
+        if self.thread is not None:
+            self.thread.join()
+
+    def digest_later(self) -> None:
+        """Digest the tensors :meth:`start` left for later, on the calling thread."""
+        try:
+            self.digest(self.later)
+        finally:
+            self.later_done.set()
 
     def table(self) -> ReplicaTable:
         """The table: waited for if started, else computed now; raises what computing it raised."""
-        if self.thread is not None:
-            self.thread.join()
-        elif self.done is None and self.error is None:
-            self.run()
+        if self.done is None and self.error is None:
+            if not self.started:  # nothing was handed out: all of it, on this thread
+                self.started = True
+                self.later_done.set()
+                self.digest(range(len(self.tensors)))
+            self.join()
+            self.later_done.wait()  # the lazy worker's part
         if self.error is not None:
             raise self.error
-        assert self.done is not None
+        if self.done is None:
+            self.done = ReplicaTable.of([_row(t, d) for t, d in zip(self.tensors, self.found)])
         return self.done
 
 
@@ -194,21 +239,22 @@ class Gate:
 def check_replicas(
     tensors: list[SaveTensor], comm: Any, where: str, gate: Gate | None = None, declared: bool = True,
 ) -> tuple[list[SaveTensor], PendingTable | None]:
-    """Digest every copy this rank holds; compare now when the comparison may change what is written.
+    """The tensors to write, with copy names where declared groups keep their own, and this rank's pending table.
+
+    The digests are always compared at the commit: the returned
+    :class:`PendingTable` travels with the rank's status and rank 0
+    compares the tables (:func:`~shardpoint.planning.replicas.refusal`);
+    the save says when it is computed.
 
     ``declared``: groups are declared (``replicated_over``, or layout rules,
-    which place experts), so ranks of several groups may hold one name, and
-    those names must be known before anything is written. Then the ranks
-    compare now (``gate``'s last gather, see :class:`Gate`): every rank
-    reaches the same verdict and raises the same error on a mismatch, and
-    names held by several groups get their copy names. Else nothing is
-    gathered here: the returned :class:`ReplicaTable` travels with the rank's
-    status and rank 0 compares the tables at the commit
-    (:func:`~shardpoint.planning.replicas.refusal`); it is computed when
-    the save says (:class:`PendingTable`).
+    which place experts), so ranks of several groups may hold one name and
+    each group's copy gets its own name, which must be known before
+    anything is written. Then the ranks gather which pieces they hold in
+    which group (no digests: ``gate``'s last gather, see :class:`Gate`),
+    and every rank reaches the same names, or raises the same error where
+    groups overlap. Else nothing is gathered here.
 
-    Returns the tensors (with copy names where groups keep their own) and
-    the table for the commit (``None``: compared already, or nothing to
+    Returns the tensors and the table for the commit (``None``: nothing to
     compare on a world of one).
 
     Example::
@@ -219,12 +265,18 @@ def check_replicas(
     if not gate.active:
         gate.close()
         return tensors, None
-    if not declared:
+    if declared:
+        tensors = _with_copy_names(tensors, comm, gate)
+    else:
         gate.close()
-        return tensors, PendingTable(tensors, check_mode() != "off")
+    return tensors, PendingTable(tensors, check_mode() != "off")
+
+
+def _with_copy_names(tensors: list[SaveTensor], comm: Any, gate: Gate) -> list[SaveTensor]:
+    """``tensors`` with each name several declared groups hold renamed to its group's copy, from one gather."""
     failure: Exception | None = None
     try:
-        mine = rows_of(tensors, check_mode() != "off")
+        mine = rows_of(tensors, digests=False)  # which piece in which group: the same from save to save
         encoded = encode_rows(mine)
     except Exception as e:  # noqa: BLE001 - the gather must still happen on every rank
         failure, mine, encoded = e, [], torch.full((1, 6), FAILED, dtype=torch.int64)
@@ -234,15 +286,11 @@ def check_replicas(
     if failure is not None:
         raise failure
     if tables is None or not suspicious(tables):
-        return tensors, None  # nothing to compare, or a rank failed and the commit reports its error
-    table = comm.all_gather(mine)
-    err = mismatch_error(table, where)
-    if err is not None:
-        raise err
-    copies = copied_names(table)
+        return tensors  # no name in two groups, or a rank failed and the commit reports its error
+    copies = copied_names(comm.all_gather(mine))
     if not copies:
-        return tensors, None
-    return [replace(t, fqn=copy_name(t.fqn, t.replica_group)) if t.fqn in copies else t for t in tensors], None
+        return tensors
+    return [replace(t, fqn=copy_name(t.fqn, t.replica_group)) if t.fqn in copies else t for t in tensors]
 
 
 class CopyRule(WholeRule):

@@ -226,6 +226,7 @@ def commit_job(rank: int, world: int, root: str) -> dict:
         model.bias.add_(rank)
     out["reused"] = _failure(lambda: saver.save(os.path.join(root, "reuse"), {"model": model}))
     saver.close()
+    _lazy_cases(out, root, rank)
     # Whether groups are declared decides whether the check gathers before the write: ranks must agree on it.
     try:
         sp.save(os.path.join(root, "disagree"), {"model": good}, replicated_over=list(range(world)) if rank == 0 else None)
@@ -233,6 +234,44 @@ def commit_job(rank: int, world: int, root: str) -> dict:
     except sp.CheckpointError as e:
         out["disagree"] = [type(e).__name__, str(e)]
     return out
+
+
+def _lazy_cases(out: dict, root: str, rank: int) -> None:
+    """A lazy save digests what it copies lazily on its worker, never on the training thread, and still refuses."""
+    import threading
+
+    from shardpoint.saving import replicas
+
+    real, seen = replicas.digest_all, []
+
+    def recording(tensors, host=True):
+        seen.append((threading.current_thread().name, len(tensors)))
+        return real(tensors, host)
+
+    replicas.digest_all = recording
+    try:
+        model = _seeded(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _step(model, opt, 1)
+        with torch.no_grad():
+            model.experts[0].weight.add_(rank)  # differs on every rank but rank 0
+        h = sp.async_save(os.path.join(root, "lazy"), {"model": model, "optimizer": opt}, mode="lazy")
+        _step(model, opt, 2)  # the fence
+        out["lazy"] = _failure(lambda: h)
+        out["lazy_threads"] = sorted((name.split("_")[0], n) for name, n in seen if n)
+        # A lazily digested tensor changed outside step() before the fence, on one rank: the guard refuses the save.
+        h = sp.async_save(os.path.join(root, "lazy_torn"), {"model": _seeded(0)}, mode="lazy")
+        h.wait()
+        model = _seeded(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        h = sp.async_save(os.path.join(root, "lazy_torn"), {"model": model, "optimizer": opt}, mode="lazy")
+        if rank == 0:
+            with torch.no_grad():
+                model.dense.weight.mul_(2.0)
+        out["lazy_torn"] = _failure(lambda: h)
+    finally:
+        replicas.digest_all = real
+    out["lazy_torn_names"] = sorted(sp.read_manifest(os.path.join(root, "lazy_torn"), chunks=False).tensors)
 
 
 __all__ = ["Moe", "per_rank_job", "groups_job", "commit_job"]

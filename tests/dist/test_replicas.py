@@ -53,6 +53,23 @@ def test_the_digests_are_of_the_state_at_the_call(at_commit):
         assert r["reused"][0] == "ReplicaMismatchError" and r["reused"][2] == "model.bias" and r["reused"][4] == "wait", r
 
 
+def test_a_lazy_save_digests_its_lazy_copies_off_the_training_thread_and_still_refuses(at_commit):
+    for r in at_commit:
+        # The buffer alongside the call's copies, the 4 parameters on the lazy copy's worker; none on the training thread.
+        assert r["lazy_threads"] == [["shardpoint-replica-digests", 1], ["shardpoint-save", 4]], r["lazy_threads"]
+        name, _msg, tensor, ranks, where = r["lazy"]
+        assert name == "ReplicaMismatchError" and tensor == "model.experts.0.weight" and ranks == [[0], [1]], r["lazy"]
+        assert where == "wait"
+
+
+def test_a_lazy_save_changed_outside_step_before_its_fence_is_refused_by_its_guard(at_commit):
+    for r in at_commit:
+        name, msg, _tensor, _ranks, where = r["lazy_torn"]
+        assert name == "TornSnapshotError" and "'model.dense.weight' changed in place" in msg and where == "wait", msg
+        assert r["lazy_torn_names"] == ["model.bias", "model.dense.bias", "model.dense.weight", "model.experts.0.weight",
+                                        "model.experts.1.weight"], r  # the earlier checkpoint, without the optimizer
+
+
 def test_ranks_that_disagree_on_declaring_groups_are_stopped_at_entry(at_commit):
     for r in at_commit:
         name, msg = r["disagree"]

@@ -260,6 +260,15 @@ def test_a_pending_table_computes_on_a_thread_or_now_and_raises_its_error_where_
         data = torch.ones(2)
         box = None  # table_of cannot read its offsets
 
+    # A lazy save leaves the named tensors to its worker: table() waits for that part, and the values are the same.
+    split = PendingTable(tensors)
+    split.start(later={"big"})
+    assert [split.tensors[i].fqn for i in split.later] == ["big"] and not split.later_done.is_set()
+    split.join()
+    assert split.found[split.later[0]] is None  # not digested until the worker's turn
+    split.digest_later()
+    assert split.later_done.is_set() and split.table() == want
+
     failing = PendingTable([Broken()])
     failing.start()
     with pytest.raises(AttributeError):

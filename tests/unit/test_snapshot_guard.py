@@ -260,3 +260,26 @@ def test_lazy_save_left_waiting_commits_at_exit(tmp_path):
     sp.load(ckpt, {"model": model}, strict=False)
     want = torch.load(ref)
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
+def test_lazy_save_whose_pool_closed_for_exit_still_commits(tmp_path, monkeypatch):
+    # The interpreter began to exit before the lazy worker handed the write on: the pool refuses new work.
+    from shardpoint.saving.background import BackgroundSave
+
+    class Closed:
+        def submit(self, *args, **kwargs):
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    real = BackgroundSave.copy_then_finish
+    monkeypatch.setattr(BackgroundSave, "copy_then_finish", lambda self, pool: real(self, Closed()))
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    saver = sp.AsyncSaver()
+    saver.save(str(tmp_path / "ckpt"), {"model": model, "optim": opt}, mode="lazy").wait(timeout=30)  # TimeoutError if lost
+    saver.close()
+    back = torch.nn.Linear(64, 64)
+    sp.load(str(tmp_path / "ckpt"), {"model": back}, strict=False)
+    assert all(torch.equal(v, want[k]) for k, v in back.state_dict().items())
