@@ -7,12 +7,13 @@ that shows nothing :func:`suspicious` ends the comparison, and only then do
 the named rows travel, from which :func:`mismatches` names the differing
 tensors and :func:`copied_names` the names several declared groups hold.
 
-Where the comparison runs is the save's business
-(:mod:`shardpoint.saving.replicas`): before anything is written when
-declared groups may get per-group copy names, else at the commit
+Where the tables travel is the save's business
+(:mod:`shardpoint.saving.replicas`): the digests are compared at the commit
 (:func:`commit_refusal`), where each rank's status carries its table's
 digest and rank 0 fetches one table per distinct digest, like the
-documents of :mod:`shardpoint.planning.commit`.
+documents of :mod:`shardpoint.planning.commit`; where declared groups may
+get per-group copy names, tables without digests travel before the write
+to find them (:func:`copied_names`).
 
 Example::
 

@@ -262,7 +262,7 @@ def _check_and_plan(state, tensors: list[SaveTensor], ctx: AdapterContext, rules
     if rules:
         tensors, lazy_ok = _logical(tensors, lazy_ok, rules, comm, gate)
     _check_tensors(tensors, where)
-    # Declared groups compare before anything is written (copies per group get their own names); else at the commit.
+    # Declared groups learn their copy names before anything is written; digests are compared at the commit.
     tensors, table = check_replicas(tensors, comm, where, gate, declared=declared)
     tables.append(table)  # of the values at this call: never kept
     # The same names, shapes, dtypes and geometry give the same writers.

@@ -88,6 +88,9 @@ def test_views_digest_like_their_contiguous_copies(host):
     empty = (0, xxhash.xxh3_64_intdigest(b""), 0, 0) if host else (1, 0, 0, 0)
     assert digest_tensor(torch.empty(0), host) == empty
     assert digest_all([a, a.t()], host) == [digest_tensor(a, host), digest_tensor(a.t(), host)]
+    # Sampled: a view's gathered sample and a contiguous tensor's strided one are the same elements.
+    for big in (torch.randn(300, 301), torch.randn(256, 256)):
+        assert digest_tensor(big.t(), host) == digest_tensor(big.t().contiguous(), host)
 
 
 def _row(fqn, group, digest, box=((0,), (4,))):
