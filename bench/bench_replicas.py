@@ -18,14 +18,15 @@ the save runs them:
 - ``ab_share``: the whole save with the check against the same save with
   the check left out, ``2 * --repeats`` of each in alternating order: the
   check's cost as a blocking save pays it, contention for the interpreter
-  included (noisy on a loaded machine: a difference of medians);
+  included (the median of the differences of saves run back to back; still
+  noisy on a loaded machine);
 - ``prewrite_s``: what a save with ``replicated_over`` adds before its
   write: one gather of which pieces each rank holds in which group (its
   digests are compared at the commit, as above);
 - ``eager_*`` and ``lazy_*``: an :class:`~shardpoint.AsyncSaver`'s saves
   with the check and without it, alternating: ``*_call_s`` the call (the
   training thread's stall), ``*_save_s`` the whole save until ``wait()``
-  returns, and each difference as a share of the whole save.
+  returns, and each paired difference as a share of the whole save.
 
 Times are the slowest rank's, from a barrier; the report gives medians and
 each one's share of the save, in wall-clock time and (for ``check_s``) in
@@ -117,11 +118,17 @@ def _without_check():
     return patched()
 
 
-def _ab(save, repeats: int) -> tuple[float, float, float]:
+def _paired(a: list[float], b: list[float]) -> float:
+    """The median of the differences of saves run back to back: steadier than a difference of medians."""
+    return statistics.median(x - y for x, y in zip(a, b))
+
+
+def _ab(save, repeats: int) -> tuple[float, float, float, float]:
     """Median save time with the check and without it, ``2 * repeats`` of each after a warm-up, in alternating order.
 
-    Also the median time a save's summary waited for its digests (the part
-    of the digests its write did not hide), slowest rank.
+    Also the median of the paired differences (:func:`_paired`) and the
+    median time a save's summary waited for its digests (the part of the
+    digests its write did not hide), slowest rank.
     """
     from shardpoint.saving.replicas import PendingTable
 
@@ -152,16 +159,17 @@ def _ab(save, repeats: int) -> tuple[float, float, float]:
                 waits.append(w)
     finally:
         PendingTable.table = real
-    return statistics.median(with_check), statistics.median(without), statistics.median(waits)
+    return statistics.median(with_check), statistics.median(without), _paired(with_check, without), statistics.median(waits)
 
 
-def _ab_async(path: str, state: dict, mode: str, repeats: int) -> tuple[float, float, float, float]:
+def _ab_async(path: str, state: dict, mode: str, repeats: int) -> dict[str, float]:
     """An asynchronous saver's call (the training thread's stall) and whole save, with the check and without it.
 
     One saver per variant, reused as a training loop does; ``2 * repeats``
     saves of each after a warm-up, alternating. A lazy save is fenced by
-    :meth:`wait`, right after its call. Returns the median call and whole
-    save with the check, then without it (slowest rank).
+    :meth:`wait`, right after its call. Returns the medians of the call
+    and the whole save with the check and without it, and the medians of
+    their paired differences (slowest rank).
     """
     import shardpoint as sp
 
@@ -191,8 +199,11 @@ def _ab_async(path: str, state: dict, mode: str, repeats: int) -> tuple[float, f
     finally:
         for saver in savers.values():
             saver.close()
-    med = lambda xs: statistics.median(xs[1:])  # noqa: E731 - the first of each is a warm-up
-    return med(calls[True]), med(wholes[True]), med(calls[False]), med(wholes[False])
+    c, c0, w, w0 = calls[True][1:], calls[False][1:], wholes[True][1:], wholes[False][1:]  # after a warm-up pair
+    return {
+        "call_s": statistics.median(c), "call_without_s": statistics.median(c0), "call_diff_s": _paired(c, c0),
+        "save_s": statistics.median(w), "save_without_s": statistics.median(w0), "save_diff_s": _paired(w, w0),
+    }
 
 
 def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats: int) -> dict:
@@ -210,7 +221,7 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
         train_step(model, opt, 0, c)
         state = {"model": model, "optimizer": opt}
         path = os.path.join(root, layout)
-        save, save_off, wait = _ab(lambda: sp.save(path, state), repeats)
+        save, save_off, diff, wait = _ab(lambda: sp.save(path, state), repeats)
         comm = Comm.resolve(None)
         prep = prepare_save(state, comm, False, path, SaveResult(path, "bench"))
         cpu: list[float] = []
@@ -223,7 +234,7 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
         out[layout] = {
             "save_s": save, "check_s": check, "share": check / save,
             "check_cpu_s": statistics.median(cpu[1:]), "cpu_share": statistics.median(cpu[1:]) / save,
-            "save_without_s": save_off, "ab_share": (save - save_off) / save,
+            "save_without_s": save_off, "ab_diff_s": diff, "ab_share": diff / save,
             "sync_s": wait + compare + extra, "sync_share": (wait + compare + extra) / save, "wait_s": wait,
             "at_call_s": at_call, "compare_s": compare, "gather_extra_s": extra,
             "digest_s": _medians(lambda: rows_of(prep.tensors), repeats),
@@ -232,11 +243,10 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
             "checked_bytes": sum(t.nbytes for t in held), "state_bytes": sum(t.nbytes for t in prep.tensors),
         }
         for mode in ("eager", "lazy"):
-            call, whole, call_off, whole_off = _ab_async(path, state, mode, repeats)
-            out[layout].update({
-                f"{mode}_call_s": call, f"{mode}_call_without_s": call_off, f"{mode}_call_share": (call - call_off) / whole,
-                f"{mode}_save_s": whole, f"{mode}_save_without_s": whole_off, f"{mode}_save_share": (whole - whole_off) / whole,
-            })
+            r = _ab_async(path, state, mode, repeats)
+            out[layout].update({f"{mode}_{k}": v for k, v in r.items()})
+            out[layout][f"{mode}_call_share"] = r["call_diff_s"] / r["save_s"]
+            out[layout][f"{mode}_save_share"] = r["save_diff_s"] / r["save_s"]
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
     return out
