@@ -69,9 +69,20 @@ def _slice(t: torch.Tensor, off: tuple, idx: torch.Tensor) -> torch.Tensor:
     return t[tuple(slice(o, o + s) for o, s in zip(off, idx.shape))]
 
 
-def save_job(rank: int, world: int, root: str, ep: int, tp: int, glu: bool) -> dict:
-    """Seeded experts at EP ``ep`` x expert TP ``tp``, one AdamW step, saved; returns the stored shapes."""
-    layer = build(ep, seed=0, tp=tp, grouped=True, glu=glu)
+def _layout(layer) -> list:
+    """[EP size, EP rank, expert TP size, expert TP rank, attention TP size, global expert ids] of this rank."""
+    from megatron.core import parallel_state as ps
+
+    return [
+        ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
+        ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(), [int(i) for i in layer.local_expert_indices],
+    ]
+
+
+def save_job(rank: int, world: int, root: str, ep: int, tp: int, glu: bool, etp: int | None = None) -> dict:
+    """Seeded experts at EP ``ep`` x expert TP ``etp`` (default: attention TP ``tp``), one AdamW step, saved."""
+    layer = build(ep, seed=0, tp=tp, grouped=True, glu=glu, etp=etp)
     pieces = megatron_map(layer)
     params = [getattr(layer.experts, n) for n in _WEIGHTS]
     with torch.no_grad():
@@ -89,12 +100,16 @@ def save_job(rank: int, world: int, root: str, ep: int, tp: int, glu: bool) -> d
         "local": [list(p.shape) for p in params],
         "stored": [list(man[f"model.experts.{n}"].shape) for n in _WEIGHTS],
         "megatron": sorted({k: list(s) for plist in pieces.values() for k, s, _, _ in plist}.items()),
+        "layout": _layout(layer),
     }
 
 
-def load_job(rank: int, world: int, root: str, ep: int, tp: int, glu: bool) -> dict:
-    """Load at EP ``ep`` x expert TP ``tp`` over stale state; every element checked where Megatron places it."""
-    layer = build(ep, seed=4, tp=tp, grouped=True, glu=glu)
+def load_job(rank: int, world: int, root: str, ep: int, tp: int, glu: bool, etp: int | None = None) -> dict:
+    """Load at EP ``ep`` x expert TP ``etp`` (default ``tp``) over stale state.
+
+    Every element, and its AdamW moments, is checked where Megatron places it.
+    """
+    layer = build(ep, seed=4, tp=tp, grouped=True, glu=glu, etp=etp)
     pieces = megatron_map(layer)
     params = [getattr(layer.experts, n) for n in _WEIGHTS]
     opt = torch.optim.AdamW(params, lr=0.01)
@@ -115,4 +130,4 @@ def load_job(rank: int, world: int, root: str, ep: int, tp: int, glu: bool) -> d
                     bad.append(f"{n}:{key}@{list(off)}.{field}")
         if not bool(covered.all()):
             bad.append(f"{n}: Megatron's pieces miss elements")
-    return {"checked": checked, "bad": bad, "local": [list(p.shape) for p in params]}
+    return {"checked": checked, "bad": bad, "local": [list(p.shape) for p in params], "layout": _layout(layer)}

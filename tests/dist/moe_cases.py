@@ -39,8 +39,11 @@ def on_cpu():
         torch.cuda.current_device = old
 
 
-def build(ep: int, seed: int, tp: int = 1, grouped: bool = False, glu: bool = False):
+def build(ep: int, seed: int, tp: int = 1, grouped: bool = False, glu: bool = False, etp: int | None = None):
     """A ``MoELayer`` with ``EXPERTS`` experts at EP ``ep`` and TP ``tp`` (parallel state initialised here).
+
+    ``etp``: the expert tensor-parallel size when it differs from the attention
+    TP ``tp`` (Megatron's default is ``tp``).
 
     ``grouped``: ``GroupedMLP`` experts, built without the grouped-GEMM kernel
     (which has no CPU build), so such a layer is saved and loaded but never run.
@@ -56,7 +59,9 @@ def build(ep: int, seed: int, tp: int = 1, grouped: bool = False, glu: bool = Fa
 
     moe_utils.te_general_gemm = None
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+        )
     cfg = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN, num_moe_experts=EXPERTS,
         moe_router_topk=2, moe_token_dispatcher_type="allgather", use_cpu_initialization=True,
@@ -64,7 +69,7 @@ def build(ep: int, seed: int, tp: int = 1, grouped: bool = False, glu: bool = Fa
         moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep, moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True, hidden_dropout=0.0, bias_activation_fusion=False,
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1, moe_grouped_gemm=grouped,
-        gated_linear_unit=glu, activation_func=F.silu if glu else F.gelu,
+        gated_linear_unit=glu, activation_func=F.silu if glu else F.gelu, expert_tensor_parallel_size=etp,
     )
     if grouped:
         from megatron.core.transformer.moe import grouped_gemm_util
