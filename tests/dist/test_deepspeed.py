@@ -81,10 +81,10 @@ def test_zero_saves_flat_slices_without_gather(saved):
             ["zero32", "single"], ["zero32.native", "single"], ["zero12", "zero3"], ["zero1-bf162", "zero3-bf16"],
             ["zero3-fp162", "zero1-fp16"],
         ]),
-        (3, [
+        pytest.param(3, [
             ["zero12", "fsdp2"], ["fsdp22", "zero2"], ["zero32", "zero1"], ["zero12.native", "fsdp2"],
             ["zero22", "zero3"], ["zero3-sg2", "zero3-sg"], ["zero2-rr2.native", "zero1-rr"],
-        ]),
+        ], marks=pytest.mark.slow),  # the longest: in `make test-slow`, which CI runs
         (2, [
             ["fsdp22", "zero1"], ["zero32.native", "zero2"], ["zero22", "tp"], ["zero2-rr2", "fsdp2"],
             ["zero3-fp162.native", "zero2-fp16"],

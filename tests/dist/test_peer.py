@@ -51,6 +51,7 @@ def test_lost_host_restores_from_peer_memory(tmp_path):
         assert res_storage["storage_read"] > 0
 
 
+@pytest.mark.slow  # in `make test-slow`, which CI runs
 @pytest.mark.parametrize("kill_round", [0, 1])
 def test_kill_during_replication(tmp_path, kill_round):
     root = str(tmp_path)
@@ -74,6 +75,7 @@ def test_kill_during_replication(tmp_path, kill_round):
         assert res["memory_folders"] == ["step_00000005"], res  # the torn step 6 of the lost run is dropped
 
 
+@pytest.mark.slow  # in `make test-slow`, which CI runs
 def test_three_hosts_second_loss_falls_back_to_storage(tmp_path):
     root = str(tmp_path)
     # Three hosts of two ranks, replicas=1 (h0 -> h1 -> h2 -> h0): steps 1..6 in memory, step 5 stored.
