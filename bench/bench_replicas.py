@@ -54,6 +54,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 
+def _replace_policy():
+    """Replaced checkpoints' files are deleted at once: a save every second would fill the disk in the grace period."""
+    import shardpoint as sp
+
+    return sp.CommitPolicy(cleanup_grace_s=0)
+
+
+
 def _slowest(seconds: float) -> float:
     import torch
     import torch.distributed as dist
@@ -185,7 +193,7 @@ def _ab_async(path: str, state: dict, mode: str, repeats: int) -> dict[str, floa
             if dist.is_initialized():
                 dist.barrier()
             t0 = time.perf_counter()
-            h = savers[check].save(path, state, mode=mode)
+            h = savers[check].save(path, state, mode=mode, commit=_replace_policy())
             t1 = time.perf_counter()
             h.wait()
             t2 = time.perf_counter()
@@ -221,7 +229,7 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
         train_step(model, opt, 0, c)
         state = {"model": model, "optimizer": opt}
         path = os.path.join(root, layout)
-        save, save_off, diff, wait = _ab(lambda: sp.save(path, state), repeats)
+        save, save_off, diff, wait = _ab(lambda: sp.save(path, state, commit=_replace_policy()), repeats)
         comm = Comm.resolve(None)
         prep = prepare_save(state, comm, False, path, SaveResult(path, "bench"))
         cpu: list[float] = []
