@@ -112,7 +112,7 @@ def _without_check():
     def patched():
         real = steps.check_replicas
 
-        def skip(tensors, comm, where, gate=None, declared=True):
+        def skip(tensors, comm, gate=None, declared=True):
             if gate is not None:
                 gate.close()
             return tensors, None
@@ -129,6 +129,16 @@ def _without_check():
 def _paired(a: list[float], b: list[float]) -> float:
     """The median of the differences of saves run back to back: steadier than a difference of medians."""
     return statistics.median(x - y for x, y in zip(a, b))
+
+
+def _alternating(one, repeats: int) -> None:
+    """``one(True)`` (with the check) and ``one(False)``, ``2 * repeats + 1`` times each, the order alternating.
+
+    The first pair is a warm-up, which callers drop.
+    """
+    for i in range(2 * repeats + 1):
+        for check in ((True, False) if i % 2 else (False, True)):
+            one(check)
 
 
 def _ab(save, repeats: int) -> tuple[float, float, float, float]:
@@ -149,25 +159,25 @@ def _ab(save, repeats: int) -> tuple[float, float, float, float]:
         finally:
             waited.append(time.perf_counter() - t0)
 
-    with_check, without, waits = [], [], []
+    times: dict[bool, list[float]] = {True: [], False: []}
+    waits: list[float] = []
+
+    def one(check: bool) -> None:
+        waited.clear()
+        if check:
+            times[True].append(_timed(save))
+            waits.append(_slowest(sum(waited)))
+        else:
+            with _without_check():
+                times[False].append(_timed(save))
+
     PendingTable.table = timed_table
     try:
-        for i in range(2 * repeats + 1):
-            for check in ((True, False) if i % 2 else (False, True)):
-                waited.clear()
-                if check:
-                    a = _timed(save)
-                    w = _slowest(sum(waited))
-                else:
-                    with _without_check():
-                        b = _timed(save)
-            if i:
-                with_check.append(a)
-                without.append(b)
-                waits.append(w)
+        _alternating(one, repeats)
     finally:
         PendingTable.table = real
-    return statistics.median(with_check), statistics.median(without), _paired(with_check, without), statistics.median(waits)
+    a, b = times[True][1:], times[False][1:]  # after a warm-up pair
+    return statistics.median(a), statistics.median(b), _paired(a, b), statistics.median(waits[1:])
 
 
 def _ab_async(path: str, state: dict, mode: str, repeats: int) -> dict[str, float]:
@@ -179,6 +189,10 @@ def _ab_async(path: str, state: dict, mode: str, repeats: int) -> dict[str, floa
     and the whole save with the check and without it, and the medians of
     their paired differences (slowest rank).
     """
+    import contextlib
+
+    import torch.distributed as dist
+
     import shardpoint as sp
 
     savers = {True: sp.AsyncSaver(), False: sp.AsyncSaver()}
@@ -186,9 +200,6 @@ def _ab_async(path: str, state: dict, mode: str, repeats: int) -> dict[str, floa
     wholes: dict[bool, list[float]] = {True: [], False: []}
 
     def one(check: bool) -> None:
-        import contextlib
-        import torch.distributed as dist
-
         with contextlib.nullcontext() if check else _without_check():
             if dist.is_initialized():
                 dist.barrier()
@@ -201,9 +212,7 @@ def _ab_async(path: str, state: dict, mode: str, repeats: int) -> dict[str, floa
         wholes[check].append(_slowest(t2 - t0))
 
     try:
-        for i in range(2 * repeats + 1):
-            for check in ((True, False) if i % 2 else (False, True)):
-                one(check)
+        _alternating(one, repeats)
     finally:
         for saver in savers.values():
             saver.close()
@@ -233,10 +242,10 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
         comm = Comm.resolve(None)
         prep = prepare_save(state, comm, False, path, SaveResult(path, "bench"))
         cpu: list[float] = []
-        at_call = _medians(lambda: check_replicas(prep.tensors, comm, path, declared=False)[1].table(), repeats, cpu)
-        table = check_replicas(prep.tensors, comm, path, declared=False)[1].table()
+        at_call = _medians(lambda: check_replicas(prep.tensors, comm, declared=False)[1].table(), repeats, cpu)
+        table = check_replicas(prep.tensors, comm, declared=False)[1].table()
         compare, extra = _commit_side(comm, table, repeats)
-        prewrite = _medians(lambda: check_replicas(prep.tensors, comm, path, declared=True), repeats)  # digests not included
+        prewrite = _medians(lambda: check_replicas(prep.tensors, comm, declared=True), repeats)  # digests not included
         check = at_call + compare + extra
         held = [t for t in prep.tensors if t.replica_count > 1 or t.placement == "local"]
         out[layout] = {

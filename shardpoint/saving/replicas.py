@@ -34,7 +34,7 @@ mismatch or a name held by several groups. The pure comparison lives in
 
 Example::
 
-    tensors, table = check_replicas(tensors, comm, "ckpt/step_100", declared=False)
+    tensors, table = check_replicas(tensors, comm, declared=False)
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from .digest import HOST, check_mode, digest_all
 from ..items import SaveTensor
 from ..layouts import WholeRule
 from ..planning.replicas import (
-    COPY_MARK, ReplicaTable, Row, copied_names, copy_name, encode_rows, mismatch_error, mismatches, parse_copy_name,
+    COPY_MARK, ReplicaTable, Row, copied_names, copy_name, encode_rows, mismatches, parse_copy_name,
     suspicious,
 )
 
@@ -237,7 +237,7 @@ class Gate:
 
 
 def check_replicas(
-    tensors: list[SaveTensor], comm: Any, where: str, gate: Gate | None = None, declared: bool = True,
+    tensors: list[SaveTensor], comm: Any, gate: Gate | None = None, declared: bool = True,
 ) -> tuple[list[SaveTensor], PendingTable | None]:
     """The tensors to write, with copy names where declared groups keep their own, and this rank's pending table.
 
@@ -259,7 +259,7 @@ def check_replicas(
 
     Example::
 
-        tensors, table = check_replicas(tensors, comm, "ckpt/step_100", declared=False)
+        tensors, table = check_replicas(tensors, comm, declared=False)
     """
     gate = gate if gate is not None else Gate(comm)
     if not gate.active:

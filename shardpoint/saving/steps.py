@@ -232,7 +232,7 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     checked, hit = cache.reuse("checked", same, lambda: _check_and_plan(
         state, tensors, ctx, rules, comm, where, cache, result, (rank_local, declared), gate, tables))
     if hit:
-        _, table = check_replicas(list(checked.tensors), comm, where, gate, declared=declared)
+        _, table = check_replicas(list(checked.tensors), comm, gate, declared=declared)
         result.plan_cached = True
     else:
         table = tables[0]
@@ -263,7 +263,7 @@ def _check_and_plan(state, tensors: list[SaveTensor], ctx: AdapterContext, rules
         tensors, lazy_ok = _logical(tensors, lazy_ok, rules, comm, gate)
     _check_tensors(tensors, where)
     # Declared groups learn their copy names before anything is written; digests are compared at the commit.
-    tensors, table = check_replicas(tensors, comm, where, gate, declared=declared)
+    tensors, table = check_replicas(tensors, comm, gate, declared=declared)
     tables.append(table)  # of the values at this call: never kept
     # The same names, shapes, dtypes and geometry give the same writers.
     choice, result.plan_cached = cache.reuse("plan", plan_signature(tensors), lambda: choose_writers(tensors))
