@@ -26,6 +26,7 @@ import xxhash
 
 from ..errors import CorruptCheckpointError
 from ..geometry import Box
+from .blocks import ALIGN, DEFAULT_BLOCK_SIZE, block_count, padding
 from .manifest import ChunkMeta
 
 __all__ = [
@@ -39,31 +40,7 @@ __all__ = [
     "verify_blocks",
 ]
 
-ALIGN = 64
-DEFAULT_BLOCK_SIZE = 4 << 20
 _ZEROS = bytes(ALIGN)
-
-
-def padding(pos: int) -> int:
-    """How many zero bytes go at ``pos`` so that the next chunk starts aligned.
-
-    Example::
-
-        >>> padding(0), padding(1), padding(64), padding(100)
-        (0, 63, 0, 28)
-    """
-    return -pos % ALIGN
-
-
-def block_count(nbytes: int, block: int) -> int:
-    """How many checksums a chunk of ``nbytes`` has: one per block, and one for an empty chunk.
-
-    Example::
-
-        >>> block_count(0, 16), block_count(16, 16), block_count(17, 16)
-        (1, 1, 2)
-    """
-    return max(1, -(-nbytes // block))
 
 
 def block_checksums(data: bytes | memoryview, block: int) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from ..errors import FormatError
 from ..geometry import Box
 from ..geometry.grid import Grid
-from .datafile import block_count
+from .blocks import block_count
 from .manifest import (
     DTYPE_SIZES,
     FORMAT_NAME,

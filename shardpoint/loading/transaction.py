@@ -28,11 +28,10 @@ from ..engine.load import execute_reads
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.strict import Limits
 from ..geometry import Box
-from ..runtime.monitor import Recorder, format_summary
+from ..runtime.monitor import Recorder, format_summary, mark_phase
 from ..runtime.progress import LOAD_PHASES, progress_for
-from ..saving.steps import mark_phase
-from ..saving.replicas import with_copies
 from ..storage import Storage, storage_for
+from .copies import with_copies
 from .diagnose import key_mismatch, missing_manifest_error, not_restored
 from .entries import plan_entries
 from .names import check_patterns, entry_keys

@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ import xxhash
 from ..errors import ReplicaMismatchError
 
 __all__ = [
-    "COPY_MARK", "Row", "ReplicaTable", "mismatches", "copied_names", "copy_name", "parse_copy_name", "encode_rows",
+    "COPY_MARK", "Row", "ReplicaTable", "mismatches", "copied_names", "copy_name", "parse_copy_name", "copies_of", "encode_rows",
     "suspicious", "replica_message", "mismatch_error", "refusal", "table_representatives", "commit_refusal",
 ]
 
@@ -169,6 +169,21 @@ def parse_copy_name(name: str) -> tuple[str, frozenset[int]] | None:
         return head, frozenset(int(r) for r in tail.split(","))
     except ValueError:
         return None
+
+
+def copies_of(names: Iterable[str], rank: int) -> dict[str, str]:
+    """Among a checkpoint's tensor ``names``, the copies global ``rank``'s group saved: ordinary name -> copy name.
+
+    Example::
+
+        copies_of(["w@ranks0,1", "w@ranks2,3", "b"], 3)  # {'w': 'w@ranks2,3'}
+    """
+    picked = {}
+    for name in names:
+        parsed = parse_copy_name(name)
+        if parsed is not None and rank in parsed[1]:
+            picked[parsed[0]] = name
+    return picked
 
 
 def _signed(x: int) -> int:

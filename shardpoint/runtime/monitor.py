@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 
 from .progress import ACTIVITY
 
-__all__ = ["Span", "Recorder", "merge_traces", "slowest", "trace_report", "format_summary", "PHASES"]
+__all__ = ["Span", "Recorder", "mark_phase", "merge_traces", "slowest", "trace_report", "format_summary", "PHASES"]
 
 PHASES = (
     "plan", "snapshot", "serialize", "checksum", "write", "commit",
@@ -136,6 +136,24 @@ class Recorder:
             self.write_trace(trace_dir)
         if on_metrics is not None:
             on_metrics(self.metrics())
+
+
+def mark_phase(result, phase: str, start: float, nbytes: int = 0) -> None:
+    """Record a phase that began at ``start`` (monotonic seconds) and ends now.
+
+    Shared by :func:`~shardpoint.save`, :func:`~shardpoint.load` and the
+    asynchronous saver so all report phases the same way. ``result`` is any
+    object with a ``timings`` dict and a ``recorder`` (a :class:`Recorder` or
+    ``None``), such as :class:`~shardpoint.SaveResult` or :class:`~shardpoint.LoadResult`.
+
+    Example::
+
+        t0 = time.monotonic(); ...; mark_phase(result, "prepare", t0)
+    """
+    end = time.monotonic()
+    result.timings[phase] = result.timings.get(phase, 0.0) + (end - start)
+    if result.recorder is not None:
+        result.recorder.add(phase, start, end, nbytes)
 
 
 def format_summary(timings: dict[str, float]) -> str:

@@ -19,7 +19,7 @@ When groups are declared (``replicated_over``, or layout rules, which
 place experts), ranks of different groups may hold one name with different
 values, and such tensors are stored as one copy per group, named
 ``<name>@ranks<r0>,<r1>,...`` (:func:`copy_name`); a load takes the copy
-whose ranks include its own (:func:`copy_rule`). Which names those are
+whose ranks include its own (:func:`shardpoint.loading.copies.copy_rule`). Which names those are
 must be known before the write, so such a save gathers, before it,
 which pieces each rank holds in which group (no digests).
 
@@ -41,13 +41,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
-from typing import AbstractSet, Any, Iterable, Mapping, Sequence
+from typing import AbstractSet, Any, Iterable, Sequence
 
 import torch
 
 from .digest import HOST, check_mode, digest_all
 from ..items import SaveTensor
-from ..layouts import WholeRule
 from ..planning.replicas import (
     COPY_MARK, ReplicaTable, Row, copied_names, copy_name, encode_rows, mismatches, parse_copy_name,
     suspicious,
@@ -55,7 +54,7 @@ from ..planning.replicas import (
 
 __all__ = [
     "COPY_MARK", "Row", "ReplicaTable", "rows_of", "table_of", "PendingTable", "mismatches", "copied_names", "encode_rows", "suspicious", "Gate",
-    "FAILED", "copy_name", "parse_copy_name", "check_replicas", "CopyRule", "copy_rule", "with_copies",
+    "FAILED", "copy_name", "parse_copy_name", "check_replicas",
 ]
 
 
@@ -291,56 +290,3 @@ def _with_copy_names(tensors: list[SaveTensor], comm: Any, gate: Gate) -> list[S
     if not copies:
         return tensors
     return [replace(t, fqn=copy_name(t.fqn, t.replica_group)) if t.fqn in copies else t for t in tensors]
-
-
-class CopyRule(WholeRule):
-    """A load rule that reads each name this rank's group saved as its own copy from that copy.
-
-    Built by :func:`copy_rule`; ``names`` maps an ordinary name to the
-    stored copy name. The geometry is the identity: only names change.
-
-    Example::
-
-        CopyRule({"model.experts.w": "model.experts.w@ranks2,3"})
-    """
-
-    def __init__(self, names: Mapping[str, str]):
-        self.names = dict(names)
-        self.pattern = ""
-        self.dim = 0
-
-    def param_match(self, fqn: str) -> tuple[str, str, str] | None:
-        return ("", fqn, "") if fqn in self.names else None
-
-    def logical_name(self, param: str, part: str) -> str:
-        return self.names[param]
-
-
-
-def copy_rule(names: Iterable[str], rank: int) -> CopyRule | None:
-    """The :class:`CopyRule` for global ``rank`` over a checkpoint's tensor ``names``; ``None`` if it saved no copies.
-
-    Example::
-
-        rule = copy_rule(manifest.tensors, dist.get_rank())
-    """
-    picked = {}
-    for name in names:
-        parsed = parse_copy_name(name)
-        if parsed is not None and rank in parsed[1]:
-            picked[parsed[0]] = name
-    return CopyRule(picked) if picked else None
-
-
-def with_copies(layouts: Sequence[Any], names: Iterable[str]) -> list[Any]:
-    """``layouts`` plus the :class:`CopyRule` of the calling process's global rank, when the checkpoint saved copies.
-
-    Example::
-
-        rules = with_copies(layouts, manifest.tensors)
-    """
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    rule = copy_rule(names, rank)
-    return list(layouts) if rule is None else [*layouts, rule]

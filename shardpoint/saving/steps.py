@@ -26,7 +26,7 @@ from ..errors import UnsupportedStateError
 from ..format.manifest import DTYPE_SIZES, FORMAT_VERSION
 from ..geometry.grid import Grid
 from ..layouts import apply_reduce, apply_save
-from ..runtime.monitor import Recorder
+from ..runtime.monitor import Recorder, mark_phase
 from ..planning.describe import CandidateGrids, Description, RankReport, RankStatus, cover_of, describe, values_doc
 from ..planning.writers import WriterChoice, choose_writers, plan_signature
 from ..runtime.rank_local import rank_local_tensors
@@ -50,22 +50,6 @@ class SaveResult:
     timings: dict[str, float] = field(default_factory=dict)
     recorder: Recorder | None = field(default=None, repr=False)
     plan_cached: bool = False
-
-
-def mark_phase(result, phase: str, start: float, nbytes: int = 0) -> None:
-    """Record a phase that began at ``start`` (monotonic seconds) and ends now.
-
-    Shared by :func:`~shardpoint.save`, :func:`~shardpoint.load` and the
-    asynchronous saver so all report phases the same way.
-
-    Example::
-
-        t0 = time.monotonic(); ...; mark_phase(result, "prepare", t0)
-    """
-    end = time.monotonic()
-    result.timings[phase] = result.timings.get(phase, 0.0) + (end - start)
-    if result.recorder is not None:
-        result.recorder.add(phase, start, end, nbytes)
 
 
 def check_block_size(block_size: int) -> None:

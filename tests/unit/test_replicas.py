@@ -15,9 +15,10 @@ from shardpoint.geometry import Box
 from shardpoint.items import LoadTarget
 from shardpoint.layouts import apply_load
 from shardpoint.saving.digest import HOST_FULL_BYTES, SAMPLES, digest_all, digest_tensor
-from shardpoint.planning.replicas import ReplicaTable, commit_refusal, refusal, table_representatives
+from shardpoint.planning.replicas import ReplicaTable, copies_of, commit_refusal, refusal, table_representatives
+from shardpoint.loading.copies import copy_rule
 from shardpoint.saving.replicas import (
-    PendingTable, Row, table_of, copied_names, copy_name, copy_rule, encode_rows, mismatches, parse_copy_name, suspicious,
+    PendingTable, Row, table_of, copied_names, copy_name, encode_rows, mismatches, parse_copy_name, suspicious,
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
@@ -142,6 +143,13 @@ def test_copy_rule_reads_the_copy_of_this_ranks_group():
     assert t.fqn == "model.e@ranks2,3" and t.dest.data_ptr() == dest.data_ptr() and t.box == Box.full((4,))
     (t,) = apply_load([LoadTarget("model.d", dest, (4,), Box.full((4,)))], [rule])
     assert t.fqn == "model.d"
+
+
+def test_copies_of_picks_the_copies_of_this_ranks_group_only():
+    names = ["w@ranks0,1", "w@ranks2,3", "b", "v@ranks3", "x@ranksab"]
+    assert copies_of(names, 3) == {"w": "w@ranks2,3", "v": "v@ranks3"}
+    assert copies_of(names, 1) == {"w": "w@ranks0,1"}
+    assert copies_of(names, 7) == {}
 
 
 def test_patterns_match_names_prefixes_and_optimizer_state_of_the_parameter():

@@ -183,63 +183,307 @@ def imported_modules(path: pathlib.Path, tree: ast.AST, root: pathlib.Path = PKG
     return found
 
 
-def layer_imports(scope: str, banned: tuple[str, ...], root: pathlib.Path = PKG) -> list[str]:
-    """Imports of ``banned`` modules (or their submodules) by the modules of ``scope``.
+# --- One order of layers ------------------------------------------------------------------------
 
-    ``scope`` is a package folder (``"engine"``) or one module (``"items.py"``)
-    under ``root``; ``banned`` holds dotted names such as ``"shardpoint.adapters"``.
+# The package's layers, lowest first; names in one tuple share a layer. A module may import its own
+# layer and the layers below it, never one above. Each name is a top-level package or root module.
+# Two root modules stand outside the order: ``__init__`` is the public API, which may import anything
+# and which no module imports back (importing ``shardpoint`` itself from inside counts as importing
+# the top); ``__main__`` runs the command and sits with ``cli``.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors",),
+    ("device", "geometry", "training"),
+    ("format", "items"),
+    ("storage", "planning", "runtime", "dist"),
+    ("layouts", "adapters"),
+    ("engine",),
+    ("saving", "loading"),
+    ("api",),
+    ("manager", "peer", "convert"),
+    ("integrations", "cli", "testing"),
+)
+ROOT_PLACES = {"__main__": "cli"}
+PUBLIC_API = ""  # the layer name of ``shardpoint/__init__.py``: above every layer
+# Names in one layer that still may not import each other: the save and load transactions are siblings.
+APART = (frozenset({"saving", "loading"}),)
+# Layers that take plain data and never touch process groups, not even inside a function.
+NO_TORCH_DISTRIBUTED = ("geometry", "planning")
+
+
+def layer_order(layers=LAYERS) -> dict[str, int]:
+    """``{layer name: height}``, 0 for the lowest; the public API is above them all."""
+    order = {name: i for i, names in enumerate(layers) for name in names}
+    order.update({k: order[v] for k, v in ROOT_PLACES.items()})
+    order[PUBLIC_API] = len(layers)
+    return order
+
+
+class Import:
+    """One import statement's target: ``line``, the dotted ``module``, and where it runs.
+
+    ``local`` is true inside a function body (it runs when called, not when imported);
+    ``typing`` is true under ``if TYPE_CHECKING:`` (it never runs).
     """
-    target = root / scope
-    paths = [target] if target.suffix == ".py" else sorted(target.rglob("*.py"))
-    found = []
-    for path in paths:
-        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-        for name in sorted(imported_modules(path, tree, root)):
-            if any(name == b or name.startswith(b + ".") for b in banned):
-                found.append(f"{path.relative_to(root).as_posix()}: {name}")
+
+    def __init__(self, line: int, module: str, local: bool, typing: bool):
+        self.line, self.module, self.local, self.typing = line, module, local, typing
+
+
+def _is_module_at(root: pathlib.Path, dotted: str) -> bool:
+    rel = pathlib.Path(*dotted.split(".")[1:]) if "." in dotted else pathlib.Path()
+    return (root / rel).with_suffix(".py").is_file() or (root / rel / "__init__.py").is_file()
+
+
+def _dotted(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: pathlib.Path, root: pathlib.Path = PKG) -> list[Import]:
+    """Every import in ``path``, each target made absolute and as precise as the tree allows.
+
+    ``from a import b`` names ``a.b`` when that is a module under ``root`` and ``a``
+    otherwise; relative imports are resolved against ``path``'s package.
+    """
+    package = list(path.relative_to(root.parent).with_suffix("").parts)[:-1]  # the same for __init__.py
+    found: list[Import] = []
+
+    def visit(node: ast.AST, local: bool, typing: bool) -> None:
+        if isinstance(node, ast.Import):
+            found.extend(Import(node.lineno, a.name, local, typing) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                src = ".".join(package[: len(package) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            for a in node.names:
+                sub = f"{src}.{a.name}"
+                target = sub if src.startswith(root.name) and _is_module_at(root, sub) else src
+                found.append(Import(node.lineno, target, local, typing))
+        inner = local or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for child in node.body:
+                visit(child, inner, True)
+            for child in node.orelse:
+                visit(child, inner, typing)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner, typing)
+
+    visit(ast.parse(path.read_text(encoding="utf-8"), str(path)), False, False)
     return found
 
 
-def _banned(*names: str) -> tuple[str, ...]:
-    return tuple(n if n.startswith("torch") else f"shardpoint.{n}" for n in names)
+def _layer_of(dotted: str, root_name: str) -> str:
+    parts = dotted.split(".")
+    return parts[1] if len(parts) > 1 else PUBLIC_API
 
 
-def test_geometry_is_pure():
-    # Box arithmetic; geometry/grid.py also reads DTensor placements, so only the core is held to this.
-    assert layer_imports("geometry/__init__.py", _banned("storage", "engine", "adapters", "torch.distributed")) == []
+def layer_violations(root: pathlib.Path = PKG, layers=LAYERS) -> list[str]:
+    """``path:line: importer -> imported (why)`` for each import that breaks the order.
+
+    Imports inside functions count (they run upward just the same); imports under
+    ``if TYPE_CHECKING:`` are exempt, since they never run and only name types.
+    A module whose top-level name has no place in ``layers`` is reported too.
+    """
+    order, found = layer_order(layers), []
+    for path in sorted(root.rglob("*.py")):
+        rel, here = path.relative_to(root).as_posix(), _dotted(path, root)
+        mine = _layer_of(here, root.name)
+        if mine == PUBLIC_API:
+            continue
+        if mine not in order:
+            found.append(f"{rel}:0: {mine} has no place in the layers")
+            continue
+        for imp in imports(path, root):
+            if imp.typing or not (imp.module == root.name or imp.module.startswith(root.name + ".")):
+                continue
+            theirs = _layer_of(imp.module, root.name)
+            if theirs == mine:
+                continue
+            if theirs not in order:
+                found.append(f"{rel}:{imp.line}: {here} -> {imp.module} (has no place in the layers)")
+            elif order[theirs] > order[mine]:
+                found.append(f"{rel}:{imp.line}: {here} -> {imp.module} (up from {mine} to {theirs or 'the public API'})")
+            elif frozenset({mine, theirs}) in APART:
+                found.append(f"{rel}:{imp.line}: {here} -> {imp.module} (siblings {mine} and {theirs} stay apart)")
+    return found
 
 
-def test_format_imports_neither_engine_nor_adapters():
-    assert layer_imports("format", _banned("engine", "adapters")) == []
+def torch_distributed_imports(root: pathlib.Path = PKG, layers: tuple[str, ...] = NO_TORCH_DISTRIBUTED) -> list[str]:
+    """``path:line: torch.distributed...`` imported anywhere (function bodies included) under ``layers``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0].removesuffix(".py") not in layers:
+            continue
+        for imp in imports(path, root):
+            if imp.module == "torch.distributed" or imp.module.startswith("torch.distributed."):
+                found.append(f"{rel.as_posix()}:{imp.line}: {imp.module}")
+    return found
 
 
-def test_storage_imports_no_adapters_planning_or_engine():
-    assert layer_imports("storage", _banned("adapters", "planning", "engine")) == []
+def import_graph(root: pathlib.Path = PKG, local: bool = True) -> dict[str, set[str]]:
+    """``{module: modules it imports}`` among ``root``'s own modules (a package stands for its ``__init__``).
+
+    Importing ``a.b.c`` also runs ``a`` and ``a.b``: those packages are edges too,
+    except the importer's own enclosing packages, which are already being imported
+    when it runs (the root package encloses every module, so it is never an edge).
+    ``TYPE_CHECKING`` imports never run and are left out; ``local`` keeps the
+    imports inside functions.
+    """
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        here = _dotted(path, root)
+        mine = set(_ancestors(here)) | {here}
+        edges = graph.setdefault(here, set())
+        for imp in imports(path, root):
+            if imp.typing or (imp.local and not local) or not imp.module.startswith(root.name + "."):
+                continue
+            module = imp.module
+            while not _is_module_at(root, module):  # "import a.b.name" cannot name a non-module; be safe
+                module = module.rpartition(".")[0]
+            edges.update(m for m in (*_ancestors(module), module) if m not in mine)
+    return graph
 
 
-def test_engine_imports_no_adapters():
-    assert layer_imports("engine", _banned("adapters")) == []
+def _ancestors(dotted: str) -> list[str]:
+    parts = dotted.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def test_the_layer_scan_finds_forbidden_imports(tmp_path):
-    root = tmp_path / "shardpoint"
-    (root / "engine").mkdir(parents=True)
-    (root / "engine" / "x.py").write_text(
-        "from ..adapters.base import SaveTensor\n"
-        "from .. import adapters\n"
-        "from ..items import LoadTarget\n"
-        "def f():\n"
-        "    import shardpoint.adapters.fsdp1\n"
-    )
-    (root / "geometry.py").write_text("from torch import distributed\nimport torch.distributed as dist\nimport torch\n")
-    assert layer_imports("engine", _banned("adapters"), root) == [
-        "engine/x.py: shardpoint.adapters",
-        "engine/x.py: shardpoint.adapters.base",
-        "engine/x.py: shardpoint.adapters.base.SaveTensor",
-        "engine/x.py: shardpoint.adapters.fsdp1",
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other in a loop (strongly connected, two or more), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's algorithm; the graph is small enough to recurse
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(cycles)
+
+
+def test_every_module_has_a_place_and_no_import_runs_up_the_order():
+    assert layer_violations() == []
+
+
+def test_every_layer_name_is_a_module_of_the_package():
+    names = {n for layer in LAYERS for n in layer}
+    assert sorted(n for n in names if not _is_module_at(PKG, f"shardpoint.{n}")) == []
+    assert len(names) == sum(len(layer) for layer in LAYERS), "a name appears in two layers"
+
+
+def test_geometry_and_planning_import_no_torch_distributed():
+    assert (PKG / "geometry" / "grid.py").exists() and (PKG / "planning" / "writers.py").exists()
+    assert torch_distributed_imports() == []
+
+
+def test_no_modules_import_each_other_in_a_loop():
+    assert import_cycles(import_graph()) == []
+
+
+def _plant(root: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_the_layer_scan_finds_an_upward_import(tmp_path):
+    pkg = _plant(tmp_path / "shardpoint", {
+        "__init__.py": "from .api import save\n",
+        "errors.py": "",
+        "api.py": "from .engine import run\nfrom . import errors\n",
+        "engine/__init__.py": "",
+        "engine/x.py": (
+            "from ..adapters.base import SaveTensor\nfrom .. import adapters\nfrom ..errors import E\n"
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..api import save\n"
+            "def f():\n    import shardpoint.cli\n    from shardpoint import save\n"
+        ),
+        "adapters/__init__.py": "",
+        "adapters/base.py": "from ..engine import x\n",
+        "extras.py": "",
+        "cli.py": "import shardpoint.api\n",
+    })
+    assert layer_violations(pkg) == [
+        "adapters/base.py:1: shardpoint.adapters.base -> shardpoint.engine.x (up from adapters to engine)",
+        "engine/x.py:8: shardpoint.engine.x -> shardpoint.cli (up from engine to cli)",
+        "engine/x.py:9: shardpoint.engine.x -> shardpoint (up from engine to the public API)",
+        "extras.py:0: extras has no place in the layers",
     ]
-    assert layer_imports("geometry.py", _banned("torch.distributed"), root) == [
-        "geometry.py: torch.distributed",
+
+
+def test_the_layer_scan_keeps_saving_and_loading_apart(tmp_path):
+    pkg = _plant(tmp_path / "shardpoint", {
+        "saving/__init__.py": "", "saving/steps.py": "from ..engine import io\n",
+        "loading/__init__.py": "", "loading/transaction.py": "from ..saving.steps import mark_phase\n",
+        "engine/__init__.py": "", "engine/io.py": "",
+    })
+    assert layer_violations(pkg) == [
+        "loading/transaction.py:1: shardpoint.loading.transaction -> shardpoint.saving.steps (siblings loading and saving stay apart)",
+    ]
+
+
+def test_the_torch_distributed_scan_looks_inside_functions(tmp_path):
+    pkg = _plant(tmp_path / "shardpoint", {
+        "geometry/grid.py": "import torch\ndef f():\n    from torch.distributed.tensor import Shard\n",
+        "planning/x.py": "import torch.distributed as dist\n",
+        "adapters/tp.py": "import torch.distributed as dist\n",
+    })
+    assert torch_distributed_imports(pkg) == [
+        "geometry/grid.py:3: torch.distributed.tensor", "planning/x.py:1: torch.distributed",
+    ]
+
+
+def test_the_cycle_scan_finds_loops_through_a_package_init(tmp_path):
+    pkg = _plant(tmp_path / "shardpoint", {
+        "__init__.py": "from .format.manifest import Manifest\n",
+        "format/__init__.py": "from .manifest import Manifest\n",
+        "format/manifest.py": "from .datafile import block_count\n",
+        "format/datafile.py": "def f():\n    from .manifest import Manifest\n",
+        "format/blocks.py": "",
+        # storage.local imports format (its __init__ runs), and format's __init__ ends up back at storage
+        "format/index.py": "from ..storage.base import Storage\n",
+        "storage/__init__.py": "from .local import Local\n",
+        "storage/base.py": "",
+        "storage/local.py": "from ..format.blocks import ALIGN\n",
+        "engine/__init__.py": "from .io import run\n",
+        "engine/io.py": "from . import helpers\nfrom ..errors import E\n",  # within a package: no edge back to its own __init__
+        "engine/helpers.py": "",
+        "errors.py": "import shardpoint\n",  # the root package is never an edge
+    })
+    (pkg / "format" / "__init__.py").write_text("from .manifest import Manifest\nfrom .index import read_index\n")
+    graph = import_graph(pkg)
+    assert import_cycles(graph) == [
+        ["shardpoint.format", "shardpoint.format.index", "shardpoint.storage", "shardpoint.storage.local"],
+        ["shardpoint.format.datafile", "shardpoint.format.manifest"],
+    ]
+    assert import_cycles(import_graph(pkg, local=False)) == [
+        ["shardpoint.format", "shardpoint.format.index", "shardpoint.storage", "shardpoint.storage.local"],
     ]
 
 
@@ -274,59 +518,6 @@ def test_the_word_scan_finds_process_words(tmp_path):
     doc = tmp_path / "a.md"
     doc.write_text("The loader sends one read.\nSee Issue 12; in this session we fixed it.\nmisissued\n")
     assert process_words([doc], tmp_path) == ["a.md:2: Issue", "a.md:2: session"]
-
-
-# What the pure planners may not import: they get plain data and return frozen plans.
-PLANNING_FORBIDDEN = ("shardpoint.storage", "shardpoint.engine", "shardpoint.adapters", "shardpoint.dist", "torch.distributed")
-
-
-def imports_of(path: pathlib.Path) -> list[tuple[int, str]]:
-    """Every module ``path`` imports (relative imports made absolute), with its line, function bodies included."""
-    here = _module_name(path)
-    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                src = ".".join(base + ([node.module] if node.module else []))
-            else:
-                src = node.module or ""
-            out.append((node.lineno, src))
-            out.extend((node.lineno, f"{src}.{a.name}") for a in node.names)  # "from . import engine"
-        elif isinstance(node, ast.Import):
-            out.extend((node.lineno, a.name) for a in node.names)
-    return out
-
-
-def planning_violations(root: pathlib.Path = PKG) -> list[str]:
-    """Imports of storage, engine, adapters, dist or torch.distributed by a module under ``planning/``."""
-    found = []
-    for path in sorted((root / "planning").rglob("*.py")):
-        for line, name in imports_of(path):
-            if any(name == f or name.startswith(f + ".") for f in PLANNING_FORBIDDEN):
-                found.append(f"{path.relative_to(root)}:{line}: {name}")
-    return sorted(set(found))
-
-
-def test_planning_is_pure():
-    assert (PKG / "planning" / "writers.py").exists()
-    assert planning_violations() == []
-
-
-def test_the_planning_scan_finds_a_forbidden_import(tmp_path, monkeypatch):
-    pkg = tmp_path / "shardpoint"
-    (pkg / "planning").mkdir(parents=True)
-    (pkg / "planning" / "bad.py").write_text(
-        "import torch\nfrom ..engine.io import write_chunks\nfrom .. import storage\n"
-        "def f():\n    import torch.distributed as dist\n"
-    )
-    monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)  # module names are taken relative to PKG
-    assert planning_violations(pkg) == [
-        "planning/bad.py:2: shardpoint.engine.io", "planning/bad.py:2: shardpoint.engine.io.write_chunks",
-        "planning/bad.py:3: shardpoint.storage", "planning/bad.py:5: torch.distributed",
-    ]
 
 
 # torch.distributed calls that move data between ranks; they belong behind Comm.
