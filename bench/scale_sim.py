@@ -65,6 +65,7 @@ from shardpoint.format.datafile import DEFAULT_BLOCK_SIZE, block_count, padding
 from shardpoint.format.manifest import MANIFEST_NAME, ChunkMeta, Manifest
 from shardpoint.format.values import VALUE_TAG
 from shardpoint.geometry import Box, even_chunks
+from shardpoint.adapters.tensors import describe_placements
 from shardpoint.geometry.grid import Grid, grid_of_placements
 from shardpoint.items import LoadTarget, SaveTensor
 from shardpoint.planning import assign_writers, choose_writers
@@ -266,7 +267,7 @@ def stage_grid(lay: Layout, p: int, style: str, ndim: int) -> Grid:
 
 def torch_grid(lay: Layout, p: int, style: str, ndim: int) -> Grid | None:
     """The grid the adapter builds: ``grid_of_placements`` over real torch placement objects."""
-    return grid_of_placements(lay.mesh, tuple(lay.stage_ranks(p)), torch_placements(lay, style), ndim)
+    return grid_of_placements(lay.mesh, tuple(lay.stage_ranks(p)), describe_placements(torch_placements(lay, style)), ndim)
 
 
 @functools.lru_cache(maxsize=256)

@@ -19,7 +19,7 @@ import uuid
 from .api import read_manifest
 from .errors import CheckpointError, ConversionError
 from .runtime.extras import require
-from .engine.verify import verify_checkpoint
+from .convert.verify import verify_checkpoint
 
 __all__ = ["main", "build_parser", "HELP"]
 

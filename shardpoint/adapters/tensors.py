@@ -4,6 +4,8 @@ A DTensor's local shard is located with PyTorch's own
 ``compute_local_shape_and_global_offset``, which also understands the
 ``_StridedShard`` placements that 2-D FSDP2 + TP produces. Replicated mesh
 dimensions make copies; the copy index is the rank's coordinate along them.
+The grid arithmetic (:mod:`shardpoint.geometry.grid`) never sees torch's
+placement types: :func:`describe_placements` hands it plain data.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedStateError
 from ..geometry import Box
+from ..geometry.grid import DimPlacement, grid_of_placements
 from .base import AdapterContext, LoadTarget, SaveTensor, global_cost
 
-__all__ = ["is_dtensor", "save_tensor", "load_target", "empty_like_target"]
+__all__ = ["is_dtensor", "describe_placements", "save_tensor", "load_target", "empty_like_target"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -26,6 +29,36 @@ def is_dtensor(t: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(t, DTensor)
+
+
+def describe_placements(placements: Any) -> tuple[DimPlacement, ...]:
+    """A DTensor's placements, one per mesh dim, as the plain :class:`DimPlacement` the grid reads.
+
+    Types are matched exactly: a subclass could change the split (as
+    ``_StridedShard`` does of ``Shard``), so an unknown one is ``"other"``,
+    like ``Partial``. A split factor torch holds symbolically is ``None``.
+
+    Example::
+
+        describe_placements((Shard(0), Replicate()))  # (DimPlacement('shard', 0), DimPlacement('replicate'))
+    """
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    out = []
+    for p in placements:
+        if type(p) is Replicate:
+            out.append(DimPlacement("replicate"))
+        elif type(p) is Shard:
+            out.append(DimPlacement("shard", int(p.dim)))
+        elif type(p) is _StridedShard:
+            try:
+                sf: int | None = int(p.split_factor)
+            except (TypeError, ValueError):  # symbolic
+                sf = None
+            out.append(DimPlacement("strided", int(p.dim), sf))
+        else:
+            out.append(DimPlacement("other"))
+    return tuple(out)
 
 
 def _replication_outside(mesh, allowed: frozenset[int] | None = None) -> tuple[int, int, int]:
@@ -127,8 +160,6 @@ def _grid(mesh, placements, shape: tuple[int, ...]):
     reports rows that differ from the nested split, sometimes on ranks whose
     own box still looks right; such tensors keep listed chunks.
     """
-    from ..geometry.grid import grid_of_placements
-
     try:
         hit = _MESH_RANKS.get(mesh)
     except TypeError:  # an unhashable mesh: no sharing
@@ -155,7 +186,7 @@ def _grid(mesh, placements, shape: tuple[int, ...]):
         key, grid = None, None
     if grid is None:
         # Shared Grid objects: each builds its rank -> coordinate map once.
-        grid = grid_of_placements(mesh_shape, ranks, placements, len(shape))
+        grid = grid_of_placements(mesh_shape, ranks, describe_placements(placements), len(shape))
         if key is not None and mesh is not None:
             if len(_GRIDS) >= 4096:
                 _GRIDS.clear()

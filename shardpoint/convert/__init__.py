@@ -10,6 +10,7 @@ one at a time, so peak memory stays near the largest tensor, never the model.
 :func:`reshard`                        a copy pre-sharded for a target layout
 :func:`diff`                           tensor-by-tensor comparison
 :func:`plot_shard_map`                 a picture of how tensors are split
+:func:`verify_checkpoint`              every chunk checked against its checksums
 =====================================  ==========================================
 
 The ``shardpoint`` command (:mod:`shardpoint.cli`) exposes all of them.
@@ -30,6 +31,7 @@ from .hf import HFExportResult, ImportResult, export_hf, import_hf
 from .reshard import ReshardResult, TargetLayout, parse_layout, reshard
 from .shardmap import chunk_table, plot_shard_map
 from .torchfile import export_torch, import_torch
+from .verify import verify_checkpoint
 
 
 def import_deepspeed(*args, **kwargs):
@@ -59,6 +61,7 @@ __all__ = [
     "TensorDiff",
     "chunk_table",
     "plot_shard_map",
+    "verify_checkpoint",
     "HFExportResult",
     "ImportResult",
     "ReshardResult",

@@ -14,8 +14,10 @@ that interval's end (the formula above), so its offset may differ from the
 one torch reports (torch reports the global dim size); zero-element boxes
 carry no data and should compare equal whatever their offsets.
 
-``Shard(d)`` on mesh dim ``m`` puts ``m`` into ``splits[d]`` in mesh-dim
-order; ``_StridedShard(d, split_factor=sf)`` (2-D FSDP2 + TP) is the same
+Placements arrive as plain data, one :class:`DimPlacement` per mesh dim (the
+adapters read them off DTensors). ``Shard(d)`` on mesh dim ``m`` puts ``m``
+into ``splits[d]`` in mesh-dim order; ``_StridedShard(d, split_factor=sf)``
+(2-D FSDP2 + TP, kind ``"strided"``) is the same
 split applied *after* the later mesh dims that shard ``d``, and is accepted
 only when ``sf`` is the product of their sizes. When such a dim does not
 divide evenly, torch's own split (``distribute_tensor``, and its
@@ -46,7 +48,7 @@ from typing import Any, Iterator, Sequence
 from ..errors import FormatError
 from . import Box
 
-__all__ = ["Grid", "grid_of_placements"]
+__all__ = ["Grid", "DimPlacement", "grid_of_placements"]
 
 
 def _is_int(x: Any) -> bool:
@@ -297,8 +299,38 @@ class Grid:
             raise bad(str(e)) from None
 
 
+@dataclass(frozen=True)
+class DimPlacement:
+    """How one mesh dim places a tensor, as plain data: the geometry's view of a DTensor placement.
+
+    ``kind`` is ``"shard"`` (``Shard(dim)``), ``"strided"`` (``_StridedShard(dim,
+    split_factor)``; ``split_factor`` is ``None`` when torch holds it
+    symbolically), ``"replicate"``, or ``"other"`` (``Partial`` and any type
+    the grid cannot describe). ``dim`` is the tensor dim as torch gave it
+    (it may be negative). :func:`shardpoint.adapters.tensors.describe_placements`
+    builds these from a DTensor's placements.
+
+    Example::
+
+        (DimPlacement("shard", 0), DimPlacement("strided", 0, 2), DimPlacement("replicate"))
+    """
+
+    kind: str
+    dim: int | None = None
+    split_factor: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"placement kind must be one of {sorted(_KINDS)}, got {self.kind!r}")
+        if (self.dim is None) == (self.kind in ("shard", "strided")):
+            raise ValueError(f"a {self.kind!r} placement {'needs' if self.dim is None else 'takes no'} tensor dim")
+
+
+_KINDS = frozenset({"shard", "strided", "replicate", "other"})
+
+
 def grid_of_placements(
-    mesh_shape: Sequence[int], ranks: Sequence[int], placements: Sequence[Any], ndim: int
+    mesh_shape: Sequence[int], ranks: Sequence[int], placements: Sequence[DimPlacement], ndim: int
 ) -> Grid | None:
     """The grid of a DTensor with ``placements`` on a mesh, or ``None`` when unsupported.
 
@@ -306,18 +338,20 @@ def grid_of_placements(
     factor is the product of the sizes of the later mesh dims sharding the
     same tensor dim. ``Partial``, other split factors and unknown placement
     types give ``None``. ``ranks`` are global ranks in row-major mesh order.
-    """
-    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
+    Example::
+
+        >>> grid_of_placements((2, 2), range(4), (DimPlacement("shard", 0), DimPlacement("replicate")), 1).splits
+        ((0,),)
+    """
     mesh = tuple(int(k) for k in mesh_shape)
     if len(placements) != len(mesh):
         raise ValueError(f"{len(placements)} placements for a {len(mesh)}-d mesh")
     dims: list[int | None] = []
     for p in placements:
-        # Exact types: a subclass could change the split (as _StridedShard does).
-        if type(p) is Replicate:
+        if p.kind == "replicate":
             dims.append(None)
-        elif type(p) in (Shard, _StridedShard):
+        elif p.kind in ("shard", "strided"):
             d = int(p.dim)
             if d < 0:
                 d += ndim
@@ -333,12 +367,8 @@ def grid_of_placements(
         d, p = dims[m], placements[m]
         if d is None:
             continue
-        if type(p) is _StridedShard:
-            try:
-                sf = int(p.split_factor)
-            except (TypeError, ValueError):  # symbolic: cannot reason about it
-                return None
-            if sf != below[d]:
+        if p.kind == "strided":
+            if p.split_factor is None or p.split_factor != below[d]:  # a symbolic factor: cannot reason about it
                 return None
             splits[d].append(m)
         else:

@@ -13,6 +13,7 @@ from ..errors import (
     KeyMismatchError,
     StateNotRestoredError,
 )
+from ..format.folders import STEP_PATTERN, committed_in, step_folder
 from ..format.manifest import TensorMeta
 from ..geometry import Box
 from ..storage import Storage
@@ -116,12 +117,10 @@ def _convert_hint(names: list[str]) -> str:
 
 def _run_folder_error(storage: Storage, names: list[str]) -> CheckpointError | None:
     """The error for a manager's run folder (``step_XXXXXXXX`` folders under it), listing its steps."""
-    from ..manager.folders import STEP_PATTERN, committed_steps, step_folder  # the manager imports this module's users
-
     if not any(STEP_PATTERN.match(n.split("/", 1)[0]) for n in names):
         return None
     url = storage.url.rstrip("/")
-    steps = committed_steps(storage)
+    steps = committed_in(names)
     if not steps:
         return CheckpointNotFoundError(
             f"{url} is a CheckpointManager run folder, not one checkpoint, and none of its steps is complete "

@@ -232,7 +232,7 @@ def test_sync_save_with_parallel_writes_loads_back_exact(tmp_path, monkeypatch):
     expect = _snapshot(m, opt)
     sp.save(str(tmp_path / "par"), {"model": m, "optimizer": opt})
     _same(_loaded(str(tmp_path / "par")), expect)
-    from shardpoint.engine.verify import verify_checkpoint
+    from shardpoint.convert.verify import verify_checkpoint
 
     n, bad = verify_checkpoint(str(tmp_path / "par"))
     assert bad == [] and n > 0

@@ -18,7 +18,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardpoint.errors import FormatError
 from shardpoint.geometry import Box
-from shardpoint.geometry.grid import Grid, grid_of_placements
+from shardpoint.adapters.tensors import describe_placements
+from shardpoint.geometry.grid import DimPlacement, Grid, grid_of_placements
+
+
+def _grid(mesh, ranks, placements, ndim):
+    """The adapter's path: torch placements described as plain data, then the grid."""
+    return grid_of_placements(mesh, ranks, describe_placements(placements), ndim)
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -137,7 +143,7 @@ def _brute_shards(grid: Grid, shape, q: Box):
 @example(((2, 4), (Replicate(), Shard(0)), (3, 2)))
 def test_box_matches_torch(case):
     mesh, placements, shape = case
-    grid = grid_of_placements(mesh, range(math.prod(mesh)), placements, len(shape))
+    grid = _grid(mesh, range(math.prod(mesh)), placements, len(shape))
     assert grid is not None
     differs, visible = [], False
     for coord in _coords(mesh):
@@ -177,7 +183,7 @@ def test_strided_disagreement_example():
     # torch's strided split gives dp ranks [0, 1, 4], [2, 3, 5], [6], then chunks
     # each by tp: dp 2 holds [6] at tp 0 and nothing at tp 1. The grid follows FSDP2.
     placements = (_StridedShard(0, split_factor=2), Shard(0))
-    grid = grid_of_placements((3, 2), range(6), placements, 1)
+    grid = _grid((3, 2), range(6), placements, 1)
     assert grid.splits == ((1, 0),)
     assert [grid.box((7,), (r, t)) for r in range(3) for t in range(2)] == [
         Box((0,), (2,)), Box((4,), (1,)),
@@ -367,7 +373,7 @@ def test_from_json_huge_mesh_fails_fast():
 
 def test_grid_of_placements_splits():
     def splits(mesh, placements, ndim):
-        g = grid_of_placements(mesh, range(math.prod(mesh)), placements, ndim)
+        g = _grid(mesh, range(math.prod(mesh)), placements, ndim)
         return g.splits, g.replicate_dims
 
     assert splits((4, 2), (_StridedShard(0, split_factor=2), Shard(0)), 2) == (((1, 0), ()), ())
@@ -382,21 +388,41 @@ def test_grid_of_placements_splits():
     assert splits((3,), (_StridedShard(0, split_factor=1),), 1) == (((0,),), ())
 
 
+def test_placements_are_described_as_plain_data():
+    assert describe_placements((Shard(-1), Replicate(), _StridedShard(0, split_factor=4), Partial())) == (
+        DimPlacement("shard", -1), DimPlacement("replicate"), DimPlacement("strided", 0, 4), DimPlacement("other"),
+    )
+    assert describe_placements((_OddShard(0),)) == (DimPlacement("other"),)
+
+
+def test_the_grid_reads_plain_placements_without_torch():
+    strided, shard = DimPlacement("strided", 0, 2), DimPlacement("shard", 0)
+    assert grid_of_placements((4, 2), range(8), (strided, shard), 2).splits == ((1, 0), ())
+    assert grid_of_placements((4, 2), range(8), (DimPlacement("strided", 0, None), shard), 1) is None  # symbolic
+    assert grid_of_placements((2,), range(2), (DimPlacement("other"),), 1) is None
+    with pytest.raises(ValueError, match="kind must be one of"):
+        DimPlacement("partial")
+    with pytest.raises(ValueError, match="needs tensor dim"):
+        DimPlacement("shard")
+    with pytest.raises(ValueError, match="takes no tensor dim"):
+        DimPlacement("replicate", 0)
+
+
 class _OddShard(Shard):
     """A Shard subclass the grid knows nothing about."""
 
 
 def test_grid_of_placements_unsupported():
-    assert grid_of_placements((2, 2), range(4), (Partial(), Shard(0)), 1) is None
-    assert grid_of_placements((2, 2), range(4), (Replicate(), Partial("max")), 1) is None
-    assert grid_of_placements((2, 2), range(4), (_StridedShard(0, split_factor=3), Shard(0)), 1) is None
-    assert grid_of_placements((2, 2), range(4), (_StridedShard(0, split_factor=2), Shard(1)), 2) is None
-    assert grid_of_placements((2,), range(2), (_StridedShard(0, split_factor=2),), 1) is None
-    assert grid_of_placements((2,), range(2), (_OddShard(0),), 1) is None
+    assert _grid((2, 2), range(4), (Partial(), Shard(0)), 1) is None
+    assert _grid((2, 2), range(4), (Replicate(), Partial("max")), 1) is None
+    assert _grid((2, 2), range(4), (_StridedShard(0, split_factor=3), Shard(0)), 1) is None
+    assert _grid((2, 2), range(4), (_StridedShard(0, split_factor=2), Shard(1)), 2) is None
+    assert _grid((2,), range(2), (_StridedShard(0, split_factor=2),), 1) is None
+    assert _grid((2,), range(2), (_OddShard(0),), 1) is None
     with pytest.raises(ValueError, match="placements"):
-        grid_of_placements((2, 2), range(4), (Shard(0),), 1)
+        _grid((2, 2), range(4), (Shard(0),), 1)
     with pytest.raises(ValueError, match="dim 2"):
-        grid_of_placements((2,), range(2), (Shard(2),), 2)
+        _grid((2,), range(2), (Shard(2),), 2)
 
 
 # --- scale --------------------------------------------------------------------

@@ -5,10 +5,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from ..api import read_manifest
-from .indexes import IndexReader
-from .io import verify_chunk
+from ..engine.indexes import IndexReader
+from ..engine.io import verify_chunk
 from ..errors import CheckpointError
 from ..storage import storage_for
+from .options import progress
 
 __all__ = ["verify_checkpoint"]
 
@@ -50,8 +51,6 @@ def verify_checkpoint(path: str, jobs: int = 4, quiet: bool = True) -> tuple[int
                 problems.append(str(e))
             continue
         work.extend((fqn, c) for c in chunks)
-    from ..convert.options import progress
-
     def check(item):
         fqn, c = item
         try:
