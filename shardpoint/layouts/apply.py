@@ -47,10 +47,10 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from .items import LoadTarget, SaveTensor
-from .errors import UnsupportedStateError
-from .format.manifest import TensorMeta
-from .geometry import Box
+from ..items import LoadTarget, SaveTensor
+from ..errors import UnsupportedStateError
+from ..format.manifest import TensorMeta
+from ..geometry import Box
 
 __all__ = [
     "WholeRule",
