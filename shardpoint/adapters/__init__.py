@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from .base import Adapter, AdapterContext, LoadPart, LoadTarget, ParamView, Replicas, SavePart, SaveTensor
 from .context import build_context, resolve_replicas
+from .deepspeed.moe import deepspeed_expert_rules
 from .module import unwrap_module
 from .registry import adapter_for, default_adapters, register_adapter, registered_adapters, unregister_adapter
 from .whole import WholeEntry
@@ -40,4 +41,5 @@ __all__ = [
     "adapter_for",
     "unwrap_module",
     "WholeEntry",
+    "deepspeed_expert_rules",
 ]

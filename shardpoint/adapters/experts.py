@@ -14,7 +14,7 @@ Megatron-Core's MoE layers tell their global indices
 :mod:`shardpoint.adapters.megatron` renames the local experts of its
 ``SequentialMLP``; a ``GroupedMLP``'s two weights (:func:`megatron_grouped_experts`)
 are stored as 3-D tensors indexed by global expert. DeepSpeed MoE layers are
-found by :func:`deepspeed_expert_rules`, in plain modules and in ZeRO-1/2
+found by :func:`shardpoint.adapters.deepspeed.moe.deepspeed_expert_rules`, in plain modules and in ZeRO-1/2
 engines alike (flat ZeRO pieces are renamed, their ranges unchanged). A plain module holding a per-rank list of local experts is
 declared with one layout rule, :class:`Experts`::
 
@@ -39,7 +39,7 @@ from ..errors import ExpertLayoutError, UnsupportedStateError
 from ..items import SaveTensor
 from ..layouts import WholeRule
 
-__all__ = ["Experts", "GroupedWeight", "megatron_expert_prefixes", "megatron_grouped_experts", "rename_prefix", "place_experts", "check_divides", "deepspeed_expert_rules"]
+__all__ = ["Experts", "GroupedWeight", "megatron_expert_prefixes", "megatron_grouped_experts", "rename_prefix", "place_experts", "check_divides"]
 
 
 def check_divides(num_experts: int, ep: int, where: str) -> int:
@@ -252,51 +252,3 @@ def place_experts(tensors: list[SaveTensor], rules: Sequence[Any], gate: Any) ->
             grid=None, placement=("replicated" if len(ranks) > 1 else "local") if plain else t.placement,
         )
     return out
-
-
-def deepspeed_expert_rules(state: Mapping[str, Any]) -> list[Experts]:
-    """An :class:`Experts` rule for every DeepSpeed MoE expert list in the state's modules.
-
-    DeepSpeed keeps a layer's local experts in ``<...>.deepspeed_experts``
-    and tags their parameters with the name of the expert-parallel group
-    it created for the layer (``group_name``), from which the EP group and
-    the number of global experts follow.
-
-    Example::
-
-        rules = deepspeed_expert_rules({"model": model_with_deepspeed_moe})
-    """
-    from .deepspeed.detect import is_deepspeed_engine
-    from .module import unwrap_module
-
-    rules: list[Experts] = []
-    for key, obj in state.items():
-        if not isinstance(obj, nn.Module):
-            continue
-        if is_deepspeed_engine(obj):  # named as its module's own tensors
-            obj = obj.module
-        for name, mod in unwrap_module(obj).named_modules():
-            local = getattr(mod, "deepspeed_experts", None)
-            if not isinstance(local, nn.ModuleList) or not type(mod).__module__.startswith("deepspeed."):
-                continue
-            group = _deepspeed_group(mod)
-            if group is None:
-                continue
-            import torch.distributed as dist
-
-            prefix = f"{key}.{name}.deepspeed_experts" if name else f"{key}.deepspeed_experts"
-            rules.append(Experts(prefix, len(local) * dist.get_world_size(group), group))
-    return rules
-
-
-def _deepspeed_group(mod: nn.Module) -> Any:
-    """The expert-parallel group DeepSpeed made for an expert list, or ``None`` before it made one."""
-    name = next((getattr(p, "group_name", None) for p in mod.parameters()), None)
-    if name is None:
-        return None
-    try:
-        from deepspeed.utils import groups
-    except ImportError:
-        return None
-    table = groups._get_expert_parallel_group_dict()
-    return table.get(name)

@@ -1,7 +1,9 @@
 """Reading a manifest document: validate every field of untrusted input, then build the records.
 
 :meth:`shardpoint.format.manifest.Manifest.from_json` checks the digest and
-parses the JSON strictly, then hands the document to :func:`parse_manifest`.
+parses the JSON strictly, then hands the document to :func:`manifest_fields`
+and builds the :class:`~shardpoint.format.manifest.Manifest` from what it returns
+(this module builds records, never the manifest class, so it does not import it).
 Every name, size, offset, box, mesh and rank is checked here, before any read
 is planned from it, so a tampered manifest cannot point outside the checkpoint
 or make the loader allocate absurd memory. Errors are
@@ -9,7 +11,7 @@ or make the loader allocate absurd memory. Errors are
 
 Example::
 
-    m = parse_manifest(strict_loads(data, where, limits, "manifest"), where)
+    m = Manifest(**manifest_fields(strict_loads(data, where, limits, "manifest"), where))
 """
 
 from __future__ import annotations
@@ -22,20 +24,19 @@ from ..errors import FormatError
 from ..geometry import Box
 from ..geometry.grid import Grid
 from .blocks import block_count
-from .manifest import (
+from .records import (
     DTYPE_SIZES,
     FORMAT_NAME,
     MAX_ELEMENTS,
     MAX_NDIM,
     READ_VERSIONS,
     ChunkMeta,
-    Manifest,
     RankFiles,
     TensorMeta,
     check_file_name,
 )
 
-__all__ = ["parse_manifest"]
+__all__ = ["manifest_fields"]
 
 
 def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -44,16 +45,16 @@ def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
     return v
 
 
-def parse_manifest(doc: Any, where: str) -> Manifest:
-    """Validate a parsed manifest document (any version this release reads) and build its :class:`Manifest`.
+def manifest_fields(doc: Any, where: str) -> dict[str, Any]:
+    """Validate a parsed manifest document (any version this release reads): the fields of its :class:`Manifest`.
 
     Raises :class:`~shardpoint.errors.FormatError` naming what is off. Most
     callers want :meth:`Manifest.from_json`, which also checks the digest and
-    bounds the JSON before calling this.
+    bounds the JSON before calling this and builds the manifest from the fields.
 
     Example::
 
-        parse_manifest(json.loads(data), "ckpt/step_100")
+        m = Manifest(**manifest_fields(json.loads(data), "ckpt/step_100"))
     """
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise FormatError(f"{where}: not a shardpoint manifest")
@@ -101,7 +102,7 @@ def parse_manifest(doc: Any, where: str) -> Manifest:
                 f"{where}: tensor {fqn!r} of shape {t.shape} and dtype {t.dtype} needs {t.nbytes} bytes, "
                 f"more than the {stored} bytes of all the checkpoint's files"
             )
-    return Manifest(
+    return dict(
         save_id=save_id,
         world_size=world,
         block_size=block,

@@ -17,9 +17,8 @@ import logging
 import time
 from typing import Any, MutableMapping, Sequence
 
-from ..adapters import WholeEntry
+from ..adapters import WholeEntry, deepspeed_expert_rules
 from ..adapters.landing import entry_tensors, live_storages, unlanded
-from ..adapters.experts import deepspeed_expert_rules
 from ..adapters.loading import materialize_meta
 from ..dist import Comm, raise_if_failed, run_guarded
 from ..engine.inflight import wait_for_saves

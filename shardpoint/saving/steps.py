@@ -18,7 +18,8 @@ from typing import AbstractSet, Any, Sequence
 from ..adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters
 from ..items import dtype_name
 from ..adapters.stepped import step_updates
-from ..adapters.experts import deepspeed_expert_rules, place_experts
+from ..adapters import deepspeed_expert_rules
+from ..adapters.experts import place_experts
 from ..dist import Comm, Outcome
 from ..engine.claim import CommitPolicy, SaveClaim
 from ..engine.commit import commit_gathered, write_index

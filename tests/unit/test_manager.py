@@ -25,6 +25,8 @@ from shardpoint.manager import (
     OnDemand,
     step_folder,
 )
+from shardpoint.format.folders import committed_in, steps_in
+from shardpoint.manager.folders import committed_steps
 from shardpoint.manager.steplock import StepLock
 from shardpoint.storage import LocalStorage, MemoryStorage
 
@@ -134,6 +136,22 @@ def test_step_folder_names():
     assert step_folder(123456789) == "step_123456789"
     with pytest.raises(ValueError):
         step_folder(-1)
+
+
+def test_step_folders_are_read_from_one_listing():
+    names = [
+        "step_00000200/manifest.json", "step_00000200/data/a.bin", "step_00000300/.lock", "step_00000300/data/b.bin",
+        "step_00000100/manifest.json", "step_00000100/.lock", "latest", "step_12/manifest.json", "notes/step_00000400",
+    ]
+    steps = steps_in(names)
+    assert {s: (f.name, f.committed, f.locked) for s, f in steps.items()} == {
+        100: ("step_00000100", True, True), 200: ("step_00000200", True, False), 300: ("step_00000300", False, True),
+    }
+    assert committed_in(names) == [100, 200]
+    store = MemoryStorage()
+    for n in names:
+        store.put_atomic(n, b"x")
+    assert committed_steps(store) == [100, 200]
 
 
 def test_restore_without_checkpoint_leaves_optimizer_untouched(tmp_path):

@@ -4,13 +4,17 @@ Rules of the design checked here: storage abilities are declared on
 :class:`shardpoint.storage.base.Storage` and used through that declaration,
 never probed with ``hasattr``/``getattr`` outside ``storage/``; no module
 imports another module's private (``_name``) names, since what is shared is
-public; no module grows past 500 lines; each layer imports only the layers
-below it; and the documentation speaks of the product, not of how it is built.
+public; no module grows past 500 lines; the modules keep one order of layers
+(:data:`LAYERS`: no import runs up it, saving and loading stay apart, geometry
+and planning never touch ``torch.distributed``, and no modules import each
+other in a loop); and the documentation speaks of the product, not of how it
+is built.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 import re
 import sys
@@ -189,7 +193,9 @@ def imported_modules(path: pathlib.Path, tree: ast.AST, root: pathlib.Path = PKG
 # layer and the layers below it, never one above. Each name is a top-level package or root module.
 # Two root modules stand outside the order: ``__init__`` is the public API, which may import anything
 # and which no module imports back (importing ``shardpoint`` itself from inside counts as importing
-# the top); ``__main__`` runs the command and sits with ``cli``.
+# the top); ``__main__`` runs the command and sits with ``cli``. Optional extras (``require``) live in
+# ``runtime/extras.py``. Imports inside functions count like any other; imports under
+# ``if TYPE_CHECKING:`` are exempt from the order and from the loop check, since they never run.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("device", "geometry", "training"),
@@ -218,6 +224,7 @@ def layer_order(layers=LAYERS) -> dict[str, int]:
     return order
 
 
+@dataclasses.dataclass(frozen=True)
 class Import:
     """One import statement's target: ``line``, the dotted ``module``, and where it runs.
 
@@ -225,8 +232,10 @@ class Import:
     ``typing`` is true under ``if TYPE_CHECKING:`` (it never runs).
     """
 
-    def __init__(self, line: int, module: str, local: bool, typing: bool):
-        self.line, self.module, self.local, self.typing = line, module, local, typing
+    line: int
+    module: str
+    local: bool
+    typing: bool
 
 
 def _is_module_at(root: pathlib.Path, dotted: str) -> bool:
@@ -274,7 +283,7 @@ def imports(path: pathlib.Path, root: pathlib.Path = PKG) -> list[Import]:
     return found
 
 
-def _layer_of(dotted: str, root_name: str) -> str:
+def _layer_of(dotted: str) -> str:
     parts = dotted.split(".")
     return parts[1] if len(parts) > 1 else PUBLIC_API
 
@@ -289,7 +298,7 @@ def layer_violations(root: pathlib.Path = PKG, layers=LAYERS) -> list[str]:
     order, found = layer_order(layers), []
     for path in sorted(root.rglob("*.py")):
         rel, here = path.relative_to(root).as_posix(), _dotted(path, root)
-        mine = _layer_of(here, root.name)
+        mine = _layer_of(here)
         if mine == PUBLIC_API:
             continue
         if mine not in order:
@@ -298,7 +307,7 @@ def layer_violations(root: pathlib.Path = PKG, layers=LAYERS) -> list[str]:
         for imp in imports(path, root):
             if imp.typing or not (imp.module == root.name or imp.module.startswith(root.name + ".")):
                 continue
-            theirs = _layer_of(imp.module, root.name)
+            theirs = _layer_of(imp.module)
             if theirs == mine:
                 continue
             if theirs not in order:
@@ -307,7 +316,7 @@ def layer_violations(root: pathlib.Path = PKG, layers=LAYERS) -> list[str]:
                 found.append(f"{rel}:{imp.line}: {here} -> {imp.module} (up from {mine} to {theirs or 'the public API'})")
             elif frozenset({mine, theirs}) in APART:
                 found.append(f"{rel}:{imp.line}: {here} -> {imp.module} (siblings {mine} and {theirs} stay apart)")
-    return found
+    return list(dict.fromkeys(found))  # "from a import b, c" is one finding
 
 
 def torch_distributed_imports(root: pathlib.Path = PKG, layers: tuple[str, ...] = NO_TORCH_DISTRIBUTED) -> list[str]:
@@ -320,7 +329,7 @@ def torch_distributed_imports(root: pathlib.Path = PKG, layers: tuple[str, ...] 
         for imp in imports(path, root):
             if imp.module == "torch.distributed" or imp.module.startswith("torch.distributed."):
                 found.append(f"{rel.as_posix()}:{imp.line}: {imp.module}")
-    return found
+    return list(dict.fromkeys(found))
 
 
 def import_graph(root: pathlib.Path = PKG, local: bool = True) -> dict[str, set[str]]:
@@ -353,7 +362,13 @@ def _ancestors(dotted: str) -> list[str]:
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The groups of modules that import each other in a loop (strongly connected, two or more), sorted."""
+    """The groups of modules that import each other in a loop (strongly connected, two or more), sorted.
+
+    The package's check keeps imports inside functions in the graph: such an
+    import only delays the loop to the first call, and it is how a loop gets
+    hidden rather than opened (the shared thing belongs in a module both sides
+    may import).
+    """
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

@@ -51,7 +51,7 @@ Expert parallelism under ZeRO-1/2: the local experts of a
 ``deepspeed.moe.layer.MoE`` layer live in MoE param groups that ZeRO
 partitions over the expert data-parallel group instead. Their pieces are
 saved under the experts' global names (``...deepspeed_experts.5.weight``,
-see :func:`~shardpoint.adapters.experts.deepspeed_expert_rules`), moments
+see :func:`~shardpoint.adapters.deepspeed.moe.deepspeed_expert_rules`), moments
 included, so such a checkpoint loads at any EP degree and ZeRO stage 1 or 2
 (or without DeepSpeed). A load keeps the MoE param groups' ``name`` (their
 expert-parallel group, ``ep_size_2``), which describes the loading engine.

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from ..base import ParamView
-from ..experts import deepspeed_expert_rules
 from ..fsdp1 import Piece1D
+from .moe import deepspeed_expert_rules
 from .detect import is_deepspeed_engine, is_zero3_param, is_zero_optimizer, remember_owner, unsupported, world_and_rank, zero_stage
 from .partition import zero3_holders, zero3_partition_size, zero3_pieces, zero12_holders, zero12_partitions, zero12_pieces
 
