@@ -337,7 +337,9 @@ def import_graph(root: pathlib.Path = PKG, local: bool = True) -> dict[str, set[
 
     Importing ``a.b.c`` also runs ``a`` and ``a.b``: those packages are edges too,
     except the importer's own enclosing packages, which are already being imported
-    when it runs (the root package encloses every module, so it is never an edge).
+    when it runs (the root package encloses every module, so it is never such an
+    edge). A name taken from a package's ``__init__`` (``from . import LOCAL``) is
+    an edge to it, even from inside the package.
     ``TYPE_CHECKING`` imports never run and are left out; ``local`` keeps the
     imports inside functions.
     """
@@ -350,9 +352,11 @@ def import_graph(root: pathlib.Path = PKG, local: bool = True) -> dict[str, set[
             if imp.typing or (imp.local and not local) or not imp.module.startswith(root.name + "."):
                 continue
             module = imp.module
-            while not _is_module_at(root, module):  # "import a.b.name" cannot name a non-module; be safe
+            while "." in module and not _is_module_at(root, module):  # a name that is no module: its package
                 module = module.rpartition(".")[0]
-            edges.update(m for m in (*_ancestors(module), module) if m not in mine)
+            edges.update(m for m in _ancestors(module) if m not in mine)  # run on the way: not its own
+            if module != here:
+                edges.add(module)  # named: even its own package's __init__, for a name defined there
     return graph
 
 
@@ -489,17 +493,22 @@ def test_the_cycle_scan_finds_loops_through_a_package_init(tmp_path):
         "engine/__init__.py": "from .io import run\n",
         "engine/io.py": "from . import helpers\nfrom ..errors import E\n",  # within a package: no edge back to its own __init__
         "engine/helpers.py": "",
+        "dist/__init__.py": "from .comm import Comm\nLOCAL = 0\n",
+        "dist/comm.py": "from . import LOCAL\n",  # a name of its own package's __init__: an edge, and a loop
         "errors.py": "import shardpoint\n",  # the root package is never an edge
     })
     (pkg / "format" / "__init__.py").write_text("from .manifest import Manifest\nfrom .index import read_index\n")
     graph = import_graph(pkg)
     assert import_cycles(graph) == [
+        ["shardpoint.dist", "shardpoint.dist.comm"],
         ["shardpoint.format", "shardpoint.format.index", "shardpoint.storage", "shardpoint.storage.local"],
         ["shardpoint.format.datafile", "shardpoint.format.manifest"],
     ]
     assert import_cycles(import_graph(pkg, local=False)) == [
+        ["shardpoint.dist", "shardpoint.dist.comm"],
         ["shardpoint.format", "shardpoint.format.index", "shardpoint.storage", "shardpoint.storage.local"],
     ]
+    assert "shardpoint.engine" not in graph["shardpoint.engine.io"] and "shardpoint" not in graph["shardpoint.errors"]
 
 
 def test_the_size_scan_counts_lines(tmp_path):
