@@ -17,7 +17,6 @@ import ast
 import dataclasses
 import pathlib
 import re
-import sys
 
 import shardpoint
 from shardpoint.storage.base import Storage
