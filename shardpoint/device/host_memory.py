@@ -1,0 +1,63 @@
+"""The caching allocator of page-locked host memory across PyTorch versions: give memory back, read its statistics.
+
+PyTorch keeps every page-locked block it ever handed out in a cache until
+told to empty it; freeing a buffer only returns it to that cache. The names
+of the calls that empty it and read its statistics changed between
+releases; the differences live here.
+
+Example::
+
+    empty_host_cache()          # cached page-locked blocks go back to the system
+    host_stats()                # {'held': ..., 'in_use': ...} or None where unknown
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["empty_host_cache", "host_stats"]
+
+
+def empty_host_cache() -> bool:
+    """Give cached, unused page-locked host blocks back to the system; whether a call to do it was found.
+
+    ``torch.accelerator.empty_host_cache`` (PyTorch 2.9 and later); before
+    it, ``torch._C._host_emptyCache`` (2.5 to 2.8, where the CUDA graph
+    code calls it too).
+
+    Example::
+
+        empty_host_cache()  # True on PyTorch 2.9+
+    """
+    public = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if public is not None:
+        public()
+        return True
+    private = getattr(torch._C, "_host_emptyCache", None)  # shim: unnecessary from PyTorch 2.9
+    if private is not None:
+        private()
+        return True
+    return False
+
+
+def host_stats() -> dict[str, int] | None:
+    """``{"held": bytes of page-locked blocks the process holds, "in_use": bytes handed out}``, or None where unknown.
+
+    Read from ``torch.cuda.memory.host_memory_stats`` (PyTorch 2.7 and
+    later; ``allocated_bytes`` counts cached blocks too, ``active_bytes``
+    those handed out). None before the CUDA allocator is initialised.
+
+    Example::
+
+        host_stats()  # {'held': 536870912, 'in_use': 268435456}
+    """
+    stats_fn = getattr(getattr(torch.cuda, "memory", None), "host_memory_stats", None)
+    if stats_fn is None or not torch.cuda.is_available():
+        return None
+    try:
+        stats = stats_fn()
+    except (RuntimeError, AttributeError):
+        return None
+    if "allocated_bytes.current" not in stats:
+        return None
+    return {"held": int(stats["allocated_bytes.current"]), "in_use": int(stats.get("active_bytes.current", 0))}
