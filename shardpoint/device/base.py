@@ -226,5 +226,9 @@ class Device(abc.ABC):
         return None
 
     def describe(self) -> dict[str, Any]:
-        """A summary for logs and benchmarks: the type, whether asynchronous, pinned bytes held."""
-        return {"type": self.type, "asynchronous": self.asynchronous, "pinned_bytes": self.pinned_bytes}
+        """A summary for logs and benchmarks: the type, whether asynchronous, pinned bytes held, host memory."""
+        host = self.host_memory()
+        return {
+            "type": self.type, "asynchronous": self.asynchronous, "pinned_bytes": self.pinned_bytes,
+            "host_held": host["held"], "host_in_use": host["in_use"],
+        }

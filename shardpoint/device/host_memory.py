@@ -13,9 +13,11 @@ Example::
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-__all__ = ["empty_host_cache", "host_stats"]
+__all__ = ["empty_host_cache", "host_stats", "host_budget", "HOST_SHARE"]
 
 
 def empty_host_cache() -> bool:
@@ -61,3 +63,25 @@ def host_stats() -> dict[str, int] | None:
     if "allocated_bytes.current" not in stats:
         return None
     return {"held": int(stats["allocated_bytes.current"]), "in_use": int(stats.get("active_bytes.current", 0))}
+
+
+HOST_SHARE = 0.5
+"""The share of the host's available memory the page-locked staging of all local ranks may take together."""
+
+
+def host_budget(share: float = HOST_SHARE) -> int:
+    """The page-locked bytes one rank may stage through: available host memory / local ranks x ``share``.
+
+    Local ranks are ``LOCAL_WORLD_SIZE`` as torchrun sets it (1 without
+    it); available memory is what ``psutil`` reports now (memory the
+    kernel can hand out without swapping). Page-locked memory cannot be
+    swapped out, so a staging ring larger than this risks the host.
+
+    Example::
+
+        host_budget()  # e.g. 12 GiB on a host with 192 GiB free and 8 local ranks
+    """
+    import psutil
+
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1 << 20, int(psutil.virtual_memory().available * share) // local)
