@@ -173,3 +173,61 @@ def test_a_capture_during_an_in_flight_save_succeeds_and_the_save_is_exact(tmp_p
     for k in expect:
         assert torch.equal(got[k], expect[k]), k
     saver.close()
+
+
+def _replay_step(m, opt):
+    """What replaying a captured optimizer step does: new values in place, with no hook and no version bump."""
+    for p in m.parameters():
+        p.detach().numpy()[...] += 0.5  # numpy writes bypass the version counter, as a graph's kernels do
+        for v in opt.state[p].values():
+            if v.dim() > 0:
+                v.numpy()[...] *= 3.0
+
+
+@pytest.mark.parametrize("delay", [0.003, 0.0])
+def test_a_capturable_optimizer_makes_a_lazy_save_eager_and_exact(tmp_path, delay, caplog):
+    sim = SimulatedDevice(delay=delay)
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _step(m, opt)
+    for g in opt.param_groups:
+        g["capturable"] = True  # its step is captured in a graph and replayed
+    saver = sp.AsyncSaver(staging_bytes=4 << 20, piece_bytes=16 << 10, device=sim)
+    expect = _flat(m, opt)
+    with caplog.at_level("WARNING", logger="shardpoint"):
+        h = saver.save(str(tmp_path / "g"), {"model": m, "optimizer": opt}, mode="lazy")
+    _replay_step(m, opt)  # right after the call: a replay calls no step pre-hook
+    h.wait()
+    assert "taken eagerly" in caplog.text and "'optimizer' is capturable" in caplog.text
+    for g in opt.param_groups:
+        g["capturable"] = False
+    m2 = _model()
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    _step(m2, opt2)
+    _step(m2, opt2)
+    sp.load(str(tmp_path / "g"), {"model": m2, "optimizer": opt2})
+    got = _flat(m2, opt2)
+    for k in expect:
+        assert torch.equal(got[k], expect[k]), k
+    saver.close()
+
+
+def test_a_save_called_inside_a_capture_is_refused_with_a_typed_error(tmp_path):
+    sim = SimulatedDevice(delay=0.0)
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _step(m, opt)
+    saver = sp.AsyncSaver(staging_bytes=4 << 20, piece_bytes=16 << 10, device=sim)
+    with sim.capture():
+        with pytest.raises(sp.GraphCaptureError, match="while the calling thread captures a graph.*outside the captured region"):
+            saver.save(str(tmp_path / "x"), {"model": m, "optimizer": opt})
+    assert sim.captures.violations == 0  # the refusal itself allocated and waited on nothing
+    assert not (tmp_path / "x").exists()  # refused before the path was claimed
+    expect = _flat(m, opt)
+    saver.save(str(tmp_path / "y"), {"model": m, "optimizer": opt}).wait()  # outside the capture: fine
+    m2 = _model()
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    _step(m2, opt2)
+    sp.load(str(tmp_path / "y"), {"model": m2, "optimizer": opt2})
+    assert all(torch.equal(_flat(m2, opt2)[k], expect[k]) for k in expect)
+    saver.close()
