@@ -188,6 +188,17 @@ class AcceleratorDevice(Device):
             return Completed()
         return self._on_stream(dst, src, after)
 
+    def queue_to_host(self, compute: Any, after: CopyEvent | None = None) -> tuple[torch.Tensor, CopyEvent]:
+        ev = self._event()
+        with self._on_copy_stream(after):  # in the capture guard: its allocations are legal during a capture
+            out = compute()
+            if not self.owns(out):
+                return out.to("cpu"), Completed()
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            ev.record(self.stream)
+        return host, StreamEvent(ev, self._capture)
+
     def order_after(self, event: CopyEvent) -> None:
         if isinstance(event, StreamEvent):
             self._current_stream().wait_event(event.raw)

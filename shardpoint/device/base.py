@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -152,6 +152,21 @@ class Device(abc.ABC):
             device.host_memory()  # {'held': 268435456, 'in_use': 0} after a save on an accelerator
         """
         return {"held": self.pinned_bytes, "in_use": self.pinned_bytes}
+
+    def queue_to_host(self, compute: Callable[[], torch.Tensor], after: CopyEvent | None = None) -> tuple[torch.Tensor, CopyEvent]:
+        """Run ``compute`` where this device queues its copies, after ``after``; its result in host memory, and when.
+
+        An accelerator queues the work on its copy stream and the copy of
+        the (small) result into page-locked memory without waiting: read the
+        host tensor only once the event completed. Here it runs at once.
+
+        Example::
+
+            host, ev = device.queue_to_host(lambda: t.sum().reshape(1), device.snapshot_point())
+            ...; ev.synchronize(); host.tolist()
+        """
+        out = compute()
+        return (out if out.device.type == "cpu" else out.to("cpu")), Completed()
 
     def capture_guard(self) -> contextlib.AbstractContextManager:
         """A context in which the calling thread's device calls ignore graph captures on other threads.

@@ -187,14 +187,31 @@ class SimulatedDevice(Device):
                 return
             dst, src, ev = job
             time.sleep(self.delay)
-            view = _resolve(src)
-            if view is None:
-                dst.view(torch.uint8).fill_(POISON)
+            if callable(src):  # queued work (queue_to_host): its result lands in dst
+                out = src()
+                dst.resize_(out.shape).copy_(out)
+                del out
             else:
-                dst.copy_(view)
-            self.copies += 1
-            del view, job, dst
+                view = _resolve(src)
+                if view is None:
+                    dst.view(torch.uint8).fill_(POISON)
+                else:
+                    dst.copy_(view)
+                del view
+                self.copies += 1
+            del job, dst, src
             ev.complete()
+
+    def queue_to_host(self, compute: Any, after: CopyEvent | None = None) -> tuple[torch.Tensor, CopyEvent]:
+        # Computed later on the copy thread, as the device would: a reader that skips the wait finds it empty.
+        host = torch.empty(0, dtype=torch.int64)
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="shardpoint-simulated-copy", daemon=True)
+                self._thread.start()
+        ev = SimEvent(self)
+        self._q.put((host, compute, ev))
+        return host, ev
 
     def snapshot_point(self) -> CopyEvent:
         ev = SimEvent(self)
