@@ -4,6 +4,10 @@
   a capture in *global* mode runs, an unsafe call (an event wait or query,
   an allocation) from any thread not in thread-local mode fails and
   invalidates that capture, which then fails when it ends, as CUDA does.
+- :class:`DevicePool`: the device's caching allocator for temporaries: a
+  block freed (its last reference dropped) goes to the next temporary at
+  once, so a copy still queued from a dropped temporary reads another
+  tensor's bytes, unless the temporary was kept alive for it;
 - :class:`HostCache`: a caching allocator of page-locked host memory that
   rounds each block up to a power of two, hands a freed block to the next
   allocation of its size, and gives memory back only when emptied, as
@@ -21,12 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-__all__ = ["CaptureModel", "SimulatedCaptureError", "HostCache"]
+__all__ = ["CaptureModel", "SimulatedCaptureError", "HostCache", "DevicePool"]
 
 
 class SimulatedCaptureError(RuntimeError):
@@ -182,3 +187,40 @@ class HostCache:
             self._free.clear()
             self.held -= dropped
         return dropped
+
+
+class DevicePool:
+    """Blocks for temporaries, each handed to the next temporary as soon as its last reference is dropped.
+
+    Example::
+
+        pool = DevicePool()
+        a = pool.temporary(x.t())      # x.t()'s bytes, contiguous, in a pooled block
+        del a                          # the block is free now...
+        b = pool.temporary(y.t())      # ...and holds y's bytes: a queued copy of a reads them
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self.reused = 0
+
+    def _release(self, block: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(block)
+
+    def temporary(self, src: torch.Tensor) -> torch.Tensor:
+        """``src``'s bytes, row-major, as a flat uint8 tensor in a pooled block."""
+        n = src.numel() * src.element_size()
+        with self._lock:
+            fit = [i for i, b in enumerate(self._free) if b.numel() >= n]
+            block = self._free.pop(fit[-1]) if fit else None
+            if block is not None:
+                self.reused += 1
+        if block is None:
+            block = torch.empty(max(n, 1), dtype=torch.uint8)
+        out = block[:n]
+        if n:
+            out.view(src.dtype).view(src.shape).copy_(src)
+        weakref.finalize(out, self._release, block)
+        return out

@@ -7,9 +7,10 @@ accelerator punishes show up on a CPU:
 - reading a staged buffer before its event completes reads stale bytes;
 - changing a tensor after the save returned but before its copy ran puts
   the changed values in the snapshot (a missing fence);
-- a temporary dropped before its copy ran is "reused": the copy reads
-  garbage (poison bytes) instead of its values, as the caching allocator of
-  a real device would hand the memory to another tensor. The simulation
+- a temporary dropped before its copy ran is reused: a temporary made by
+  :meth:`SimulatedDevice.byte_view` comes from a pool that hands its block
+  to the next temporary at once (the copy reads that one's bytes), and any
+  other source that is gone is read as poison bytes. The simulation
   holds only a weak reference to a source unless :meth:`keep_alive` was
   called for it;
 - a wait, query or allocation from any thread while another thread captures
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from .base import CopyEvent, Device, flat_bytes
-from .sim_models import CaptureModel, HostCache
+from .sim_models import CaptureModel, DevicePool, HostCache
 
 __all__ = ["SimulatedDevice", "SimEvent", "POISON"]
 
@@ -116,6 +117,7 @@ class SimulatedDevice(Device):
         self._start_lock = threading.Lock()
         self.captures = CaptureModel()
         self.host = HostCache()
+        self.pool = DevicePool()
         self.pageable_copies = 0
 
     # --- what the stand-in models beyond the copy engine -----------------------------------------
@@ -157,10 +159,11 @@ class SimulatedDevice(Device):
         return {"held": self.host.held, "in_use": self.host.in_use}
 
     def byte_view(self, t: torch.Tensor, after: CopyEvent | None = None) -> tuple[torch.Tensor, bool]:
-        if not t.is_contiguous():
-            with self.capture_guard():  # a temporary is an allocation on the copy queue
-                self.captures.unsafe("a device allocation")
-        return flat_bytes(t)
+        if t.is_contiguous():
+            return flat_bytes(t)
+        with self.capture_guard():  # a temporary is an allocation on the copy queue
+            self.captures.unsafe("a device allocation")
+        return self.pool.temporary(t.detach()), True
 
     # --- the copy engine ---------------------------------------------------------------------------
 
