@@ -51,10 +51,17 @@ def _bindings_exchange() -> Callable[[int], int] | None:
 
 
 def _driver_exchange() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
-    try:
-        fn = ctypes.CDLL(name).cuThreadExchangeStreamCaptureMode
-    except (OSError, AttributeError):
+    fn = None
+    for find in (lambda: "libcuda.so.1", lambda: ctypes.util.find_library("cuda")):  # the first is loaded already
+        name = find()
+        if not name:
+            continue
+        try:
+            fn = ctypes.CDLL(name).cuThreadExchangeStreamCaptureMode
+            break
+        except (OSError, AttributeError):
+            continue
+    if fn is None:
         return None
     fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
     fn.restype = ctypes.c_int
