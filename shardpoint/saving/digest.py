@@ -96,7 +96,13 @@ def _sample_index(n: int, device: torch.device, cache: dict) -> tuple[torch.Tens
     """One index in each of ``min(n, SAMPLES)`` equal stretches of ``[0, n)`` (the last element included), and odd weights."""
     key = (n, device)
     if key not in cache:
-        idx = torch.from_numpy(_np_sample(n)).to(device, copy=True)  # the host digests sample the same elements
+        if device.type == "cpu":
+            idx = torch.from_numpy(_np_sample(n)).clone()  # the host digests sample the same elements
+        else:
+            # Made on the device: a copy from the host's memory would wait for the device's queue.
+            k = min(n, SAMPLES)
+            idx = torch.arange(k, dtype=torch.int64, device=device) * n // k
+            idx[-1] = n - 1
         cache[key] = (idx, idx * 2 + 1)  # odd weights: a swap of two sampled values changes the sum
     return cache[key]
 
