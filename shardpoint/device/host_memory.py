@@ -23,19 +23,19 @@ __all__ = ["empty_host_cache", "host_stats", "host_budget", "HOST_SHARE"]
 def empty_host_cache() -> bool:
     """Give cached, unused page-locked host blocks back to the system; whether a call to do it was found.
 
-    ``torch.accelerator.empty_host_cache`` (PyTorch 2.9 and later); before
-    it, ``torch._C._host_emptyCache`` (2.5 to 2.8, where the CUDA graph
-    code calls it too).
+    ``torch.accelerator.empty_host_cache`` where the installed PyTorch has
+    it (2.13 does); before it, ``torch._C._host_emptyCache``, which older
+    releases' CUDA graph code calls for the same purpose.
 
     Example::
 
-        empty_host_cache()  # True on PyTorch 2.9+
+        empty_host_cache()  # True on PyTorch 2.13
     """
     public = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
     if public is not None:
         public()
         return True
-    private = getattr(torch._C, "_host_emptyCache", None)  # shim: unnecessary from PyTorch 2.9
+    private = getattr(torch._C, "_host_emptyCache", None)  # shim: unnecessary once torch.accelerator has the call
     if private is not None:
         private()
         return True
@@ -45,9 +45,10 @@ def empty_host_cache() -> bool:
 def host_stats() -> dict[str, int] | None:
     """``{"held": bytes of page-locked blocks the process holds, "in_use": bytes handed out}``, or None where unknown.
 
-    Read from ``torch.cuda.memory.host_memory_stats`` (PyTorch 2.7 and
-    later; ``allocated_bytes`` counts cached blocks too, ``active_bytes``
-    those handed out). None before the CUDA allocator is initialised.
+    Read from ``torch.cuda.memory.host_memory_stats`` where the installed
+    PyTorch has it with these keys (2.13 does: ``allocated_bytes`` counts
+    cached blocks too, ``active_bytes`` those handed out). None before the
+    CUDA allocator is initialised, or where the statistics are missing.
 
     Example::
 
