@@ -41,6 +41,7 @@ from .errors import (
     StateNotRestoredError,
     StorageError,
     TornSnapshotError,
+    GraphCaptureError,
     UnsupportedStateError,
     deprecated_error,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "StorageError",
     "UnsupportedStateError",
     "TornSnapshotError",
+    "GraphCaptureError",
     "DistributedError",
     "MissingDependencyError",
     "StateNotRestoredError",

@@ -32,6 +32,7 @@ __all__ = [
     "ConcurrentSaveError",
     "ConversionError",
     "TornSnapshotError",
+    "GraphCaptureError",
     "deprecated_error",
 
 
@@ -347,4 +348,18 @@ class ExpertLayoutError(CheckpointError):
     Example::
 
         sp.Experts("model.experts", num_experts=6, group=ep_group)  # EP 4: raises at save
+    """
+
+
+class GraphCaptureError(CheckpointError):
+    """A save was called while the calling thread captures a graph on its accelerator.
+
+    A save's copies and waits cannot be recorded into a graph: they would
+    run at each replay, or fail the capture. Nothing was written. Fix: call
+    the save outside the captured region (between replays of the graph).
+
+    Example::
+
+        g.replay()
+        sp.async_save("ckpt/step_10", state)   # not inside the capture
     """

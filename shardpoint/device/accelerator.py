@@ -17,6 +17,11 @@ Rules this module keeps:
 - A temporary made for a copy is tied to the copy stream
   (``record_stream``), so the caching allocator does not hand its memory to
   another tensor before the copy has read it.
+- Every call that waits, queries or allocates runs in thread-local graph
+  capture mode (:mod:`.capture`): the save's worker threads then never
+  invalidate a graph the training thread is capturing.
+- Page-locked memory freed by the engine goes back to the system at once
+  (:meth:`AcceleratorDevice.empty_host_cache`), not into PyTorch's cache.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Any, Iterator
 import torch
 
 from .base import Completed, CopyEvent, Device, flat_bytes
+from .capture import ThreadLocalCapture
+from .host_memory import empty_host_cache, host_stats
 
 __all__ = ["AcceleratorDevice", "StreamEvent", "with_index"]
 
@@ -54,14 +61,17 @@ class StreamEvent(CopyEvent):
         ev = device.copy_to_host(buf, src); ev.synchronize()
     """
 
-    def __init__(self, raw: Any):
+    def __init__(self, raw: Any, guard: Any = None):
         self.raw = raw
+        self.guard = guard if guard is not None else contextlib.nullcontext()
 
     def synchronize(self) -> None:
-        self.raw.synchronize()
+        with self.guard:  # legal from a worker while the training thread captures a graph
+            self.raw.synchronize()
 
     def query(self) -> bool:
-        return bool(self.raw.query())
+        with self.guard:
+            return bool(self.raw.query())
 
 
 class AcceleratorDevice(Device):
@@ -88,6 +98,22 @@ class AcceleratorDevice(Device):
         self.stream = torch.cuda.Stream(device=dev) if self._cuda else torch.Stream(device=dev)
         self._held: list[tuple[CopyEvent, torch.Tensor]] = []
         self._held_lock = threading.Lock()
+        self._capture = ThreadLocalCapture.for_cuda() if self._cuda else ThreadLocalCapture(None)
+
+    def capture_guard(self) -> ThreadLocalCapture:
+        return self._capture
+
+    def capturing(self) -> bool:
+        if self._cuda:
+            return bool(torch.cuda.is_current_stream_capturing())
+        return False
+
+    def empty_host_cache(self) -> None:
+        with self._capture:
+            empty_host_cache()
+
+    def host_memory(self) -> dict[str, int]:
+        return host_stats() or super().host_memory()
 
     def serves(self, where: torch.device) -> bool:
         where = torch.device(where)
@@ -98,7 +124,8 @@ class AcceleratorDevice(Device):
         return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        with self._capture:  # the pinned allocator allocates and queries events
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def _current_stream(self) -> Any:
         if self._cuda:
@@ -111,7 +138,7 @@ class AcceleratorDevice(Device):
     def snapshot_point(self) -> CopyEvent:
         ev = self._event()
         ev.record(self._current_stream())
-        return StreamEvent(ev)
+        return StreamEvent(ev, self._capture)
 
     @contextlib.contextmanager
     def _on_copy_stream(self, after: CopyEvent | None) -> Iterator[None]:
@@ -119,7 +146,7 @@ class AcceleratorDevice(Device):
         if isinstance(after, StreamEvent):
             self.stream.wait_event(after.raw)
         if self._cuda:
-            with torch.cuda.stream(self.stream):
+            with self._capture, torch.cuda.stream(self.stream):  # its allocations are legal during a capture
                 yield
             return
         prev_index = torch.accelerator.current_device_index()
@@ -136,7 +163,7 @@ class AcceleratorDevice(Device):
         with self._on_copy_stream(after):
             dst.copy_(src, non_blocking=True)
             ev.record(self.stream)
-        return StreamEvent(ev)
+        return StreamEvent(ev, self._capture)
 
     def byte_view(self, t: torch.Tensor, after: CopyEvent | None = None) -> tuple[torch.Tensor, bool]:
         if t.is_contiguous() or not self.owns(t):
@@ -160,6 +187,17 @@ class AcceleratorDevice(Device):
             dst.copy_(src)
             return Completed()
         return self._on_stream(dst, src, after)
+
+    def queue_to_host(self, compute: Any, after: CopyEvent | None = None) -> tuple[torch.Tensor, CopyEvent]:
+        ev = self._event()
+        with self._on_copy_stream(after):  # in the capture guard: its allocations are legal during a capture
+            out = compute()
+            if not self.owns(out):
+                return out.to("cpu"), Completed()
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            ev.record(self.stream)
+        return host, StreamEvent(ev, self._capture)
 
     def order_after(self, event: CopyEvent) -> None:
         if isinstance(event, StreamEvent):

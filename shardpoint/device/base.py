@@ -18,13 +18,21 @@ completes later:
 - :meth:`Device.keep_alive` ties a temporary's memory to a copy: a tensor
   made only to be copied (a contiguous version of a strided one) must not be
   reused before its copy has read it.
+- Every call a device object makes that waits, queries or allocates runs
+  in its :meth:`Device.capture_guard`, so that it stays legal from any
+  thread while the training thread captures a graph; :meth:`Device.capturing`
+  tells whether the calling thread is capturing one.
+- :meth:`Device.empty_host_cache` gives host memory the caching allocator
+  keeps after :meth:`Device.free_host_buffer` back to the system;
+  :meth:`Device.host_memory` reports what is held and what is in use.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -119,10 +127,60 @@ class Device(abc.ABC):
         return buf
 
     def free_host_buffer(self, buf: torch.Tensor) -> None:
-        """Give back a buffer from :meth:`host_buffer` (its bytes leave ``pinned_bytes``); the caller drops it."""
+        """Give back a buffer from :meth:`host_buffer` (its bytes leave ``pinned_bytes``); the caller drops it.
+
+        The memory may stay cached for the next buffer: the caller drops its
+        references, then calls :meth:`empty_host_cache` to give it back.
+        """
         if self.pins:
             with self._lock:
                 self.pinned_bytes -= self.held_size(buf.numel())
+
+    def empty_host_cache(self) -> None:
+        """Give the cached host memory no buffer uses back to the system (nothing to do for plain host memory)."""
+        return None
+
+    def host_memory(self) -> dict[str, int]:
+        """``{"held": bytes the process holds, "in_use": bytes handed out}`` of this device's host memory.
+
+        An accelerator reads its allocator's own statistics where the
+        framework has them (all of the process's page-locked memory, not only
+        this object's); otherwise both are :attr:`pinned_bytes`.
+
+        Example::
+
+            device.host_memory()  # {'held': 268435456, 'in_use': 0} after a save on an accelerator
+        """
+        return {"held": self.pinned_bytes, "in_use": self.pinned_bytes}
+
+    def queue_to_host(self, compute: Callable[[], torch.Tensor], after: CopyEvent | None = None) -> tuple[torch.Tensor, CopyEvent]:
+        """Run ``compute`` where this device queues its copies, after ``after``; its result in host memory, and when.
+
+        An accelerator queues the work on its copy stream and the copy of
+        the (small) result into page-locked memory without waiting: read the
+        host tensor only once the event completed. Here it runs at once.
+
+        Example::
+
+            host, ev = device.queue_to_host(lambda: t.sum().reshape(1), device.snapshot_point())
+            ...; ev.synchronize(); host.tolist()
+        """
+        out = compute()
+        return (out if out.device.type == "cpu" else out.to("cpu")), Completed()
+
+    def capture_guard(self) -> contextlib.AbstractContextManager:
+        """A context in which the calling thread's device calls ignore graph captures on other threads.
+
+        Example::
+
+            with device.capture_guard():
+                event.synchronize()
+        """
+        return contextlib.nullcontext()
+
+    def capturing(self) -> bool:
+        """Whether the calling thread is capturing a graph on this device (nothing may wait or allocate then)."""
+        return False
 
     def held_size(self, nbytes: int) -> int:
         """The host bytes a buffer of ``nbytes`` really takes (an allocator may round it up)."""
@@ -183,5 +241,9 @@ class Device(abc.ABC):
         return None
 
     def describe(self) -> dict[str, Any]:
-        """A summary for logs and benchmarks: the type, whether asynchronous, pinned bytes held."""
-        return {"type": self.type, "asynchronous": self.asynchronous, "pinned_bytes": self.pinned_bytes}
+        """A summary for logs and benchmarks: the type, whether asynchronous, pinned bytes held, host memory."""
+        host = self.host_memory()
+        return {
+            "type": self.type, "asynchronous": self.asynchronous, "pinned_bytes": self.pinned_bytes,
+            "host_held": host["held"], "host_in_use": host["in_use"],
+        }

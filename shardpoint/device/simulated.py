@@ -7,15 +7,27 @@ accelerator punishes show up on a CPU:
 - reading a staged buffer before its event completes reads stale bytes;
 - changing a tensor after the save returned but before its copy ran puts
   the changed values in the snapshot (a missing fence);
-- a temporary dropped before its copy ran is "reused": the copy reads
-  garbage (poison bytes) instead of its values, as the caching allocator of
-  a real device would hand the memory to another tensor. The simulation
+- a temporary dropped before its copy ran is reused: a temporary made by
+  :meth:`SimulatedDevice.byte_view` comes from a pool that hands its block
+  to the next temporary at once (the copy reads that one's bytes), and any
+  other source that is gone is read as poison bytes. The simulation
   holds only a weak reference to a source unless :meth:`keep_alive` was
-  called for it.
+  called for it;
+- a wait, query or allocation from any thread while another thread captures
+  a graph in global mode (:meth:`SimulatedDevice.capture`) fails and
+  invalidates the capture, unless it runs in the device's
+  :meth:`~shardpoint.device.Device.capture_guard`
+  (:class:`~shardpoint.device.sim_models.CaptureModel`);
+- a copy to or from host memory that :meth:`host_buffer` did not hand out
+  (pageable memory) runs at once, in the call, as a "non-blocking" copy
+  from pageable memory does; :attr:`SimulatedDevice.pageable_copies` counts them;
+- host buffers come from a caching allocator that keeps freed blocks until
+  :meth:`empty_host_cache` (:class:`~shardpoint.device.sim_models.HostCache`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -24,7 +36,8 @@ from typing import Any
 
 import torch
 
-from .base import CopyEvent, Device
+from .base import CopyEvent, Device, flat_bytes
+from .sim_models import CaptureModel, DevicePool, HostCache
 
 __all__ = ["SimulatedDevice", "SimEvent", "POISON"]
 
@@ -39,14 +52,22 @@ class SimEvent(CopyEvent):
         ev = sim.copy_to_host(buf, src); ev.synchronize()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: "SimulatedDevice | None" = None) -> None:
         self._done = threading.Event()
         self.held: list[torch.Tensor] = []
+        self.device = device
+
+    def _unsafe(self, what: str) -> None:
+        if self.device is not None:
+            with self.device.capture_guard():
+                self.device.captures.unsafe(what)
 
     def synchronize(self) -> None:
+        self._unsafe("an event synchronize")
         self._done.wait()
 
     def query(self) -> bool:
+        self._unsafe("an event query")
         return self._done.is_set()
 
     def complete(self) -> None:
@@ -72,7 +93,8 @@ class SimulatedDevice(Device):
 
     ``delay`` is how long each copy waits before it runs (seconds).
     ``copies`` counts the copies run. Buffers from :meth:`host_buffer`
-    count as pinned, so budgets can be tested.
+    count as pinned, so budgets can be tested; ``host`` is the caching
+    allocator they come from, ``captures`` the graph captures running.
 
     Example::
 
@@ -93,13 +115,71 @@ class SimulatedDevice(Device):
         self._q: "queue.Queue" = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self.captures = CaptureModel()
+        self.host = HostCache()
+        self.pool = DevicePool()
+        self.pageable_copies = 0
 
-    def _submit(self, dst: torch.Tensor, src: torch.Tensor) -> SimEvent:
+    # --- what the stand-in models beyond the copy engine -----------------------------------------
+
+    def capture(self, mode: str = "global") -> contextlib.AbstractContextManager:
+        """Capture a graph on the calling thread for the body (see :class:`CaptureModel`).
+
+        Example::
+
+            with sim.capture():
+                loss = step()   # a worker's unguarded wait now fails this capture
+        """
+        return self.captures.capture(mode)
+
+    def capture_guard(self) -> contextlib.AbstractContextManager:
+        return self.captures.thread_local()
+
+    def capturing(self) -> bool:
+        return self.captures.capturing()
+
+    def held_size(self, nbytes: int) -> int:
+        return HostCache.block_size(nbytes)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        with self.capture_guard():
+            self.captures.unsafe("a page-locked allocation")
+        return self.host.allocate(nbytes)
+
+    def free_host_buffer(self, buf: torch.Tensor) -> None:
+        super().free_host_buffer(buf)
+        self.host.free(buf)
+
+    def empty_host_cache(self) -> None:
+        with self.capture_guard():
+            self.captures.unsafe("emptying the host cache")
+        self.host.empty()
+
+    def host_memory(self) -> dict[str, int]:
+        return {"held": self.host.held, "in_use": self.host.in_use}
+
+    def byte_view(self, t: torch.Tensor, after: CopyEvent | None = None) -> tuple[torch.Tensor, bool]:
+        if t.is_contiguous():
+            return flat_bytes(t)
+        with self.capture_guard():  # a temporary is an allocation on the copy queue
+            self.captures.unsafe("a device allocation")
+        return self.pool.temporary(t.detach()), True
+
+    # --- the copy engine ---------------------------------------------------------------------------
+
+    def _submit(self, dst: torch.Tensor, src: torch.Tensor, host_side: torch.Tensor) -> SimEvent:
+        if not self.host.owns(host_side):
+            # Pageable memory: the copy cannot be queued, it runs now and the call returns after it.
+            dst.copy_(src)
+            self.pageable_copies += 1
+            ev = SimEvent(self)
+            ev.complete()
+            return ev
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="shardpoint-simulated-copy", daemon=True)
                 self._thread.start()
-        ev = SimEvent()
+        ev = SimEvent(self)
         self._q.put((dst, _source(src), ev))
         return ev
 
@@ -110,25 +190,42 @@ class SimulatedDevice(Device):
                 return
             dst, src, ev = job
             time.sleep(self.delay)
-            view = _resolve(src)
-            if view is None:
-                dst.view(torch.uint8).fill_(POISON)
+            if callable(src):  # queued work (queue_to_host): its result lands in dst
+                out = src()
+                dst.resize_(out.shape).copy_(out)
+                del out
             else:
-                dst.copy_(view)
-            self.copies += 1
-            del view, job, dst
+                view = _resolve(src)
+                if view is None:
+                    dst.view(torch.uint8).fill_(POISON)
+                else:
+                    dst.copy_(view)
+                del view
+                self.copies += 1
+            del job, dst, src
             ev.complete()
 
+    def queue_to_host(self, compute: Any, after: CopyEvent | None = None) -> tuple[torch.Tensor, CopyEvent]:
+        # Computed later on the copy thread, as the device would: a reader that skips the wait finds it empty.
+        host = torch.empty(0, dtype=torch.int64)
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="shardpoint-simulated-copy", daemon=True)
+                self._thread.start()
+        ev = SimEvent(self)
+        self._q.put((host, compute, ev))
+        return host, ev
+
     def snapshot_point(self) -> CopyEvent:
-        ev = SimEvent()
+        ev = SimEvent(self)
         ev.complete()
         return ev
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
-        return self._submit(dst, src)
+        return self._submit(dst, src, dst)
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
-        return self._submit(dst, src)
+        return self._submit(dst, src, src)
 
     def order_after(self, event: CopyEvent) -> None:
         event.synchronize()  # no streams to order: the host waits

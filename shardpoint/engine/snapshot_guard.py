@@ -15,12 +15,16 @@ Two witnesses tell that a tensor changed:
   on the tensor or on a view of it bumps, at no cost;
 - a sampled fingerprint (a strided sample of the raw bytes, at most
   :data:`SAMPLE_ELEMENTS` elements) of the :data:`FINGERPRINTED` largest
-  host tensors, which also sees writes through ``tensor.data``: those go to
+  tensors, which also sees writes through ``tensor.data``: those go to
   a tensor with a counter of its own. A loop that writes through ``.data``
   (WGAN-style clipping, an old EMA) does so to every parameter, so the
   largest few tell; sampling them all would cost the loop milliseconds per
-  save. A change that touches only unsampled elements, or tensors on an
-  accelerator, is seen by the version counter alone.
+  save. A change that touches only unsampled elements is seen by the
+  version counter alone. On an accelerator the sample is gathered on the
+  device, queued after the work before the call (the call does not wait
+  for it), and compared at the fence, inside the device's capture guard
+  (:meth:`~shardpoint.device.Device.capture_guard`), since the fence may be
+  checked on a worker thread while the training thread captures a graph.
 
 Example::
 
@@ -36,6 +40,7 @@ from typing import Iterable
 
 import torch
 
+from ..device import CpuDevice, Device
 from ..errors import TornSnapshotError
 
 __all__ = ["SnapshotGuard", "GuardedTensor", "SAMPLE_ELEMENTS", "FINGERPRINTED"]
@@ -69,9 +74,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
-    """A strided sample of ``t``'s raw bytes, or None where sampling is not cheap and exact."""
+    """A strided sample of ``t``'s raw bytes, or None where sampling is not cheap and exact.
+
+    On an accelerator the sample is queued on the caller's device queue: no wait here.
+    """
     t = _local(t)
-    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+    if t.device.type == "meta" or not t.is_contiguous() or t.numel() == 0:
         return None
     flat = t.reshape(-1)
     stride = max(1, flat.numel() // SAMPLE_ELEMENTS)
@@ -90,12 +98,13 @@ class SnapshotGuard:
         guard.changed()   # ["model.w"]
     """
 
-    def __init__(self, watched: list[GuardedTensor]):
+    def __init__(self, watched: list[GuardedTensor], device: Device | None = None):
         self.watched = watched
+        self.device = device if device is not None else CpuDevice()
 
     @classmethod
-    def record(cls, tensors: Iterable[tuple[str, torch.Tensor]]) -> "SnapshotGuard":
-        """Watch ``(name, tensor)`` pairs as they are now.
+    def record(cls, tensors: Iterable[tuple[str, torch.Tensor]], device: Device | None = None) -> "SnapshotGuard":
+        """Watch ``(name, tensor)`` pairs as they are now; ``device`` is the one the save stages from.
 
         Example::
 
@@ -106,7 +115,7 @@ class SnapshotGuard:
         sampled = set(sized[:FINGERPRINTED])
         return cls([
             GuardedTensor(fqn, t, t._version, _fingerprint(t) if i in sampled else None) for i, (fqn, t) in enumerate(pairs)
-        ])
+        ], device)
 
     def __len__(self) -> int:
         return len(self.watched)
@@ -119,13 +128,14 @@ class SnapshotGuard:
             if guard.changed(): ...
         """
         out = []
-        for g in self.watched:
-            if g.tensor._version != g.version:
-                out.append(g.fqn)
-            elif g.fingerprint is not None:
-                now = _fingerprint(g.tensor)
-                if now is None or not torch.equal(now, g.fingerprint):
+        with self.device.capture_guard():  # comparing a device sample waits for the device
+            for g in self.watched:
+                if g.tensor._version != g.version:
                     out.append(g.fqn)
+                elif g.fingerprint is not None:
+                    now = _fingerprint(g.tensor)
+                    if now is None or not torch.equal(now, g.fingerprint):
+                        out.append(g.fqn)
         return out
 
     def check(self, path: str) -> TornSnapshotError | None:

@@ -18,12 +18,42 @@ from typing import Any, Sequence
 
 import torch
 
-from ..device import CpuDevice, Device, device_for, device_of
+from ..device import CpuDevice, Device, device_for, device_of, host_budget
 
-__all__ = ["StagingRing", "Slot", "SaverStaging", "optimizer_order", "DEFAULT_STAGING_BYTES"]
+__all__ = ["StagingRing", "Slot", "SaverStaging", "optimizer_order", "pinned_capacity", "DEFAULT_STAGING_BYTES", "PINNED_SLACK"]
 
 DEFAULT_STAGING_BYTES = 2 << 30
+PINNED_SLACK = 1.25
+"""The most memory an automatic staging ring on a pinning device takes, as a multiple of the state it stages."""
 _ROUND = 64 << 20
+
+
+def _block_below(device: Device, nbytes: int) -> int:
+    """The largest size up to ``nbytes`` whose block the device's allocator does not round past ``nbytes``."""
+    held = device.held_size(nbytes)
+    return nbytes if held <= nbytes else max(1, held // 2)
+
+
+def pinned_capacity(need: int, device: Device, limit: int) -> int:
+    """The automatic ring for a state of ``need`` bytes on a device that pins host memory.
+
+    The allocator hands out blocks rounded up (to a power of two), so a
+    ring of exactly ``need`` bytes may hold up to twice that. The ring is the
+    whole block when that block is within :data:`PINNED_SLACK` of the state
+    (the snapshot then fits), else the largest block below the state, which
+    the state streams through. It never passes ``limit`` (what
+    :func:`~shardpoint.device.host_budget` allows this rank).
+
+    Example::
+
+        pinned_capacity(3 << 30, sim, 64 << 30)   # 2 GiB: a 4 GiB block would be 1.33x the state
+    """
+    limit = _block_below(device, max(1, int(limit)))
+    if need <= 0:
+        return min(DEFAULT_STAGING_BYTES, limit)
+    block = device.held_size(need)
+    size = block if block <= need * PINNED_SLACK else _block_below(device, need)
+    return max(1, min(size, limit))
 
 
 def _storage_key(t: Any) -> int | None:
@@ -96,6 +126,11 @@ class StagingRing:
             self._buf = self.device.host_buffer(self.capacity)
             self.allocations += 1
         return self._buf
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the buffer is allocated now."""
+        return self._buf is not None
 
     @property
     def warm_bytes(self) -> int:
@@ -190,12 +225,14 @@ class StagingRing:
             self._cv.notify_all()
 
     def free(self) -> None:
-        """Give the buffer back to its device (the ring allocates a new one if used again)."""
+        """Give the buffer back to the system, not only to the allocator's cache (a new one is made if used again)."""
         with self._cv:
             buf, self._buf = self._buf, None
             self._warm = 0
         if buf is not None:
             self.device.free_host_buffer(buf)
+            del buf  # the last reference: the allocator may now give the block back
+            self.device.empty_host_cache()
 
     def reopen(self) -> None:
         with self._cv:
@@ -210,12 +247,17 @@ class SaverStaging:
 
     The device is the one given, or learned from the first tensor of the
     first state seen (and learned again only if the state moves to another
-    device). ``budget=None`` sizes the ring automatically: the default, or
-    a state's bytes when more (rounded up to what the device's allocator
-    hands out), so that a whole snapshot fits and an eager save never waits
-    for storage; a given budget is kept as given. The ring
-    is made once and kept; it is made again only for another device or a
-    larger automatic budget, never from one save of the same state to the next.
+    device). ``budget=None`` sizes the ring automatically. In host memory
+    it is the default, or a state's bytes when more, so that a whole
+    snapshot fits and an eager save never waits for storage. On a device
+    that pins host memory it is :func:`pinned_capacity`: the state's size
+    as the allocator hands it out, at most :data:`PINNED_SLACK` times the
+    state (a larger state streams through a smaller ring) and at most
+    ``host_limit`` (default :func:`~shardpoint.device.host_budget`, this
+    rank's share of the host's available memory). A given budget is kept
+    as given. The ring is made once and kept; it is made again only for
+    another device or a larger automatic budget (the old one's memory then
+    goes back to the system), never from one save of the same state to the next.
 
     Example::
 
@@ -233,6 +275,20 @@ class SaverStaging:
         # Made now, on the constructing thread: what an accelerator needs for its copies is made once, here.
         self.device: Device | None = None if device is None else device_for(device)
         self.ring: StagingRing | None = None
+        self.host_limit: int | None = None  # None: host_budget() when the ring is sized
+
+    def _auto_budget(self, need: int) -> int:
+        dev = self.device
+        if dev.pins and need > 0:
+            ring = self.ring
+            size = pinned_capacity(need, dev, host_budget() if self.host_limit is None else self.host_limit)
+            if ring is not None and ring.device is dev and ring.allocated and ring.capacity >= size:
+                return ring.capacity  # a ring made for a larger state stays: no reallocation from save to save
+            return size
+        if need > self.budget:
+            # All of what the device's allocator hands out anyway.
+            return dev.held_size(-(-need // _ROUND) * _ROUND)
+        return self.budget
 
     def adopt(self, items: Sequence[Any]) -> Device:
         """The device for ``items`` (objects with ``.data``): as given, else that of their first device tensor."""
@@ -248,12 +304,11 @@ class SaverStaging:
         """The staging ring on the current device; with an automatic budget, holding ``need`` bytes."""
         if self.device is None:
             self.device = device_for(None)
-        if self.auto and need > self.budget:
-            # All of what the device's allocator hands out anyway (its host blocks come in powers of two).
-            self.budget = self.device.held_size(-(-need // _ROUND) * _ROUND)
+        if self.auto:
+            self.budget = self._auto_budget(int(need))
             self.piece = max(1, min(self.max_piece, self.budget // 2 or 1))
         ring = self.ring
-        if ring is None or ring.device is not self.device or ring.capacity < self.budget:
+        if ring is None or ring.device is not self.device or ring.capacity != self.budget:
             if ring is not None:
                 ring.free()
             self.ring = ring = StagingRing(self.budget, self.device)

@@ -23,7 +23,7 @@ from ..dist import run_guarded
 from ..engine.pipeline import StagedWrite
 from ..engine.snapshot_guard import SnapshotGuard
 from ..engine.staging import SaverStaging, StagingRing, optimizer_order
-from ..errors import CheckpointError
+from ..errors import CheckpointError, GraphCaptureError
 from ..planning.describe import RankReport
 from .reuse import SaveCache
 from .steps import data_file_name, mark_phase
@@ -68,14 +68,18 @@ class BackgroundSave(SaveTransaction):
         """Size the staging ring for this save, order what it copies, and make the handle."""
         mine = self.prep.mine if self.prepared.ok else []
         if self.prepared.ok:
-            staging.adopt(mine)
+            refused = run_guarded(functools.partial(self._refuse_capture, staging.adopt(mine)))
+            if not refused.ok:  # as a failed preparation: the other ranks still meet this one at the commit
+                if self.comm.world == 1:
+                    raise refused.exc
+                self.prepared, mine = refused, []
         ring = self.ring = staging.ring_for(sum(t.nbytes for t in mine))
         ring.reopen()
         handle = self.handle = AsyncSaveHandle(self.where, self.result, device=ring.device)
         handle.attach_storage(self.storage)
         if not self.prepared.ok:
             return handle
-        lazy = set(self.prep.lazy_ok) if self.mode == "lazy" else set()
+        lazy = set(self.prep.lazy_ok) if self.mode == "lazy" and not self._graph_stepped() else set()
         later = [t for t in mine if t.fqn in lazy]
         if later:
             later = optimizer_order(later, step_updates(self.state).order())
@@ -91,6 +95,30 @@ class BackgroundSave(SaveTransaction):
             self.staged = StagedWrite(self.storage, name, items, ring, self.comm.rank, self.options.block_size, piece_bytes, recorder=self.result.recorder)
             self.staged.after = ring.device.snapshot_point()  # here, on the training thread: copies read the state as of the call
         return handle
+
+    def _graph_stepped(self) -> bool:
+        """Whether an optimizer of the state may step inside a captured graph: then this save is taken eagerly.
+
+        A replayed graph runs no step pre-hook and bumps no version counter,
+        so neither the lazy fence nor its guard would see the step; a
+        ``capturable`` optimizer is one made to be captured.
+        """
+        found = [k for k, opt in step_updates(self.state).optimizers if any(g.get("capturable") for g in opt.param_groups)]
+        if found:
+            log.warning(
+                "the lazy save to %s is taken eagerly: optimizer %s is capturable, and a step replayed from a "
+                "captured graph runs no step hook, so a lazy snapshot could not be fenced before it; "
+                "save with mode='eager' to silence this", self.where, ", ".join(repr(k) for k in found),
+            )
+        return bool(found)
+
+    def _refuse_capture(self, device: Any) -> None:
+        if device.capturing():
+            raise GraphCaptureError(
+                f"async_save to {self.where} was called while the calling thread captures a graph: the save's copies "
+                f"and waits cannot be recorded into a graph. Call it outside the captured region, for example "
+                f"between two replays of the graph."
+            )
 
     # --- snapshot ---------------------------------------------------------------------------------
 
@@ -125,7 +153,7 @@ class BackgroundSave(SaveTransaction):
             handle.mark_copied()
             return
         updates = step_updates(self.state)
-        handle.guard(SnapshotGuard.record(updates.live(self.prep.ctx)))
+        handle.guard(SnapshotGuard.record(updates.live(self.prep.ctx), self.ring.device))
         for hook in updates.add_pre_hooks(handle.step_pre_hook):
             handle.add_hook(hook)
 

@@ -11,7 +11,13 @@ exactly:
 - a tensor on an accelerator, with torch ops on its own device (nothing but
   the digest is copied to the host): the first element's bit pattern, a
   position-weighted sum of the same strided sample, and the sum of all bit
-  patterns viewed as integers of the same width (exact in any order).
+  patterns viewed as integers of the same width, added up as 64-bit
+  integers in pieces of :data:`SUM_PIECE` elements (wrap-around addition
+  is exact in any order, and no temporary is larger than a piece).
+  :func:`digest_queued` queues this work after the caller's (where the
+  device queues its copies) and reads the result only when asked, at the
+  commit: the call neither waits for the device nor passes over its
+  memory on the training thread's queue.
 
 The first field of a digest says which way it was computed (:data:`HOST`
 or :data:`DEVICE`).
@@ -25,15 +31,18 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 import xxhash
 
-__all__ = ["SAMPLES", "HOST_FULL_BYTES", "HOST", "DEVICE", "check_mode", "digest_tensor", "digest_all"]
+from ..device import device_for
+
+__all__ = ["SAMPLES", "HOST_FULL_BYTES", "HOST", "DEVICE", "SUM_PIECE", "check_mode", "digest_tensor", "digest_all", "digest_queued", "QueuedDigests"]
 
 SAMPLES = 1024
+SUM_PIECE = 1 << 22  # elements summed at once: a 32 MiB int64 temporary at most
 HOST_FULL_BYTES = 1 << 16
 HOST, DEVICE = 0, 1  # the first field of a digest: how it was computed
 
@@ -87,7 +96,13 @@ def _sample_index(n: int, device: torch.device, cache: dict) -> tuple[torch.Tens
     """One index in each of ``min(n, SAMPLES)`` equal stretches of ``[0, n)`` (the last element included), and odd weights."""
     key = (n, device)
     if key not in cache:
-        idx = torch.from_numpy(_np_sample(n)).to(device, copy=True)  # the host digests sample the same elements
+        if device.type == "cpu":
+            idx = torch.from_numpy(_np_sample(n)).clone()  # the host digests sample the same elements
+        else:
+            # Made on the device: a copy from the host's memory would wait for the device's queue.
+            k = min(n, SAMPLES)
+            idx = torch.arange(k, dtype=torch.int64, device=device) * n // k
+            idx[-1] = n - 1
         cache[key] = (idx, idx * 2 + 1)  # odd weights: a swap of two sampled values changes the sum
     return cache[key]
 
@@ -137,7 +152,22 @@ def _device_parts(t: torch.Tensor, cache: dict) -> tuple[torch.Tensor, ...]:
         return z, z, z
     idx, weights = _sample_index(n, bits.device, cache)
     sample = torch.take(bits, idx).to(torch.int64)
-    return sample[0], (sample * weights).sum(), bits.sum(dtype=torch.int64)
+    return sample[0], (sample * weights).sum(), _sum64(bits)
+
+
+def _sum64(bits: torch.Tensor) -> torch.Tensor:
+    """The sum of all elements as int64 (wrapping), converted a piece at a time, not the whole tensor at once."""
+    if bits.numel() <= SUM_PIECE:
+        return bits.sum(dtype=torch.int64)
+    if bits.is_contiguous():
+        parts = bits.reshape(-1).split(SUM_PIECE)
+    else:  # rows at a time: a view's pieces need no copy of the whole
+        rows = max(1, SUM_PIECE // max(1, bits[0].numel()))
+        parts = bits.split(rows)
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for part in parts:
+        total += part.sum(dtype=torch.int64)
+    return total
 
 
 def digest_tensor(t: torch.Tensor, host: bool = True) -> tuple[int, ...]:
@@ -178,3 +208,65 @@ def digest_all(tensors: Sequence[torch.Tensor], host: bool = True) -> list[tuple
         for i, row in zip(idx, table):
             out[i] = (DEVICE, int(row[0]), int(row[1]), int(row[2]))
     return out
+
+
+class QueuedDigests:
+    """Digests being computed: read with :meth:`result` (waits for the device's work only then).
+
+    Example::
+
+        pending = digest_queued(tensors)
+        ...                      # the save goes on; the device computes
+        pending.result()         # [(kind, a, b, c), ...]
+    """
+
+    def __init__(self, out: list[tuple[int, ...]], queued: list[tuple[list[int], torch.Tensor, Any]]):
+        self._out = out
+        self._queued = queued  # (positions, host table, completion event), one per device
+
+    def result(self) -> list[tuple[int, ...]]:
+        """The digests, in the order given; the first call waits for what the devices still compute."""
+        for idx, table, event in self._queued:
+            event.synchronize()
+            for i, row in zip(idx, table.tolist()):
+                self._out[i] = (DEVICE, int(row[0]), int(row[1]), int(row[2]))
+        self._queued = []
+        return self._out
+
+
+def digest_queued(tensors: Sequence[torch.Tensor], host: bool = True) -> QueuedDigests:
+    """:func:`digest_all`, with each device's part queued after the caller's work and read later.
+
+    CPU tensors are hashed now (as by :func:`digest_all`). The digests of
+    tensors on an accelerator are computed where its device object queues
+    copies, after everything the calling thread queued so far, and copied
+    to host memory without waiting; the caller's later work is ordered after
+    them on the device (so the next step cannot change a tensor before its
+    digest read it), and :meth:`QueuedDigests.result` waits.
+
+    Example::
+
+        pending = digest_queued([w_gpu, b_gpu]); ...; pending.result()
+    """
+    out: list[tuple[int, ...]] = [(HOST, 0, 0, 0)] * len(tensors)
+    by_dev: dict[torch.device, list[int]] = {}
+    cache: dict = {}
+    full = check_mode() == "full"
+    for i, t in enumerate(tensors):
+        if host and t.is_cpu:
+            d = _raw_digest(t, full)
+            out[i] = d if d is not None else _host_digest(t.detach(), full, cache)
+        else:
+            by_dev.setdefault(t.device, []).append(i)
+    queued = []
+    for where, idx in by_dev.items():
+        dev = device_for(where)
+        data = [tensors[i].detach() for i in idx]
+
+        def compute(data=data) -> torch.Tensor:
+            return torch.stack([torch.stack(_device_parts(t, cache)) for t in data])
+
+        table, event = dev.queue_to_host(compute, dev.snapshot_point())
+        dev.order_after(event)  # later work of the caller (the next step) waits on the device, the host goes on
+        queued.append((idx, table, event))
+    return QueuedDigests(out, queued)

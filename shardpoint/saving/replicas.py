@@ -45,7 +45,7 @@ from typing import AbstractSet, Any, Iterable, Sequence
 
 import torch
 
-from .digest import HOST, check_mode, digest_all
+from .digest import HOST, check_mode, digest_all, digest_queued
 from ..items import SaveTensor
 from ..planning.replicas import (
     COPY_MARK, ReplicaTable, Row, copied_names, copy_name, encode_rows, mismatches, parse_copy_name,
@@ -105,7 +105,7 @@ class PendingTable:
 
     - :meth:`start` digests on a thread every CPU tensor not named in
       ``later`` (device tensors at once: their digests are queued on the
-      device), alongside what the save does next; a blocking save's caller
+      device and read by :meth:`table`, so the call never waits for them), alongside what the save does next; a blocking save's caller
       cannot change the state before the commit, an asynchronous save
       joins the thread before its call returns;
     - :meth:`digest_later` digests the tensors named in ``later``: a lazy
@@ -129,6 +129,7 @@ class PendingTable:
         self.thread: threading.Thread | None = None
         self.done: ReplicaTable | None = None
         self.error: BaseException | None = None
+        self.queued: list[tuple[list[int], Any]] = []  # (positions, QueuedDigests) read by table()
 
     def digest(self, picked: Sequence[int]) -> None:
         """Digest the tensors at positions ``picked`` on the calling thread, keeping an error for :meth:`table`."""
@@ -142,6 +143,24 @@ class PendingTable:
         except BaseException as e:  # noqa: BLE001 - raised by table(), on the save's thread
             self.error = e
 
+    def queue(self, picked: Sequence[int]) -> None:
+        """Queue the digests of the device tensors at ``picked`` on their devices; :meth:`table` reads them."""
+        if not picked or self.error is not None or not self.digests:
+            return self.digest(picked)
+        try:
+            self.queued.append((list(picked), digest_queued([self.tensors[i].data for i in picked])))
+        except BaseException as e:  # noqa: BLE001 - raised by table(), on the save's thread
+            self.error = e
+
+    def _collect(self) -> None:
+        queued, self.queued = self.queued, []
+        for picked, pending in queued:
+            try:
+                for i, d in zip(picked, pending.result()):
+                    self.found[i] = d
+            except BaseException as e:  # noqa: BLE001 - raised by table()
+                self.error = e
+
     def start(self, later: AbstractSet[str] = frozenset()) -> None:
         """Digest every tensor not named in ``later`` (see the class documentation); runs once."""
         if self.started:
@@ -152,7 +171,7 @@ class PendingTable:
             self.later_done.set()
         deferred = set(self.later)
         rest = [i for i in range(len(self.tensors)) if i not in deferred]
-        self.digest([i for i in rest if not self.tensors[i].data.is_cpu])
+        self.queue([i for i in rest if not self.tensors[i].data.is_cpu])  # read at the commit: no wait here
         host = [i for i in rest if self.tensors[i].data.is_cpu]
         if host:
             self.thread = threading.Thread(target=self.digest, args=(host,), name="shardpoint-replica-digests", daemon=True)
@@ -179,6 +198,7 @@ class PendingTable:
                 self.digest(range(len(self.tensors)))
             self.join()
             self.later_done.wait()  # the lazy worker's part
+            self._collect()
         if self.error is not None:
             raise self.error
         if self.done is None:
