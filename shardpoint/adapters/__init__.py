@@ -16,8 +16,8 @@ Example (``CounterAdapter`` as in :class:`Adapter`'s example)::
 
 from __future__ import annotations
 
-from .base import Adapter, AdapterContext, LoadPart, LoadTarget, ParamView, Replicas, SavePart, SaveTensor
-from .context import build_context, resolve_replicas
+from .base import Adapter, AdapterContext, ContextFacts, LoadPart, LoadTarget, ParamShard, ParamView, Replicas, SavePart, SaveTensor
+from .context import build_context, implied_rules, resolve_replicas
 from .module import unwrap_module
 from .registry import adapter_for, default_adapters, register_adapter, registered_adapters, unregister_adapter
 from .whole import WholeEntry
@@ -25,6 +25,8 @@ from .whole import WholeEntry
 __all__ = [
     "Adapter",
     "AdapterContext",
+    "ContextFacts",
+    "ParamShard",
     "LoadPart",
     "LoadTarget",
     "SavePart",
@@ -32,6 +34,7 @@ __all__ = [
     "ParamView",
     "Replicas",
     "build_context",
+    "implied_rules",
     "resolve_replicas",
     "register_adapter",
     "unregister_adapter",

@@ -78,7 +78,7 @@ class BackgroundSave(SaveTransaction):
         lazy = set(self.prep.lazy_ok) if self.mode == "lazy" else set()
         later = [t for t in mine if t.fqn in lazy]
         if later:
-            later = optimizer_order(later, step_updates(self.state).order())
+            later = optimizer_order(later, step_updates(self.state).order(self.prep.ctx))
         items = [t for t in mine if t.fqn not in lazy] + later
         self.split = len(items) - len(later)
         replicas = self.prep.replicas
