@@ -6,7 +6,7 @@ import math
 import sys
 from collections.abc import MutableMapping
 from dataclasses import replace
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from ..experts import deepspeed_expert_rules
 from ..landing import live_storages, module_tensors, storage_of, unlanded
 from ..optimizer import OptimizerAdapter
 from ..tensors import load_target, save_tensor
+from ..torch_steps import torch_step_pre_hook
 from .detect import (
     is_deepspeed_engine, is_deepspeed_optimizer, is_zero3_param, is_zero_optimizer, live_group_keys, owner_of, unsupported,
     zero_stage,
@@ -144,6 +145,28 @@ class DeepSpeedAdapter(Adapter):
     def implied_rules(self, state: Mapping[str, Any]) -> list[Any]:
         """An :class:`~shardpoint.layouts.Experts` rule per DeepSpeed MoE expert list (stored at global indices)."""
         return deepspeed_expert_rules(state) if "deepspeed" in sys.modules else []
+
+    def is_stepped(self, obj: Any) -> bool:
+        """A ZeRO optimizer: its state changes only inside the step of the torch optimizer it wraps."""
+        return is_zero_optimizer(obj)
+
+    def step_updates(self, key: str, zopt: Any, ctx: AdapterContext) -> list[tuple[str, torch.Tensor]]:
+        """The inner optimizer's state tensors of each fp32 partition, named after its first parameter.
+
+        The partitions themselves are saved with the module, copied in the call.
+        """
+        lay = self._optimizer_map(key, zopt, ctx)
+        out: list[tuple[str, torch.Tensor]] = []
+        for s in lay.slots:
+            views = ctx.views.get(id(s.local), ())
+            label = views[0].fqn if views else f"partition.{s.group}"
+            state = zopt.optimizer.state.get(s.local, {})
+            out.extend((f"{key}.state.{label}.{k}", v) for k, v in state.items() if isinstance(v, torch.Tensor))
+        return out
+
+    def add_step_pre_hook(self, zopt: Any, hook: Callable[[], None]) -> Any:
+        """A step pre-hook of the wrapped torch optimizer, which ZeRO's step calls before it changes the state."""
+        return torch_step_pre_hook(zopt.optimizer, hook)
 
     # ------------------------------------------------------------ resolving objects
     def _module_and_zero(self, key: str, obj: Any) -> tuple[nn.Module, Any]:

@@ -66,7 +66,7 @@ GROUP_IDENTITY = frozenset({"name", "moe"})
 
 
 def live_group_keys(obj: Any) -> dict[int, frozenset[str]]:
-    """``id(optimizer)`` -> :data:`GROUP_IDENTITY` for the optimizers entry ``obj`` shows DeepSpeed names the groups of.
+    """``id(optimizer)`` -> :data:`GROUP_IDENTITY` for each optimizer entry ``obj`` shows to have groups DeepSpeed names.
 
     An engine declares the optimizer it steps (``engine.optimizer``); a
     ZeRO optimizer declares itself, and so does a torch
