@@ -3,7 +3,10 @@
 Every adapter subclasses :class:`Adapter` (``claims``, ``save``, ``load``).
 The registry (:mod:`shardpoint.adapters.registry`) holds them most specific
 first, with ``TreeAdapter`` last as the fallback; a new framework joins with
-:func:`register_adapter` and no change anywhere else.
+:func:`register_adapter` and no change anywhere else. What else a framework
+needs is an ability with a default on :class:`Adapter` (``context_facts``,
+``implied_rules``, ``is_stepped``...), so nothing outside the adapters names
+a framework.
 
 Example (``CounterAdapter`` as in :class:`Adapter`'s example)::
 
