@@ -419,8 +419,9 @@ class Adapter(abc.ABC):
         An optimizer is: a lazy asynchronous save copies what its step
         updates (:meth:`step_updates`) after the call returns, and fences the
         save in a hook that runs before its next step
-        (:meth:`add_step_pre_hook`). The adapter that claims ``obj`` is
-        asked. By default no: everything of ``obj`` is copied in the call.
+        (:meth:`add_step_pre_hook`). Every adapter is asked, so the answer
+        must be cheap, and it counts only from the adapter that claims
+        ``obj``. By default no: everything of ``obj`` is copied in the call.
 
         Example::
 

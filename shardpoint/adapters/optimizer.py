@@ -167,8 +167,8 @@ class OptimizerAdapter(Adapter):
         return part
 
     def is_stepped(self, obj: Any) -> bool:
-        """Yes: a torch optimizer changes its parameters and state only inside ``step()``."""
-        return True
+        """Yes for the optimizers it claims: a torch optimizer changes its parameters and state only inside ``step()``."""
+        return self.claims(obj)
 
     def step_updates(self, key: str, opt: Any, ctx: AdapterContext) -> list[tuple[str, torch.Tensor]]:
         """Each named parameter, then its state tensors (:func:`torch_step_updates`)."""

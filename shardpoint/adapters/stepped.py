@@ -31,7 +31,7 @@ class StepUpdates:
     """The objects of a state that take a step pre-hook, and what their step updates.
 
     ``stepped`` lists ``(key, object, adapter)`` for every entry whose
-    adapter declares it stepped.
+    adapter (the one that claims it) declares it stepped.
 
     Example::
 
@@ -43,8 +43,10 @@ class StepUpdates:
         adapters = default_adapters()
         self.stepped: list[tuple[str, Any, Adapter]] = []
         for key, obj in state.items():
-            adapter = adapter_for(obj, adapters)
-            if adapter.is_stepped(obj):
+            # ``is_stepped`` is cheap and asked first: claims may walk a whole model.
+            said = [a for a in adapters if a.is_stepped(obj)]
+            adapter = adapter_for(obj, adapters) if said else None
+            if any(a is adapter for a in said):
                 self.stepped.append((key, obj, adapter))
 
     def __bool__(self) -> bool:

@@ -74,7 +74,7 @@ class SignSGDAdapter(Adapter):
         return part
 
     def is_stepped(self, obj):
-        return True
+        return True  # counts only for the objects it claims (not for the model)
 
     def step_updates(self, key, opt, ctx):
         out = []
