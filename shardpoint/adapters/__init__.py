@@ -3,7 +3,10 @@
 Every adapter subclasses :class:`Adapter` (``claims``, ``save``, ``load``).
 The registry (:mod:`shardpoint.adapters.registry`) holds them most specific
 first, with ``TreeAdapter`` last as the fallback; a new framework joins with
-:func:`register_adapter` and no change anywhere else.
+:func:`register_adapter` and no change anywhere else. What else a framework
+needs is an ability with a default on :class:`Adapter` (``context_facts``,
+``implied_rules``, ``is_stepped``...), so nothing outside the adapters names
+a framework.
 
 Example (``CounterAdapter`` as in :class:`Adapter`'s example)::
 
@@ -16,8 +19,8 @@ Example (``CounterAdapter`` as in :class:`Adapter`'s example)::
 
 from __future__ import annotations
 
-from .base import Adapter, AdapterContext, LoadPart, LoadTarget, ParamView, Replicas, SavePart, SaveTensor
-from .context import build_context, resolve_replicas
+from .base import Adapter, AdapterContext, ContextFacts, LoadPart, LoadTarget, ParamShard, ParamView, Replicas, SavePart, SaveTensor
+from .context import build_context, implied_rules, resolve_replicas
 from .deepspeed.moe import deepspeed_expert_rules
 from .module import unwrap_module
 from .registry import adapter_for, default_adapters, register_adapter, registered_adapters, unregister_adapter
@@ -26,6 +29,8 @@ from .whole import WholeEntry
 __all__ = [
     "Adapter",
     "AdapterContext",
+    "ContextFacts",
+    "ParamShard",
     "LoadPart",
     "LoadTarget",
     "SavePart",
@@ -33,6 +38,7 @@ __all__ = [
     "ParamView",
     "Replicas",
     "build_context",
+    "implied_rules",
     "resolve_replicas",
     "register_adapter",
     "unregister_adapter",

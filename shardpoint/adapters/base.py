@@ -19,7 +19,7 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
-from ..errors import mismatch_error
+from ..errors import UnsupportedStateError, mismatch_error
 from ..geometry import Box
 from ..items import LoadTarget, SaveTensor, dtype_name, torch_dtype
 
@@ -29,6 +29,8 @@ __all__ = [
     "SavePart",
     "LoadPart",
     "AdapterContext",
+    "ContextFacts",
+    "ParamShard",
     "ParamView",
     "Replicas",
     "Adapter",
@@ -108,6 +110,70 @@ class ParamView:
         return Box.full(self.shape)
 
 
+class ParamShard(abc.ABC):
+    """Where a parameter's local tensor lies in its global tensor, so that state shaped like it follows it.
+
+    A framework that keeps parameters as plain local tensors of a larger
+    global one (Megatron's tensor-parallel layers) describes each with a
+    subclass; the optimizer adapter saves and loads the parameter's state
+    through it. ``shape`` is the global shape.
+
+    Example (a row-sharded parameter: this rank holds rows ``lo:lo + n``)::
+
+        class RowShard(ParamShard):
+            def __init__(self, shape, lo, n):
+                self.shape, self.lo, self.n = shape, lo, n
+
+            def save(self, fqn, t):
+                box = Box((self.lo, 0), (self.n, self.shape[1]))
+                return [SaveTensor(fqn, t.detach(), self.shape, box)]
+
+            def save_whole(self, fqn, t):
+                return [SaveTensor(fqn, t.detach(), tuple(t.shape), Box.full(tuple(t.shape)))]
+
+            def targets(self, fqn, dest):
+                return [LoadTarget(fqn, dest, self.shape, Box((self.lo, 0), (self.n, self.shape[1])))]
+    """
+
+    shape: tuple[int, ...]
+
+    @abc.abstractmethod
+    def save(self, fqn: str, t: torch.Tensor) -> list[SaveTensor]:
+        """:class:`SaveTensor` items for ``t`` (the local tensor, or state shaped like it)."""
+
+    @abc.abstractmethod
+    def save_whole(self, fqn: str, t: torch.Tensor) -> list[SaveTensor]:
+        """A tensor held whole, the same on every rank holding a piece of the parameter (a scalar ``step``)."""
+
+    @abc.abstractmethod
+    def targets(self, fqn: str, dest: torch.Tensor) -> list[LoadTarget]:
+        """:class:`LoadTarget` items that fill ``dest`` (shaped like the local tensor) in place."""
+
+
+@dataclass(frozen=True)
+class ContextFacts:
+    """What an adapter knows about one entry of the state that other adapters of the same save or load need.
+
+    ``names`` maps ``id(param)`` to the parameter's name in the checkpoint
+    (the optimizer adapter keys state by it), ``views`` maps ``id(param)``
+    of a tensor that packs several parameters to where each lies in it
+    (:class:`ParamView`), ``shards`` maps ``id(param)`` to a
+    :class:`ParamShard` for a parameter that is a plain local piece of a
+    larger tensor, and ``live_group_keys`` maps ``id(optimizer)`` to
+    param-group keys that describe the live run (a load keeps their live
+    values). See :meth:`Adapter.context_facts`.
+
+    Example::
+
+        ContextFacts(names={id(p): f"{key}.{n}" for n, p in module.named_parameters()})
+    """
+
+    names: Mapping[int, str] = field(default_factory=dict)
+    views: Mapping[int, tuple[ParamView, ...]] = field(default_factory=dict)
+    shards: Mapping[int, ParamShard] = field(default_factory=dict)
+    live_group_keys: Mapping[int, frozenset[str]] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class Replicas:
     """The ranks that hold identical copies of an entry's plain tensors.
@@ -135,6 +201,10 @@ class AdapterContext:
     ``id(optimizer)`` to param-group keys that describe the live run, not
     hyper-parameters (the name a framework looks a group's process groups up
     by): a load keeps their live values instead of restoring the saved ones.
+    ``shards`` maps ``id(param)`` of a parameter that is a plain local piece
+    of a larger tensor to its :class:`ParamShard`; the parameter's optimizer
+    state follows it. Every adapter contributes these facts for the entries
+    it knows (:meth:`Adapter.context_facts`).
     """
 
     rank: int
@@ -145,6 +215,7 @@ class AdapterContext:
     replicas: Mapping[str, Replicas] = field(default_factory=dict)
     patterns: tuple[tuple[str, Replicas | None], ...] = ()
     live_group_keys: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    shards: Mapping[int, ParamShard] = field(default_factory=dict)
 
     def _replicas(self, fqn: str | None) -> Replicas | None:
         if fqn is None:
@@ -214,9 +285,17 @@ class Adapter(abc.ABC):
     then turns the object into a :class:`SavePart` on save and a
     :class:`LoadPart` on load; nothing else in shardpoint knows the framework.
     ``name`` names the adapter in the registry and in the checkpoint's
-    summary of which framework saved each entry. :meth:`logical_value` and
-    :meth:`read_value` are abilities with defaults: an adapter overrides them
-    only when its saved value names tensors.
+    summary of which framework saved each entry. The other methods are
+    abilities with defaults, overridden only where the framework needs them:
+    :meth:`logical_value` and :meth:`read_value` (a saved value that names
+    tensors), :meth:`fingerprint` and :meth:`refresh` (reusing a part from
+    save to save), :meth:`context_facts` (parameter names, packed-parameter
+    views, per-parameter shards and live param-group keys that other
+    adapters need), :meth:`implied_rules` (layout rules the framework implies
+    for the state), and :meth:`is_stepped`, :meth:`step_updates` and
+    :meth:`add_step_pre_hook` (what an optimizer's step updates, which a
+    lazy asynchronous save copies in the background, fenced before the next
+    step).
 
     Example::
 
@@ -293,6 +372,99 @@ class Adapter(abc.ABC):
         scheduler changes ``lr`` every step). By default ``part`` is returned.
         """
         return part
+
+    def context_facts(self, key: str, obj: Any, state: Mapping[str, Any]) -> ContextFacts | None:
+        """What this adapter knows about ``state[key] = obj`` that other adapters need, or ``None``.
+
+        :func:`~shardpoint.adapters.build_context` asks the registered
+        adapters in order for each entry; the first answer that is not
+        ``None`` gives the entry's :class:`ContextFacts`, and an earlier entry
+        keeps a parameter it already named. An adapter answers for the
+        objects it handles, and may answer for one another adapter claims
+        when its framework shapes that object (the DeepSpeed adapter declares
+        the live param-group keys of a torch optimizer over its MoE groups).
+        ``state`` is the whole state, for facts that pair entries (a module
+        and the optimizer that holds its master weights). By default there
+        are none.
+
+        Example::
+
+            def context_facts(self, key, obj, state):
+                if not isinstance(obj, MyModel):
+                    return None
+                return ContextFacts(names={id(p): f"{key}.{n}" for n, p in obj.named_parameters()})
+        """
+        return None
+
+    def implied_rules(self, state: Mapping[str, Any]) -> list[Any]:
+        """The layout rules this adapter's framework implies for ``state``, applied with the user's.
+
+        Every registered adapter is asked on save and on load
+        (:func:`~shardpoint.adapters.implied_rules`). The DeepSpeed adapter
+        returns an :class:`~shardpoint.layouts.Experts` rule for each MoE
+        layer, so that local experts are stored at their global index. By
+        default there are none.
+
+        Example::
+
+            def implied_rules(self, state):
+                return [sp.Experts(f"{k}.experts", num_experts=8, group=ep_group)
+                        for k, m in state.items() if isinstance(m, MyMoE)]
+        """
+        return []
+
+    def is_stepped(self, obj: Any) -> bool:
+        """Whether ``obj`` changes tensors of the state only inside a step that a hook can precede.
+
+        An optimizer is: a lazy asynchronous save copies what its step
+        updates (:meth:`step_updates`) after the call returns, and fences the
+        save in a hook that runs before its next step
+        (:meth:`add_step_pre_hook`). Every adapter is asked, so the answer
+        must be cheap, and it counts only from the adapter that claims
+        ``obj``. By default no: everything of ``obj`` is copied in the call.
+
+        Example::
+
+            def is_stepped(self, obj):
+                return isinstance(obj, SignSGD)
+        """
+        return False
+
+    def step_updates(self, key: str, obj: Any, ctx: AdapterContext) -> list[tuple[str, torch.Tensor]]:
+        """``(name, live tensor)`` for each tensor the step of ``state[key] = obj`` updates, in update order.
+
+        Names are those the save stores the tensors under (a parameter's
+        name in ``ctx.param_names``, a state tensor's name as :meth:`save`
+        makes it); tensors are the live objects in-place changes go through,
+        whose version counters witness a change before the fence. Asked
+        only when :meth:`is_stepped`. By default none.
+
+        Example::
+
+            def step_updates(self, key, opt, ctx):
+                out = []
+                for p in opt.params:
+                    name = ctx.param_names[id(p)]
+                    out += [(name, p), (f"{key}.momentum.{name}", opt.momentum[id(p)])]
+                return out
+        """
+        return []
+
+    def add_step_pre_hook(self, obj: Any, hook: Callable[[], None]) -> Any:
+        """Have ``obj`` call ``hook()`` before each of its steps; return a handle whose ``remove()`` undoes it.
+
+        Asked only when :meth:`is_stepped`; an adapter that declares its
+        objects stepped says here how to hook their step.
+
+        Example::
+
+            def add_step_pre_hook(self, opt, hook):
+                return opt.register_step_pre_hook(lambda o, args, kwargs: hook())
+        """
+        raise UnsupportedStateError(
+            f"adapter {self.name!r} declares {type(obj).__qualname__} stepped (is_stepped) but cannot hook its "
+            "step; override add_step_pre_hook, or return False from is_stepped so that it is copied in the call"
+        )
 
 
 def global_cost(shape: tuple[int, ...], itemsize: int, replica_count: int, mesh_size: int) -> float:

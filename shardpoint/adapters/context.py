@@ -1,26 +1,23 @@
 """Build the :class:`AdapterContext` for one save or load from the user's state.
 
-Parameter names come from the modules in the state (unwrapped: DDP, compile,
-FSDP1 and activation-checkpoint prefixes removed), so optimizer state is keyed
-by the same names as the model. FSDP1 units add per-parameter views (see
-:class:`~shardpoint.adapters.base.ParamView`). ``replicated_over`` says which
-ranks hold identical copies of plain tensors, for layouts where that is not
-the whole group (pipeline stages).
+Parameter names, packed-parameter views (see
+:class:`~shardpoint.adapters.base.ParamView`), per-parameter shards and live
+param-group keys come from the registered adapters
+(:meth:`~shardpoint.adapters.Adapter.context_facts`): the modules' own
+names, wrapper prefixes removed, so optimizer state is keyed by the same
+names as the model. ``replicated_over`` says which ranks hold identical
+copies of plain tensors, for layouts where that is not the whole group
+(pipeline stages).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from torch import nn
+from .base import AdapterContext, ParamShard, ParamView, Replicas
+from .registry import default_adapters
 
-from .base import AdapterContext, ParamView, Replicas
-from .deepspeed import deepspeed_names_and_views, live_group_keys
-from .fsdp1 import fsdp1_names_and_views, is_fsdp1
-from .megatron import is_megatron, megatron_shards
-from .module import unwrap_module
-
-__all__ = ["build_context", "resolve_replicas", "resolve_patterns", "is_name_pattern"]
+__all__ = ["build_context", "implied_rules", "resolve_replicas", "resolve_patterns", "is_name_pattern"]
 
 
 def _global_rank() -> int:
@@ -110,35 +107,49 @@ def resolve_replicas(replicated_over: Any, keys: Sequence[str]) -> dict[str, Rep
 def build_context(
     state: Mapping[str, Any], rank: int, world: int, allow_pickle: bool = False, replicated_over: Any = None
 ) -> AdapterContext:
-    """The context every adapter of one save or load sees."""
+    """The context every adapter of one save or load sees.
+
+    Each entry's facts come from the first registered adapter that answers
+    :meth:`~shardpoint.adapters.Adapter.context_facts` for it; a parameter
+    named by an earlier entry keeps that name.
+
+    Example::
+
+        ctx = build_context({"model": model, "optimizer": opt}, rank=0, world=1)
+        ctx.param_names[id(model.weight)]  # 'model.weight'
+    """
+    adapters = default_adapters()
     names: dict[int, str] = {}
     views: dict[int, tuple[ParamView, ...]] = {}
-    shards: dict = {}
+    shards: dict[int, ParamShard] = {}
+    live: dict[int, frozenset[str]] = {}
     for key, obj in state.items():
-        if not isinstance(obj, nn.Module):
+        facts = next((f for a in adapters if (f := a.context_facts(key, obj, state)) is not None), None)
+        if facts is None:
             continue
-        m = unwrap_module(obj)
-        if is_megatron(m):
-            n, sh = megatron_shards(key, m)
-            for i, name in n.items():
-                names.setdefault(i, name)
-            shards.update(sh)
-            continue
-        if is_fsdp1(m):
-            n, v = fsdp1_names_and_views(key, m, f"state[{key!r}]")
-            for i, name in n.items():
-                names.setdefault(i, name)
-            for i, vs in v.items():
-                views.setdefault(i, vs)
-            continue
-        for n, p in m.named_parameters():
-            names.setdefault(id(p), f"{key}.{n}")
-    n, v = deepspeed_names_and_views(state)  # engines: the module's names; ZeRO partitions: views
-    names.update(n)
-    views.update(v)
-    ctx = AdapterContext(
+        for i, name in facts.names.items():
+            names.setdefault(i, name)
+        for i, v in facts.views.items():
+            views.setdefault(i, v)
+        for i, sh in facts.shards.items():
+            shards.setdefault(i, sh)
+        for i, ks in facts.live_group_keys.items():
+            live[i] = live.get(i, frozenset()) | ks
+    return AdapterContext(
         rank, world, names, allow_pickle, views, resolve_replicas(replicated_over, list(state)),
-        resolve_patterns(replicated_over), live_group_keys(state),
+        resolve_patterns(replicated_over), live, shards,
     )
-    ctx.shards = shards  # id(param) -> MegatronShard: optimizer state follows it
-    return ctx
+
+
+def implied_rules(state: Mapping[str, Any]) -> list[Any]:
+    """The layout rules the frameworks in ``state`` imply, from every registered adapter in order.
+
+    A save and a load apply them after the user's own rules
+    (:meth:`~shardpoint.adapters.Adapter.implied_rules`; experts of a MoE
+    layer stored at their global index, for one).
+
+    Example::
+
+        rules = [*user_rules, *implied_rules(state)]
+    """
+    return [rule for adapter in default_adapters() for rule in adapter.implied_rules(state)]

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..errors import UnsupportedStateError
 from ..geometry import Box
-from .base import Adapter, AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor
+from .base import Adapter, AdapterContext, ContextFacts, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor
 from .tensors import load_target, save_tensor
 
 __all__ = [
@@ -337,6 +337,13 @@ class FSDP1Adapter(Adapter):
         from .module import unwrap_module
 
         return unwrap_module(obj)
+
+    def context_facts(self, key: str, obj: Any, state: Mapping[str, Any]) -> ContextFacts | None:
+        """Unwrapped parameter names, and the views of every flat parameter (:func:`fsdp1_names_and_views`)."""
+        if not is_fsdp1(obj):
+            return None
+        names, views = fsdp1_names_and_views(key, self._root(obj), f"state[{key!r}]")
+        return ContextFacts(names=names, views=views)
 
     def save(self, key: str, obj: nn.Module, ctx: AdapterContext) -> SavePart:
         root = self._root(obj)

@@ -57,7 +57,7 @@ from torch import nn
 
 from ..errors import UnsupportedStateError
 from ..geometry import Box
-from .base import Adapter, AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor
+from .base import Adapter, AdapterContext, ContextFacts, LoadPart, LoadTarget, ParamShard, SavePart, SaveTensor
 from .experts import GroupedWeight, megatron_expert_prefixes, megatron_grouped_experts, rename_prefix
 from .module import unwrap_module
 
@@ -86,8 +86,8 @@ def is_megatron(m: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class MegatronShard:
-    """Where a local Megatron tensor lies in its global tensor.
+class MegatronShard(ParamShard):
+    """Where a local Megatron tensor lies in its global tensor (the optimizer state of a parameter follows it).
 
     ``pieces`` are ``(local offset, global box)`` along ``dim``: the local
     rows ``[local, local + box.sizes[dim])`` are the global ``box``.
@@ -334,6 +334,13 @@ class MegatronAdapter(Adapter):
 
     def claims(self, obj: Any) -> bool:
         return is_megatron(obj)
+
+    def context_facts(self, key: str, obj: Any, state: Mapping[str, Any]) -> ContextFacts | None:
+        """Global parameter names (pipeline layers renumbered) and each parameter's :class:`MegatronShard`."""
+        if not is_megatron(obj):
+            return None
+        names, shards = megatron_shards(key, obj)
+        return ContextFacts(names=names, shards=shards)
 
     def _tensors(self, key: str, m: nn.Module):
         """(global fqn, tensor, shard) for every tensor of ``m.state_dict()``."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import IncompleteStateError, UnsupportedStateError
 from ..format.values import decode_value, encode_value
-from .base import Adapter, AdapterContext, LoadPart, SavePart
+from .base import Adapter, AdapterContext, ContextFacts, LoadPart, SavePart
 from .reuse import module_fingerprint
 from .landing import alias_key, live_storages, local_of, module_tensors, same_bits, storage_of, unlanded
 from .tensors import is_dtensor, load_target, save_tensor
@@ -160,6 +160,12 @@ class ModuleAdapter(Adapter):
         framework the part names (an FSDP1 module is refused at save and never kept).
         """
         return module_fingerprint(unwrap_module(obj))
+
+    def context_facts(self, key: str, obj: Any, state: Mapping[str, Any]) -> ContextFacts | None:
+        """Any module's parameters by their unwrapped names (``model.layers.0.weight``)."""
+        if not isinstance(obj, nn.Module):
+            return None
+        return ContextFacts(names={id(p): f"{key}.{n}" for n, p in unwrap_module(obj).named_parameters()})
 
     def load(self, key, obj, doc, tensors: Mapping[str, Any], ctx, where="<checkpoint>") -> LoadPart:
         m = self._check(key, obj)

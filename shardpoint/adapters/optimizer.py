@@ -26,7 +26,7 @@ group's process groups are looked up by), which keep their live values.
 from __future__ import annotations
 
 import logging
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ from .dcp_names import dcp_to_native, is_dcp_optimizer_doc
 from .base import Adapter, AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor, dtype_name, torch_dtype
 from .reuse import optimizer_fingerprint, refresh_groups
 from .landing import live_storages, optimizer_tensors, unlanded
+from .torch_steps import torch_step_pre_hook, torch_step_updates
 from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
 
 # State that is one value per parameter even when the parameter itself is 0-d.
@@ -165,6 +166,18 @@ class OptimizerAdapter(Adapter):
         check_saved_state(key, opt, len(stepped))
         return part
 
+    def is_stepped(self, obj: Any) -> bool:
+        """Yes for the optimizers it claims: a torch optimizer changes its parameters and state only inside ``step()``."""
+        return self.claims(obj)
+
+    def step_updates(self, key: str, opt: Any, ctx: AdapterContext) -> list[tuple[str, torch.Tensor]]:
+        """Each named parameter, then its state tensors (:func:`torch_step_updates`)."""
+        return torch_step_updates(key, opt, ctx, with_state=True)
+
+    def add_step_pre_hook(self, opt: Any, hook: Callable[[], None]) -> Any:
+        """A torch step pre-hook (:func:`torch_step_pre_hook`)."""
+        return torch_step_pre_hook(opt, hook)
+
     def fingerprint(self, key: str, opt: torch.optim.Optimizer, ctx: AdapterContext) -> Hashable | None:
         """The parameters, their names and state tensors (:func:`~shardpoint.adapters.reuse.optimizer_fingerprint`)."""
         return optimizer_fingerprint(opt, ctx)
@@ -268,7 +281,7 @@ class _OptimizerLoad:
             return None
         self.part.consumed.add(fqn)
         dt = torch_dtype(meta.dtype)
-        shard = (getattr(self.ctx, "shards", None) or {}).get(id(p))
+        shard = self.ctx.shards.get(id(p))
         if shard is not None and tuple(meta.shape) == shard.shape:  # sharded like p (Megatron TP)
             dest = torch.zeros_like(p.detach(), dtype=dt)
             self.part.targets.extend(shard.targets(fqn, dest))
@@ -301,7 +314,7 @@ class _OptimizerLoad:
         for p, s in self.new_state.values():
             opt.state[p] = s
         # Keys that name the live run's own groups (declared by the adapters in the context) stay.
-        live = (getattr(self.ctx, "live_group_keys", None) or {}).get(id(opt), frozenset())
+        live = self.ctx.live_group_keys.get(id(opt), frozenset())
         for g, hyper in self.decoded_groups:
             for k, v in hyper.items():
                 if k != "params" and k not in live:
@@ -343,7 +356,7 @@ def reusable_state(current: Any, field: str | None, p: torch.Tensor, shape: tupl
 
 def _on_state(p, ctx: AdapterContext, on_tensor, part: SavePart):
     """The tensor callback for ``p``'s state: state shaped like a framework-sharded ``p`` follows its shard."""
-    shard = (getattr(ctx, "shards", None) or {}).get(id(p))  # set by build_context (Megatron TP)
+    shard = ctx.shards.get(id(p))  # a framework-sharded parameter (Megatron TP)
     if shard is None:
         return on_tensor
 

@@ -99,7 +99,7 @@ def optimizer_fingerprint(opt: torch.optim.Optimizer, ctx: AdapterContext) -> tu
 
         optimizer_fingerprint(opt, ctx)
     """
-    if ctx.views or getattr(ctx, "shards", None):
+    if ctx.views or ctx.shards:
         return None  # FSDP1, DeepSpeed or Megatron parameters: state split through the context
     out = []
     for g in opt.param_groups:

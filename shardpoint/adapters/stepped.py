@@ -1,28 +1,37 @@
-"""What the optimizers of a state change only inside ``optimizer.step()``.
+"""What the stepped objects of a state (optimizers) change only inside their step.
 
 A lazy asynchronous save copies these tensors after the call returns and
 orders the next step after the copy with a step pre-hook. The save
 transaction asks this module instead of knowing about optimizers: which
 objects of the state take a step pre-hook, which names they update, which
 live tensors witness an in-place change, and in which order the step
-touches them. Optimizer state tensors carry the same fact themselves
-(:attr:`~shardpoint.items.SaveTensor.step_only`, set by the optimizer adapter).
+touches them. Each object's adapter says so through its abilities
+(:meth:`~shardpoint.adapters.Adapter.is_stepped`,
+:meth:`~shardpoint.adapters.Adapter.step_updates` and
+:meth:`~shardpoint.adapters.Adapter.add_step_pre_hook`), so a registered
+adapter for an optimizer of any kind takes part. Optimizer state tensors
+also carry the fact themselves (:attr:`~shardpoint.items.SaveTensor.step_only`,
+set by the optimizer adapter).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping
 
 import torch
 
-from .base import AdapterContext
-from .optimizer import own_protocol
+from .base import Adapter, AdapterContext
+from .registry import adapter_for, default_adapters
 
 __all__ = ["StepUpdates", "step_updates"]
 
 
 class StepUpdates:
     """The objects of a state that take a step pre-hook, and what their step updates.
+
+    ``stepped`` lists ``(key, object, adapter)`` for every entry whose
+    adapter (the one that claims it) declares it stepped.
 
     Example::
 
@@ -31,52 +40,41 @@ class StepUpdates:
     """
 
     def __init__(self, state: Mapping[str, Any]):
-        self.optimizers = [(k, o) for k, o in state.items() if isinstance(o, torch.optim.Optimizer)]
+        adapters = default_adapters()
+        self.stepped: list[tuple[str, Any, Adapter]] = []
+        for key, obj in state.items():
+            # ``is_stepped`` is cheap and asked first: claims may walk a whole model.
+            said = [a for a in adapters if a.is_stepped(obj)]
+            adapter = adapter_for(obj, adapters) if said else None
+            if any(a is adapter for a in said):
+                self.stepped.append((key, obj, adapter))
 
     def __bool__(self) -> bool:
-        return bool(self.optimizers)
+        return bool(self.stepped)
 
     def names(self, ctx: AdapterContext) -> set[str]:
-        """The names of the parameters the optimizers update in ``step()``."""
-        names: set[str] = set()
-        for _key, opt in self.optimizers:
-            for group in opt.param_groups:
-                names.update(ctx.param_names[id(p)] for p in group["params"] if id(p) in ctx.param_names)
-        return names
+        """The names of the tensors the steps update (parameters and state), as the save stores them."""
+        return {name for name, _ in self.live(ctx)}
 
     def live(self, ctx: AdapterContext) -> list[tuple[str, torch.Tensor]]:
-        """The live tensors a lazy save copies in the background: parameters, then their optimizer state.
+        """The live tensors a lazy save copies in the background: what each step updates, in its order.
 
         These are the objects in-place changes go through (a DTensor
         parameter, not its local shard), so their version counters witness
         every change.
         """
         out: list[tuple[str, torch.Tensor]] = []
-        for key, opt in self.optimizers:
-            lazy_state = not own_protocol(type(opt))
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    name = ctx.param_names.get(id(p))
-                    if name is None:
-                        continue
-                    out.append((name, p))
-                    if lazy_state:
-                        out.extend((f"{key}.state.{name}.{k}", v) for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor))
+        for key, obj, adapter in self.stepped:
+            out.extend(adapter.step_updates(key, obj, ctx))
         return out
 
-    def order(self) -> list[torch.Tensor]:
-        """Tensors in the order the optimizers update them: each parameter, then its state."""
-        out: list[torch.Tensor] = []
-        for _key, opt in self.optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    out.append(p)
-                    out.extend(v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor))
-        return out
+    def order(self, ctx: AdapterContext) -> list[torch.Tensor]:
+        """Tensors in the order the steps update them (for an optimizer: each parameter, then its state)."""
+        return [t for _, t in self.live(ctx)]
 
     def add_pre_hooks(self, hook: Callable[..., Any]) -> list[Any]:
-        """Register ``hook`` as a step pre-hook of every optimizer; return the removable handles."""
-        return [opt.register_step_pre_hook(hook) for _key, opt in self.optimizers]
+        """Have every stepped object call ``hook(obj, (), {})`` before its step; return the removable handles."""
+        return [adapter.add_step_pre_hook(obj, functools.partial(hook, obj, (), {})) for _key, obj, adapter in self.stepped]
 
 
 def step_updates(state: Mapping[str, Any]) -> StepUpdates:

@@ -10,6 +10,7 @@ import torch
 from ..errors import CheckpointError, FormatError, IncompleteStateError, UnsupportedStateError, mismatch_error
 from ..format.values import decode_value, encode_value
 from .base import Adapter, AdapterContext, LoadPart, SavePart, dtype_name, torch_dtype
+from .torch_steps import torch_step_pre_hook, torch_step_updates
 from .landing import alias_key, live_storages, local_of, same_bits, storage_of, tree_tensors, unlanded
 from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
 
@@ -136,6 +137,18 @@ class StatefulAdapter(Adapter):
 
     def claims(self, obj: Any) -> bool:
         return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+    def is_stepped(self, obj: Any) -> bool:
+        """A torch optimizer with its own state protocol: its step still updates only the parameters."""
+        return isinstance(obj, torch.optim.Optimizer)
+
+    def step_updates(self, key: str, obj: Any, ctx: AdapterContext) -> list[tuple[str, torch.Tensor]]:
+        """The optimizer's named parameters (its state is saved as ``state_dict()`` copies, in the call)."""
+        return torch_step_updates(key, obj, ctx, with_state=False)
+
+    def add_step_pre_hook(self, obj: Any, hook: Callable[[], None]) -> Any:
+        """A torch step pre-hook."""
+        return torch_step_pre_hook(obj, hook)
 
     def save(self, key: str, obj: Any, ctx: AdapterContext) -> SavePart:
         sd = obj.state_dict()

@@ -17,8 +17,9 @@ import logging
 import time
 from typing import Any, MutableMapping, Sequence
 
-from ..adapters import WholeEntry, deepspeed_expert_rules
+from ..adapters import WholeEntry
 from ..adapters.landing import entry_tensors, live_storages, unlanded
+from ..adapters import implied_rules
 from ..adapters.loading import materialize_meta
 from ..dist import Comm, raise_if_failed, run_guarded
 from ..engine.inflight import wait_for_saves
@@ -140,7 +141,7 @@ class LoadTransaction:
     def plan_local(self) -> dict:
         """This rank's part of :meth:`plan`; a missing name fails a strict load here."""
         # Names saved as one copy per replica group; DeepSpeed MoE experts at their global index.
-        layouts = with_copies([*self.layouts, *deepspeed_expert_rules(self.state)], self.manifest.tensors)
+        layouts = with_copies([*self.layouts, *implied_rules(self.state)], self.manifest.tensors)
         plan = plan_entries(
             self.state, self.manifest, rank=self.comm.rank, world=self.comm.world, allow_pickle=self.allow_pickle,
             layouts=layouts, selected=self.selected, where=self.where, replicated_over=self.replicated_over,

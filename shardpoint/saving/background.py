@@ -82,7 +82,7 @@ class BackgroundSave(SaveTransaction):
         lazy = set(self.prep.lazy_ok) if self.mode == "lazy" and not self._graph_stepped() else set()
         later = [t for t in mine if t.fqn in lazy]
         if later:
-            later = optimizer_order(later, step_updates(self.state).order())
+            later = optimizer_order(later, step_updates(self.state).order(self.prep.ctx))
         items = [t for t in mine if t.fqn not in lazy] + later
         self.split = len(items) - len(later)
         replicas = self.prep.replicas

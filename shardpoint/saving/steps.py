@@ -15,10 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Sequence
 
-from ..adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters
+from ..adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters, implied_rules
 from ..items import dtype_name
 from ..adapters.stepped import step_updates
-from ..adapters import deepspeed_expert_rules
 from ..adapters.experts import place_experts
 from ..dist import Comm, Outcome
 from ..engine.claim import CommitPolicy, SaveClaim
@@ -170,7 +169,7 @@ def prepare_save(
     """
     gate = Gate(comm)  # a rank that fails still joins the gathers of the checks, so none waits on it
     try:
-        rules = [*rules, *deepspeed_expert_rules(state)]  # DeepSpeed MoE experts: stored at their global index
+        rules = [*rules, *implied_rules(state)]  # what the frameworks imply (MoE experts: at their global index)
         if replicated_over is None and not rules:
             gate.close()  # no gather before the write: a rank that fails reports at the commit
         return _prepare(state, comm, allow_pickle, where, result, rules, cache or SaveCache(), replicated_over,

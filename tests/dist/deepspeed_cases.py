@@ -41,7 +41,7 @@ CFG = GPTConfig(vocab=61, dim=24, heads=4, layers=4, seq=8)
 TRAIN_STEPS = 2
 NEXT_STEPS = 2
 
-__all__ = ["ds_config", "build_ds", "make", "step", "reference", "save_job", "load_job", "errors_job", "CFG"]
+__all__ = ["ds_config", "build_ds", "make", "step", "reference", "save_job", "load_job", "errors_job", "lazy_job", "CFG"]
 
 
 def _deepspeed():
@@ -252,4 +252,50 @@ def errors_job(rank: int, world: int, root: str) -> dict:
     b = sp.read_manifest(os.path.join(root, "engine_form"))
     out["same_names"] = sorted(a.tensors) == sorted(b.tensors)
     out["names"] = len(a.tensors)
+    return out
+
+
+def lazy_job(rank: int, world: int, root: str, layouts: list[str]) -> dict:
+    """Lazy asynchronous saves of ZeRO engines: the optimizer state is copied after the call, fenced before the step.
+
+    A step right after the call must wait for the copy (the checkpoint holds
+    the state at the call, bit for bit), and an in-place change of the
+    optimizer state before the fence must fail the save.
+    """
+    from shardpoint.device import SimulatedDevice
+
+    out = {}
+    for layout in layouts:
+        engine, zopt = make(layout, 0)
+        for s in range(TRAIN_STEPS):
+            step(layout, engine, zopt, s)
+        state = {"model": engine, "optimizer": zopt}
+        saver = sp.AsyncSaver(staging_bytes=64 << 10, piece_bytes=4 << 10, device=SimulatedDevice(delay=0.002))
+        try:
+            at_call = reference(layout, engine, zopt)
+            path = os.path.join(root, f"{layout}.lazy")
+            handle = saver.save(path, state, mode="lazy")
+            step(layout, engine, zopt, TRAIN_STEPS)  # at once: the step pre-hook holds the update back
+            handle.wait()
+            stepped = reference(layout, engine, zopt)
+            engine2, zopt2 = make(layout, 1)
+            sp.load(path, {"model": engine2, "optimizer": zopt2})
+            got = reference(layout, engine2, zopt2)
+            handle = saver.save(os.path.join(root, f"{layout}.torn"), state, mode="lazy")
+            with torch.no_grad():
+                for st in zopt.optimizer.state.values():
+                    st["exp_avg"].mul_(0.5)  # outside the step: only the guard of a lazy copy sees it
+            try:
+                handle.wait()
+                torn = None
+            except sp.TornSnapshotError as e:
+                torn = str(e)
+        finally:
+            saver.close()
+        out[layout] = {
+            "keys": len(at_call),
+            "differ": sorted(k for k in at_call if not torch.equal(at_call[k], got[k])),
+            "step_ran": any(not torch.equal(at_call[k], stepped[k]) for k in at_call),
+            "torn": torn,
+        }
     return out

@@ -111,3 +111,12 @@ def test_zero_state_needs_engine_and_optimizer_together(tmp_path):
         assert r["module_alone"] is not None and "pass the engine" in r["module_alone"], r
         assert r["optimizer_alone"] is not None and "needs its model" in r["optimizer_alone"], r
         assert r["same_names"] and r["names"] > 0, r
+
+
+def test_lazy_saves_copy_zero_state_after_the_call_and_fence_the_step(tmp_path):
+    results = launch(2, "tests.dist.deepspeed_cases:lazy_job", {"root": str(tmp_path), "layouts": ["zero2", "zero3"]})
+    for r in results:
+        for layout in ("zero2", "zero3"):
+            got = r[layout]
+            assert got["keys"] > 0 and got["differ"] == [] and got["step_ran"], (layout, got)
+            assert got["torn"] is not None and "optimizer.state." in got["torn"], (layout, got)

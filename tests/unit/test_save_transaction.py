@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import shardpoint as sp
+from shardpoint.adapters import build_context
 from shardpoint.adapters.stepped import step_updates
 from shardpoint.saving.handle import AsyncSaveHandle
 from shardpoint.dist import Comm
@@ -53,7 +54,7 @@ def test_step_updates_lists_hooks_live_tensors_and_order():
     state = _state()
     updates = step_updates(state)
     opt = state["optimizer"]
-    order = updates.order()
+    order = updates.order(build_context(state, 0, 1))
     first = next(iter(opt.param_groups[0]["params"]))
     assert order[0] is first and order[1] is opt.state[first]["step"]
     calls = []

@@ -81,7 +81,7 @@ from __future__ import annotations
 
 from .adapter import DeepSpeedAdapter, scaler_doc
 from .detect import is_deepspeed_engine, is_deepspeed_optimizer, is_zero_optimizer, live_group_keys, zero_stage
-from .zero_map import ZeroMap, deepspeed_names_and_views, zero_map
+from .zero_map import ZeroMap, zero_facts, zero_map
 from .partition import zero3_holders, zero3_pieces, zero12_holders, zero12_partitions, zero12_pieces
 
 __all__ = [
@@ -97,7 +97,7 @@ __all__ = [
     "live_group_keys",
     "ZeroMap",
     "zero_map",
-    "deepspeed_names_and_views",
+    "zero_facts",
     "scaler_doc",
     "DeepSpeedAdapter",
 ]

@@ -5,21 +5,25 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import MutableMapping
-from typing import Any, Iterator, Mapping
+from dataclasses import replace
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from ...errors import UnsupportedStateError
 from ...geometry import Box
-from ..base import Adapter, AdapterContext, LoadPart, LoadTarget, SavePart, SaveTensor
+from ..base import Adapter, AdapterContext, ContextFacts, LoadPart, LoadTarget, SavePart, SaveTensor
+from .moe import deepspeed_expert_rules
 from ..landing import live_storages, module_tensors, storage_of, unlanded
 from ..optimizer import OptimizerAdapter
 from ..tensors import load_target, save_tensor
+from ..torch_steps import torch_step_pre_hook
 from .detect import (
-    GROUP_IDENTITY, is_deepspeed_engine, is_deepspeed_optimizer, is_zero3_param, is_zero_optimizer, owner_of, unsupported, zero_stage,
+    is_deepspeed_engine, is_deepspeed_optimizer, is_zero3_param, is_zero_optimizer, live_group_keys, owner_of, unsupported,
+    zero_stage,
 )
-from .zero_map import ZeroMap, ZeroSlot, engine_parts, zero_map
+from .zero_map import ZeroMap, ZeroSlot, engine_parts, zero_facts, zero_map
 
 __all__ = ["scaler_doc", "DeepSpeedAdapter"]
 
@@ -122,6 +126,47 @@ class DeepSpeedAdapter(Adapter):
         for p in obj.parameters():
             return is_zero3_param(p) or hasattr(p, "_hp_mapping")
         return False
+
+    def context_facts(self, key: str, obj: Any, state: Mapping[str, Any]) -> ContextFacts | None:
+        """Engines and ZeRO-managed modules: the module's names and the ZeRO views; optimizers: live group keys.
+
+        Also answers for a torch optimizer over DeepSpeed MoE param groups,
+        whose ``name`` and ``moe`` keys describe the live engine
+        (:func:`~shardpoint.adapters.deepspeed.detect.live_group_keys`).
+        """
+        if "deepspeed" not in sys.modules:
+            return None
+        found, live = zero_facts(key, obj, state), live_group_keys(obj)
+        if found is None and not live:
+            return None
+        names, views = found or ({}, {})
+        return ContextFacts(names=names, views=views, live_group_keys=live)
+
+    def implied_rules(self, state: Mapping[str, Any]) -> list[Any]:
+        """An :class:`~shardpoint.layouts.Experts` rule per DeepSpeed MoE expert list (stored at global indices)."""
+        return deepspeed_expert_rules(state) if "deepspeed" in sys.modules else []
+
+    def is_stepped(self, obj: Any) -> bool:
+        """A ZeRO optimizer: its state changes only inside the step of the torch optimizer it wraps."""
+        return is_zero_optimizer(obj)
+
+    def step_updates(self, key: str, zopt: Any, ctx: AdapterContext) -> list[tuple[str, torch.Tensor]]:
+        """The inner optimizer's state tensors of each fp32 partition, named after its first parameter.
+
+        The partitions themselves are saved with the module, copied in the call.
+        """
+        lay = self._optimizer_map(key, zopt, ctx)
+        out: list[tuple[str, torch.Tensor]] = []
+        for s in lay.slots:
+            views = ctx.views.get(id(s.local), ())
+            label = views[0].fqn if views else f"partition.{s.group}"
+            state = zopt.optimizer.state.get(s.local, {})
+            out.extend((f"{key}.state.{label}.{k}", v) for k, v in state.items() if isinstance(v, torch.Tensor))
+        return out
+
+    def add_step_pre_hook(self, zopt: Any, hook: Callable[[], None]) -> Any:
+        """A step pre-hook of the wrapped torch optimizer, which ZeRO's step calls before it changes the state."""
+        return torch_step_pre_hook(zopt.optimizer, hook)
 
     # ------------------------------------------------------------ resolving objects
     def _module_and_zero(self, key: str, obj: Any) -> tuple[nn.Module, Any]:
@@ -318,18 +363,17 @@ class DeepSpeedAdapter(Adapter):
 
     def _load_optimizer(self, key, zopt, doc, tensors, ctx, where) -> LoadPart:
         lay = self._optimizer_map(key, zopt, ctx)
-        part = OptimizerAdapter().load(key, _InnerView(zopt.optimizer, lay.inner_params()), doc, tensors, ctx, where)
+        view = _InnerView(zopt.optimizer, lay.inner_params())
+        # The view's groups are the ZeRO optimizer's: they keep the live keys declared for it (a MoE
+        # group's name is its expert-parallel group, which describes this engine, not a hyper-parameter).
+        live = {**ctx.live_group_keys, id(view): ctx.live_group_keys.get(id(zopt), frozenset())}
+        part = OptimizerAdapter().load(key, view, doc, tensors, replace(ctx, live_group_keys=live), where)
         inner_finish = part.finish
 
         scaler = ((doc or {}).get("deepspeed") or {}).get("loss_scaler") if isinstance(doc, dict) else None
-        # A MoE group's name is its expert-parallel group (``ep_size_2``), which DeepSpeed looks its
-        # process groups up by: it describes this engine's layout, not a saved hyper-parameter.
-        own = [{k: g[k] for k in GROUP_IDENTITY if k in g} for g in zopt.optimizer.param_groups]
 
         def finish():
             inner_finish()
-            for g, keep in zip(zopt.optimizer.param_groups, own):
-                g.update(keep)
             if scaler and getattr(zopt, "dynamic_loss_scale", False):
                 _restore_scaler(zopt, scaler)
             # ZeRO-1/2 keep per-parameter views of the state (for safe_get_full_optimizer_state and

@@ -65,28 +65,28 @@ def is_zero_optimizer(obj: Any) -> bool:
 GROUP_IDENTITY = frozenset({"name", "moe"})
 
 
-def live_group_keys(state: Any) -> dict[int, frozenset[str]]:
-    """``id(optimizer)`` -> :data:`GROUP_IDENTITY` for each torch optimizer in ``state`` whose groups DeepSpeed names.
+def live_group_keys(obj: Any) -> dict[int, frozenset[str]]:
+    """``id(optimizer)`` -> :data:`GROUP_IDENTITY` for each optimizer entry ``obj`` shows to have groups DeepSpeed names.
 
-    Those are the optimizers a stage-0 engine in ``state`` steps itself
-    (``engine.optimizer``), and any whose param groups are DeepSpeed MoE
-    groups (``moe: True``, as ``split_params_into_different_moe_groups_for_optimizer``
-    makes them). ZeRO optimizers keep theirs in the DeepSpeed adapter.
+    An engine declares the optimizer it steps (``engine.optimizer``); a
+    ZeRO optimizer declares itself, and so does a torch
+    optimizer whose param groups are DeepSpeed MoE groups (``moe: True``, as
+    ``split_params_into_different_moe_groups_for_optimizer`` makes them).
 
     Example::
 
-        live_group_keys({"model": engine, "optimizer": engine.optimizer})  # {id(opt): GROUP_IDENTITY}
+        live_group_keys(engine)  # {id(engine.optimizer): GROUP_IDENTITY} at stage 0
     """
     if "deepspeed" not in sys.modules:
         return {}
-    stepped = {id(getattr(o, "optimizer", None)) for o in state.values() if is_deepspeed_engine(o)}
-    out = {}
-    for o in state.values():
-        if not isinstance(o, torch.optim.Optimizer) or is_deepspeed_optimizer(o):
-            continue
-        if id(o) in stepped or any(isinstance(g, dict) and g.get("moe") for g in o.param_groups):
-            out[id(o)] = GROUP_IDENTITY
-    return out
+    if is_deepspeed_engine(obj):
+        obj = getattr(obj, "optimizer", None)
+        stepped = isinstance(obj, torch.optim.Optimizer)
+    else:
+        stepped = isinstance(obj, torch.optim.Optimizer) and any(isinstance(g, dict) and g.get("moe") for g in obj.param_groups)
+    if stepped or is_deepspeed_optimizer(obj):
+        return {id(obj): GROUP_IDENTITY}
+    return {}
 
 
 def is_zero3_param(p: Any) -> bool:

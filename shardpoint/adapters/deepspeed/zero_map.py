@@ -16,7 +16,7 @@ from .moe import deepspeed_expert_rules
 from .detect import is_deepspeed_engine, is_zero3_param, is_zero_optimizer, remember_owner, unsupported, world_and_rank, zero_stage
 from .partition import zero3_holders, zero3_partition_size, zero3_pieces, zero12_holders, zero12_partitions, zero12_pieces
 
-__all__ = ["ZeroEntry", "ZeroSlot", "ZeroMap", "zero_map", "engine_parts", "deepspeed_names_and_views"]
+__all__ = ["ZeroEntry", "ZeroSlot", "ZeroMap", "zero_map", "engine_parts", "zero_facts"]
 
 
 @dataclass
@@ -284,35 +284,33 @@ def _owner_in_state(module: nn.Module, opts: Sequence[Any]) -> Any:
     return None
 
 
-def deepspeed_names_and_views(state: Mapping[str, Any]) -> tuple[dict[int, str], dict[int, tuple[ParamView, ...]]]:
-    """Parameter names and optimizer views for the DeepSpeed objects in ``state``.
+def zero_facts(key: str, obj: Any, state: Mapping[str, Any]) -> tuple[dict[int, str], dict[int, tuple[ParamView, ...]]] | None:
+    """Parameter names and optimizer views of entry ``state[key] = obj`` when DeepSpeed manages it, else ``None``.
 
-    Names are the module's own (``model.tok.weight``, not the engine's
-    ``model.module.tok.weight``); views split each ZeRO fp32 partition
-    (what the inner optimizer steps) into per-parameter pieces. Also
-    remembers which module belongs to which ZeRO optimizer, so that
-    ``engine.module`` can stand in for the engine.
+    An engine, or a module whose ZeRO optimizer is in the state (remembered,
+    so that ``engine.module`` can stand in for the engine). Names are the
+    module's own (``model.tok.weight``, not the engine's
+    ``model.module.tok.weight``); views split each ZeRO fp32 partition (what
+    the inner optimizer steps) into per-parameter pieces.
+
+    Example::
+
+        names, views = zero_facts("model", engine, {"model": engine, "optimizer": engine.optimizer})
     """
-    names: dict[int, str] = {}
-    views: dict[int, tuple[ParamView, ...]] = {}
     if "deepspeed" not in sys.modules:
-        return names, views
-    opts = [o for o in state.values() if is_zero_optimizer(o)]
-    pairs = []
-    for key, obj in state.items():
-        if is_deepspeed_engine(obj):
-            module, zopt = engine_parts(obj, f"state[{key!r}]")
-            pairs.append((key, module, zopt))
-        elif isinstance(obj, nn.Module):
-            zopt = _owner_in_state(obj, opts)
-            if zopt is None:
-                continue
-            remember_owner(obj, zopt)
-            pairs.append((key, obj, zopt))
-    for key, module, zopt in pairs:
-        for i, ns in _names(key, module).items():
-            names[i] = ns[0]
-        if zopt is not None:
-            lay = zero_map(key, module, zopt, f"state[{key!r}]")
-            views.update(lay.views())
+        return None
+    where = f"state[{key!r}]"
+    if is_deepspeed_engine(obj):
+        module, zopt = engine_parts(obj, where)
+    elif isinstance(obj, nn.Module):
+        opts = [o for o in state.values() if is_zero_optimizer(o)]
+        zopt = _owner_in_state(obj, opts) if opts else None
+        if zopt is None:
+            return None
+        remember_owner(obj, zopt)
+        module = obj
+    else:
+        return None
+    names = {i: ns[0] for i, ns in _names(key, module).items()}
+    views = zero_map(key, module, zopt, where).views() if zopt is not None else {}
     return names, views
