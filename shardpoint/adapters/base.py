@@ -450,6 +450,20 @@ class Adapter(abc.ABC):
         """
         return []
 
+    def steps_in_graph(self, obj: Any) -> bool:
+        """Whether a step of ``obj`` may run inside a captured device graph, where no hook runs.
+
+        A replayed graph calls no step pre-hook and bumps no version
+        counter, so a lazy save could not be fenced before such a step: it is
+        taken eagerly instead. Asked only when :meth:`is_stepped`. By default no.
+
+        Example::
+
+            def steps_in_graph(self, opt):
+                return opt.capturable
+        """
+        return False
+
     def add_step_pre_hook(self, obj: Any, hook: Callable[[], None]) -> Any:
         """Have ``obj`` call ``hook()`` before each of its steps; return a handle whose ``remove()`` undoes it.
 

@@ -38,7 +38,7 @@ from .dcp_names import dcp_to_native, is_dcp_optimizer_doc
 from .base import Adapter, AdapterContext, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor, dtype_name, torch_dtype
 from .reuse import optimizer_fingerprint, refresh_groups
 from .landing import live_storages, optimizer_tensors, unlanded
-from .torch_steps import torch_step_pre_hook, torch_step_updates
+from .torch_steps import torch_capturable, torch_step_pre_hook, torch_step_updates
 from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
 
 # State that is one value per parameter even when the parameter itself is 0-d.
@@ -173,6 +173,10 @@ class OptimizerAdapter(Adapter):
     def step_updates(self, key: str, opt: Any, ctx: AdapterContext) -> list[tuple[str, torch.Tensor]]:
         """Each named parameter, then its state tensors (:func:`torch_step_updates`)."""
         return torch_step_updates(key, opt, ctx, with_state=True)
+
+    def steps_in_graph(self, obj: Any) -> bool:
+        """Yes when a param group is ``capturable`` (:func:`torch_capturable`)."""
+        return torch_capturable(obj)
 
     def add_step_pre_hook(self, opt: Any, hook: Callable[[], None]) -> Any:
         """A torch step pre-hook (:func:`torch_step_pre_hook`)."""

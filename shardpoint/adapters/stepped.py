@@ -72,6 +72,10 @@ class StepUpdates:
         """Tensors in the order the steps update them (for an optimizer: each parameter, then its state)."""
         return [t for _, t in self.live(ctx)]
 
+    def in_graphs(self) -> list[str]:
+        """The keys of stepped objects whose step may run inside a captured graph (:meth:`Adapter.steps_in_graph`)."""
+        return [key for key, obj, adapter in self.stepped if adapter.steps_in_graph(obj)]
+
     def add_pre_hooks(self, hook: Callable[..., Any]) -> list[Any]:
         """Have every stepped object call ``hook(obj, (), {})`` before its step; return the removable handles."""
         return [adapter.add_step_pre_hook(obj, functools.partial(hook, obj, (), {})) for _key, obj, adapter in self.stepped]

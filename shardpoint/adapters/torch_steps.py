@@ -14,7 +14,7 @@ import torch
 
 from .base import AdapterContext
 
-__all__ = ["torch_step_updates", "torch_step_pre_hook"]
+__all__ = ["torch_step_updates", "torch_step_pre_hook", "torch_capturable"]
 
 
 def torch_step_updates(key: str, opt: Any, ctx: AdapterContext, with_state: bool) -> list[tuple[str, torch.Tensor]]:
@@ -48,3 +48,13 @@ def torch_step_pre_hook(opt: Any, hook: Callable[[], None]) -> Any:
         handle = torch_step_pre_hook(opt, fence); ...; handle.remove()
     """
     return opt.register_step_pre_hook(lambda _opt, _args, _kwargs: hook())
+
+
+def torch_capturable(opt: Any) -> bool:
+    """Whether any param group of a torch optimizer is ``capturable`` (made to step inside a captured graph).
+
+    Example::
+
+        torch_capturable(torch.optim.AdamW(params, capturable=True))  # True
+    """
+    return any(group.get("capturable") for group in opt.param_groups)

@@ -10,7 +10,7 @@ import torch
 from ..errors import CheckpointError, FormatError, IncompleteStateError, UnsupportedStateError, mismatch_error
 from ..format.values import decode_value, encode_value
 from .base import Adapter, AdapterContext, LoadPart, SavePart, dtype_name, torch_dtype
-from .torch_steps import torch_step_pre_hook, torch_step_updates
+from .torch_steps import torch_capturable, torch_step_pre_hook, torch_step_updates
 from .landing import alias_key, live_storages, local_of, same_bits, storage_of, tree_tensors, unlanded
 from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
 
@@ -145,6 +145,10 @@ class StatefulAdapter(Adapter):
     def step_updates(self, key: str, obj: Any, ctx: AdapterContext) -> list[tuple[str, torch.Tensor]]:
         """The optimizer's named parameters (its state is saved as ``state_dict()`` copies, in the call)."""
         return torch_step_updates(key, obj, ctx, with_state=False)
+
+    def steps_in_graph(self, obj: Any) -> bool:
+        """Yes when a param group is ``capturable`` (:func:`torch_capturable`)."""
+        return torch_capturable(obj)
 
     def add_step_pre_hook(self, obj: Any, hook: Callable[[], None]) -> Any:
         """A torch step pre-hook."""

@@ -103,7 +103,7 @@ class BackgroundSave(SaveTransaction):
         so neither the lazy fence nor its guard would see the step; a
         ``capturable`` optimizer is one made to be captured.
         """
-        found = [k for k, opt in step_updates(self.state).optimizers if any(g.get("capturable") for g in opt.param_groups)]
+        found = step_updates(self.state).in_graphs()
         if found:
             log.warning(
                 "the lazy save to %s is taken eagerly: optimizer %s is capturable, and a step replayed from a "
