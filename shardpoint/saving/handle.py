@@ -85,6 +85,10 @@ class AsyncSaveHandle:
         self.path = path
         self.result = result
         self._device = device  # the saver's Device: how a step is ordered after the copy
+        self._pool: Any = None  # unguarded, these four: set before the workers start, or by the waiting thread
+        self._hooks: list[Any] = []
+        self._reported = False
+        self._storage: Any = None
         self._cond = threading.Condition()  # guards every field below; notified on every change
         self._phase = SavePhase.COPYING
         self._seen = {SavePhase.COPYING}
@@ -96,10 +100,6 @@ class AsyncSaveHandle:
         self._guarded = False
         self._torn: TornSnapshotError | None = None  # the guard's verdict
         self._rest: Callable[[TornSnapshotError | None], None] | None = None  # the commit waiting for the fence
-        self._pool: Any = None
-        self._hooks: list[Any] = []
-        self._reported = False
-        self._storage: Any = None
 
     # --- what the save transaction tells the handle -----------------------------------------------
 
