@@ -262,3 +262,29 @@ def test_the_handle_uses_no_private_threading_call():
     src = pathlib.Path(sp.saving.handle.__file__).read_text()
     assert "threading._" not in src and "_register_atexit" not in src
     assert src.count("threading.Event(") == 1 and src.count("threading.Condition(") == 1
+
+
+def test_a_lazy_save_waiting_for_its_fence_holds_no_worker(tmp_path):
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    saver = sp.AsyncSaver()
+    try:
+        h = saver.save(str(tmp_path / "ckpt"), {"model": model, "optim": opt}, mode="lazy")
+        deadline = time.monotonic() + 30
+        while h.state is not P.COPIED and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert h.state is P.COPIED and not h.fenced
+        both = threading.Barrier(2)  # passes only if both workers are free at once
+        pool = saver._workers()
+        assert [f.result(timeout=30) for f in [pool.submit(both.wait, 30) for _ in range(2)]] in ([0, 1], [1, 0])
+        assert h.state is P.COPIED  # the writer returned: its commit waits with the handle
+        opt.step()  # the step pre-hook is the fence: the commit runs on a worker now
+        assert h.wait(timeout=30).path == str(tmp_path / "ckpt") and h.state is P.COMMITTED
+    finally:
+        saver.close()
+    back = torch.nn.Linear(64, 64)
+    sp.load(str(tmp_path / "ckpt"), {"model": back}, strict=False)
+    assert all(torch.equal(v, want[k]) for k, v in back.state_dict().items())
