@@ -307,6 +307,7 @@ class AsyncSaver:
         tx.prepare_guarded(self._cache(base, process_group))
         handle = tx.stage(self.staging, self.piece_bytes)
         pool = self._workers()
+        handle.use_pool(pool)  # where a lazy save's commit runs once its fence passes
         early = tx.streams()
         if early:
             handle.add_future(pool.submit(tx.finish))

@@ -144,8 +144,7 @@ class BackgroundSave(SaveTransaction):
                 staged.copy(0, self.split, last=(self.split == len(staged.items)))
                 staged.wait_copied()  # a snapshot counts once its copies are complete, not queued
             except BaseException as e:  # noqa: BLE001 - the writer reports it via wait()
-                log.debug("snapshot copy failed: %s", e)
-                handle.mark_copied()
+                log.debug("snapshot copy failed: %s", e)  # copied all the same: below, or by the lazy copier
         if self.prepared.ok and self.prep.replicas is not None:
             self.prep.replicas.join()  # the state may change once the call returns
         mark_phase(self.result, "snapshot", self.snapshot_started)
@@ -199,8 +198,8 @@ class BackgroundSave(SaveTransaction):
 
     # --- claim, write, commit ---------------------------------------------------------------------
 
-    def write_staged(self, started: float) -> RankReport:
-        """Claim the path, write the staged data file, and wait for the fence before the summary."""
+    def write_staged(self, started: float) -> tuple[list, dict, float]:
+        """Claim the path and write the staged data file; return what the summary needs."""
         staged = self.staged
         try:
             self.claim_path()
@@ -213,16 +212,34 @@ class BackgroundSave(SaveTransaction):
             staged.write()
             records, files[staged.file] = staged.records, staged.size
             self.result.bytes_written = staged.size
-        torn = self.handle.wait_for_fence()  # a lazy save commits only what held until its fence
+        return records, files, started
+
+    def summarize_fenced(self, written: tuple[list, dict, float], torn: CheckpointError | None) -> RankReport:
+        """After the fence: the guard's verdict, then the summary of what was written."""
         if torn is not None:
             raise torn
-        return self.summarize(records, files, started)
+        return self.summarize(*written)
 
     def finish(self) -> None:
-        """The worker's phases: claim and write (guarded), then commit and report; ``wait()`` raises a failure."""
+        """The writer's phases: claim and write (guarded), then, once past the fence, summary, commit and report.
+
+        A lazy save commits only what held until its fence: the commit waits
+        for it with the handle, holding no worker. ``wait()`` raises a failure.
+        """
         out = self.prepared
         if out.ok:
             out = run_guarded(functools.partial(self.write_staged, time.monotonic()))
+        if out.ok:
+            self.handle.commit_after_fence(functools.partial(self.complete, out.value))
+        else:
+            self.commit_and_report(out)
+
+    def complete(self, written: tuple[list, dict, float], torn: CheckpointError | None) -> None:
+        """The writer's phases after the fence: on its own worker if the fence had passed, else where the fence sends it."""
+        self.commit_and_report(run_guarded(functools.partial(self.summarize_fenced, written, torn)))
+
+    def commit_and_report(self, out: Any) -> None:
+        """Commit this rank's outcome and report; the handle ends COMMITTED or FAILED."""
         handle = self.handle
         handle.mark_written()
         try:

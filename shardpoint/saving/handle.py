@@ -1,49 +1,68 @@
 """The handle of one in-flight asynchronous save (see :mod:`shardpoint.saving.async_save`).
 
-The save transaction tells it what happens through its methods
-(:meth:`~AsyncSaveHandle.attach_storage`, :meth:`~AsyncSaveHandle.add_future`,
-:meth:`~AsyncSaveHandle.mark_copied`, :meth:`~AsyncSaveHandle.fail`...); the
-training loop waits on it, fences on it before mutating the state, or polls it.
+The handle is a state machine: one :class:`~shardpoint.saving.phases.SavePhase`
+held under one :class:`threading.Condition`, moved forward by one method per
+transition (:meth:`~AsyncSaveHandle.copies_queued`,
+:meth:`~AsyncSaveHandle.mark_copied`, the fence, :meth:`~AsyncSaveHandle.mark_written`,
+:meth:`~AsyncSaveHandle.finish`), each checked against the table in
+:mod:`~shardpoint.saving.phases`. Every wait is a ``wait_for`` on that
+condition. The training loop waits on the handle, fences on it before
+mutating the state, or polls it.
 
 The *fence* is the first of ``fence()``, an optimizer step pre-hook,
 ``done()`` once the copy is complete, and ``wait()``. A lazy save's guard
 (:class:`~shardpoint.engine.snapshot_guard.SnapshotGuard`) is checked there,
-and the background writer commits only after it: a tensor changed before the
+and the writer's commit runs only after it: a tensor changed before the
 fence fails the save with :class:`~shardpoint.errors.TornSnapshotError`.
+The writer does not wait for the fence on a worker: it leaves its commit
+with the handle (:meth:`~AsyncSaveHandle.commit_after_fence`), which hands
+it to the saver's pool when the fence passes. A save left waiting for a
+fence when the interpreter exits is fenced by the exit hook below and
+commits then, on the exiting thread.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
+import logging
+import os
 import threading
 import time
-import weakref
-from typing import Any
+from typing import Any, Callable
 
+from .phases import SavePhase, advance
 from .steps import SaveResult
 from ..engine.snapshot_guard import SnapshotGuard
 from ..errors import DistributedError, TornSnapshotError
 from ..runtime.progress import follow
 
-__all__ = ["AsyncSaveHandle"]
+__all__ = ["AsyncSaveHandle", "SavePhase"]
 
-_exiting = threading.Event()
-_waiting: weakref.WeakSet = weakref.WeakSet()  # handles whose writer waits for the fence
-_waiting_lock = threading.Lock()
+log = logging.getLogger("shardpoint")
+
+# Process-wide by necessity: saves whose commit waits for a fence, which the
+# exit hook must find once the training loop can no longer bring it.
+_awaiting: set["AsyncSaveHandle"] = set()
+_awaiting_lock = threading.Lock()
 
 
-def _at_exit() -> None:
-    # At exit the loop can change nothing more: writers still waiting for a fence check it now.
-    _exiting.set()
-    with _waiting_lock:
-        handles = list(_waiting)
+def _fence_at_exit() -> None:
+    # At exit the loop can change nothing more: the fence passes now and the commit runs.
+    # atexit hooks run after the thread pools joined their workers; a save waiting for
+    # its fence holds none (its commit waits here), so the exit never hangs on it.
+    with _awaiting_lock:
+        handles = list(_awaiting)
     for h in handles:
-        h.wake_at_exit()
+        try:
+            h.fence()
+        except Exception as e:  # noqa: BLE001 - exiting anyway; never turn an exit into a crash
+            log.warning("shardpoint: a save waiting for its fence failed at exit: %s", e)
 
 
-# Threading's exit hooks run before the executors join their threads, so a writer
-# waiting for a fence wakes up instead of hanging the exit.
-getattr(threading, "_register_atexit", lambda fn: None)(_at_exit)
+atexit.register(_fence_at_exit)
+# A forked child does not own its parent's saves (their workers are not in it).
+os.register_at_fork(after_in_child=_awaiting.clear)
 
 
 class AsyncSaveHandle:
@@ -52,33 +71,37 @@ class AsyncSaveHandle:
     ``wait()`` returns the :class:`SaveResult` once the checkpoint is durable
     and committed, or raises the background error (the same typed error on
     every rank). ``done()`` never blocks. ``fence()`` waits only for the
-    snapshot copy, after which the state may be mutated.
+    snapshot copy, after which the state may be mutated. ``state`` is the
+    :class:`~shardpoint.saving.phases.SavePhase` this rank's save is in.
+
+    Example::
+
+        h = saver.save("ckpt/step_200", state, mode="lazy")
+        h.fence()  # the state may change now
+        h.wait()
     """
 
     def __init__(self, path: str, result: SaveResult, device: Any = None):
         self.path = path
         self.result = result
         self._device = device  # the saver's Device: how a step is ordered after the copy
-        self._queued = threading.Event()  # every lazy copy is queued; _copy_event completes them
-        self._copy_event: Any = None
-        self._copied = threading.Event()
-        self._written = threading.Event()
-        self._finished = threading.Event()
-        self._error: BaseException | None = None
-        self._copy_error: BaseException | None = None
-        self._futures: list[cf.Future] = []
-        self._later: list[cf.Future] = []  # the writer, when another worker submits it
-        self._later_ready = threading.Event()
-        self._later_ready.set()
+        self._pool: Any = None  # unguarded, these four: set before the workers start, or by the waiting thread
         self._hooks: list[Any] = []
         self._reported = False
         self._storage: Any = None
-        self._guard: SnapshotGuard | None = None
-        self._fenced = threading.Event()
-        self._fenced.set()
-        self._wake = threading.Event()  # the fence passed, or the interpreter is exiting
-        self._fence_lock = threading.Lock()
-        self._torn: TornSnapshotError | None = None
+        self._cond = threading.Condition()  # guards every field below; notified on every change
+        self._phase = SavePhase.COPYING
+        self._seen = {SavePhase.COPYING}
+        self._finished = threading.Event()  # finished_event: set by finish() alone
+        self._error: BaseException | None = None
+        self._jobs = 0  # background work that may still report: running futures, an announced writer, a waiting commit
+        self._copy_event: Any = None  # completes every lazy copy (on an asynchronous device)
+        self._guard: SnapshotGuard | None = None  # checked at the fence; None once checked
+        self._guarded = False
+        self._torn: TornSnapshotError | None = None  # the guard's verdict
+        self._rest: Callable[[TornSnapshotError | None], None] | None = None  # the commit waiting for the fence
+
+    # --- what the save transaction tells the handle -----------------------------------------------
 
     def attach_storage(self, storage: Any) -> None:
         """Remember the storage written, for ``wait(tier=...)``.
@@ -89,6 +112,15 @@ class AsyncSaveHandle:
         """
         self._storage = storage
 
+    def use_pool(self, pool: cf.Executor) -> None:
+        """The saver's workers: a commit left waiting for the fence runs there once it passes.
+
+        Example::
+
+            handle.use_pool(pool)
+        """
+        self._pool = pool
+
     def add_future(self, future: cf.Future) -> None:
         """A worker's job that :meth:`wait` waits for (submitted from the training thread).
 
@@ -96,16 +128,19 @@ class AsyncSaveHandle:
 
             handle.add_future(pool.submit(job))
         """
-        self._futures.append(future)
+        with self._cond:
+            self._jobs += 1
+        future.add_done_callback(self._job_done)
 
     def expect_writer(self) -> None:
-        """The writer will be submitted by another worker; :meth:`wait` waits until it is.
+        """The writer will be submitted by another worker; :meth:`wait` waits until it is, and for it.
 
         Example::
 
             handle.expect_writer(); handle.add_future(pool.submit(copier))
         """
-        self._later_ready.clear()
+        with self._cond:
+            self._jobs += 1
 
     def writer_started(self, future: cf.Future) -> None:
         """The writer announced by :meth:`expect_writer` was submitted, as ``future``.
@@ -114,8 +149,8 @@ class AsyncSaveHandle:
 
             handle.writer_started(pool.submit(writer))
         """
-        self._later.append(future)
-        self._later_ready.set()
+        self.add_future(future)
+        self._job_done()
 
     def add_hook(self, hook: Any) -> None:
         """A removable hook (a step pre-hook) that :meth:`wait` removes.
@@ -126,48 +161,6 @@ class AsyncSaveHandle:
         """
         self._hooks.append(hook)
 
-    def mark_copied(self) -> None:
-        """Every snapshot copy is complete (or failed): the fence may pass.
-
-        Example::
-
-            handle.mark_copied()
-        """
-        self._copied.set()
-
-    def mark_written(self) -> None:
-        """This rank's data is written; the commit runs next.
-
-        Example::
-
-            handle.mark_written()
-        """
-        self._written.set()
-
-    def fail(self, error: BaseException) -> None:
-        """The save failed with ``error``; :meth:`wait` raises it.
-
-        Example::
-
-            handle.fail(DistributedError("rank 1 failed", {}))
-        """
-        self._error = error
-
-    def finish(self) -> None:
-        """The save committed or failed: nothing more happens in the background.
-
-        Example::
-
-            handle.finish()
-        """
-        self._copied.set()
-        self._finished.set()
-
-    @property
-    def reported(self) -> bool:
-        """True once :meth:`wait` raised this save's error to the caller."""
-        return self._reported
-
     def guard(self, guard: SnapshotGuard | None) -> None:
         """Check ``guard`` at the fence, and hold the commit until then (the saver calls this).
 
@@ -177,55 +170,217 @@ class AsyncSaveHandle:
         """
         if guard is None or not len(guard):
             return
-        self._guard = guard
-        self._fenced.clear()
+        with self._cond:
+            self._guard, self._guarded = guard, True
+
+    # --- transitions: one method each -------------------------------------------------------------
+
+    def copies_queued(self, event: Any) -> None:
+        """Every lazy snapshot copy is queued, and ``event`` completes them all: QUEUED.
+
+        Example::
+
+            handle.copies_queued(staged.last_event)
+        """
+        with self._cond:
+            self._copy_event = event
+            self._move(SavePhase.QUEUED)
+
+    def mark_copied(self) -> None:
+        """Every snapshot copy is complete (or failed): COPIED, and the fence may pass.
+
+        Example::
+
+            handle.mark_copied()
+        """
+        with self._cond:
+            self._move(SavePhase.COPIED)
+            rest = self._enter_fenced()  # the guard's verdict may already be in (asynchronous device)
+        self._resume(rest)
+
+    def _enter_fenced(self) -> Callable[[], None] | None:
+        """FENCED, once the copies are complete and the guard's verdict is in; returns the commit to run.
+
+        Called with the condition held, by whichever of the two came last.
+        """
+        if not (self._guarded and self._guard is None and self._phase is SavePhase.COPIED):
+            return None
+        self._move(SavePhase.FENCED)
+        return self._take_rest()
+
+    def mark_written(self) -> None:
+        """This rank's write phase ended (its data is written, or it failed): WRITTEN; the commit runs next.
+
+        Example::
+
+            handle.mark_written()
+        """
+        with self._cond:
+            self._move(SavePhase.WRITTEN)
+
+    def fail(self, error: BaseException) -> None:
+        """The save failed with ``error``: :meth:`finish` ends it FAILED and :meth:`wait` raises it.
+
+        Example::
+
+            handle.fail(DistributedError("rank 1 failed", {}))
+        """
+        with self._cond:
+            self._error = error
+
+    def finish(self) -> None:
+        """The commit is over: COMMITTED, or FAILED after :meth:`fail`; nothing more happens in the background.
+
+        Example::
+
+            handle.finish()
+        """
+        with self._cond:
+            self._move(SavePhase.FAILED if self._error is not None else SavePhase.COMMITTED)
+            self._finished.set()
+
+    def _move(self, to: SavePhase) -> None:
+        # Every phase change goes through here, with the condition held.
+        self._phase = advance(self._phase, self._seen, to, self.path)
+        self._seen.add(to)
+        self._cond.notify_all()
+
+    # --- the fence ----------------------------------------------------------------------------------
+
+    def commit_after_fence(self, commit: Callable[[TornSnapshotError | None], None]) -> None:
+        """Run ``commit(torn)`` once the fence has passed (``torn``: the guard's verdict); the writer calls this.
+
+        Runs it now, on the calling thread, when the save has no fence or it
+        has passed; otherwise the thread that passes the fence hands it to
+        the pool of :meth:`use_pool` (or runs it, once the pool takes no more
+        work: the interpreter is exiting). No worker waits for the fence.
+
+        Example::
+
+            handle.commit_after_fence(lambda torn: commit(torn))
+        """
+        with self._cond:
+            if self._guarded and self._phase.order < SavePhase.FENCED.order:
+                self._rest = commit
+                self._jobs += 1
+                with _awaiting_lock:
+                    _awaiting.add(self)
+                return
+            torn = self._torn
+        commit(torn)
+
+    def _take_rest(self) -> Callable[[], None] | None:
+        rest, self._rest = self._rest, None
+        if rest is None:
+            return None
+        with _awaiting_lock:
+            _awaiting.discard(self)
+        torn = self._torn
+
+        def run() -> None:
+            try:
+                rest(torn)
+            finally:
+                self._job_done()
+
+        return run
+
+    def _resume(self, run: Callable[[], None] | None) -> None:
+        if run is None:
+            return
+        if self._pool is not None:
+            try:
+                self._pool.submit(run)
+                return
+            except RuntimeError:  # "cannot schedule new futures after interpreter shutdown": run it here
+                pass
+        run()
 
     def _check_fence(self) -> None:
-        with self._fence_lock:
-            if self._fenced.is_set():
-                return
+        """The fence: check the guard (once) and, if the copies are complete, enter FENCED."""
+        with self._cond:
             guard, self._guard = self._guard, None
-            self._torn = guard.check(self.path) if guard is not None else None
-            self._fenced.set()
-            self._wake.set()
+            if guard is None:
+                return
+            self._torn = guard.check(self.path)
+            rest = self._enter_fenced()
+        self._resume(rest)
 
-    def wait_for_fence(self) -> TornSnapshotError | None:
-        """Block until the fence (the saver's writer calls this before committing); return the guard's verdict.
-
-        At interpreter exit the loop can change nothing more, so the guard is
-        checked then instead of waiting for a fence that will never come.
-
-        Example::
-
-            err = handle.wait_for_fence()
-        """
-        if not self._fenced.is_set():
-            with _waiting_lock:
-                _waiting.add(self)
-            try:
-                if not _exiting.is_set():  # else the exit hook already ran: no wake-up will come
-                    self._wake.wait()
-            finally:
-                with _waiting_lock:
-                    _waiting.discard(self)
-        if not self._fenced.is_set():  # woken by the exit
-            self._copied.wait()
-            self._check_fence()
-        return self._torn
-
-    def wake_at_exit(self) -> None:
-        """The interpreter is exiting: a writer waiting for the fence stops waiting and checks it.
-
-        Example::
-
-            handle.wake_at_exit()
-        """
-        self._wake.set()
+    def _copies_over(self) -> bool:
+        return self._phase.order >= SavePhase.COPIED.order
 
     @property
     def fenced(self) -> bool:
         """True once the fence has been passed (always true for an eager save)."""
-        return self._fenced.is_set()
+        with self._cond:
+            return self._guard is None
+
+    def fence(self, timeout: float | None = None) -> None:
+        """Block until the snapshot copy is complete; the state may then change.
+
+        A lazy save checks here that nothing it copies changed since the call;
+        if something did, the save fails in :meth:`wait` with
+        :class:`~shardpoint.errors.TornSnapshotError` and commits nothing.
+        """
+        with self._cond:
+            if not self._cond.wait_for(self._copies_over, timeout):
+                raise TimeoutError(f"snapshot of {self.path} not finished within {timeout}s")
+        self._check_fence()
+
+    def step_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer step pre-hook of a lazy save: :meth:`before_step`.
+
+        Example::
+
+            opt.register_step_pre_hook(handle.step_pre_hook)
+        """
+        self.before_step()
+
+    def before_step(self) -> None:
+        """The lazy save's optimizer step pre-hook: the step's updates run only after the snapshot copy.
+
+        On an asynchronous device the step's work waits for the copy's event
+        on the device: the host waits only until every copy is queued (not
+        run), then goes on, and the guard is checked there; the save is
+        FENCED once the copies complete. Elsewhere this is :meth:`fence`.
+
+        Example::
+
+            opt.register_step_pre_hook(lambda *a, **k: handle.before_step())
+        """
+        dev = self._device
+        if dev is None or not dev.asynchronous:
+            return self.fence()
+        with self._cond:
+            self._cond.wait_for(lambda: self._phase.order >= SavePhase.QUEUED.order)
+            event = self._copy_event
+        if event is None:
+            return self.fence()
+        dev.order_after(event)
+        self._check_fence()  # the step has not run yet: the state is still the call's, or the save fails
+
+    # --- what the training loop sees --------------------------------------------------------------
+
+    @property
+    def state(self) -> SavePhase:
+        """The :class:`~shardpoint.saving.phases.SavePhase` this rank's save is in (non-blocking).
+
+        Example::
+
+            if handle.state is sp.saving.handle.SavePhase.FENCED: print("committing")
+        """
+        with self._cond:
+            return self._phase
+
+    @property
+    def phase(self) -> str:
+        """Where this rank's save is: ``snapshot``, ``write``, ``commit`` or ``done``."""
+        return _PHASE_NAMES[self.state]
+
+    @property
+    def reported(self) -> bool:
+        """True once :meth:`wait` raised this save's error to the caller."""
+        return self._reported
 
     @property
     def finished_event(self) -> threading.Event:
@@ -243,68 +398,12 @@ class AsyncSaveHandle:
         Once the snapshot copy is complete, the first call is also the fence:
         a lazy save's state may change after it.
         """
-        if not self._fenced.is_set() and self._copied.is_set():
+        with self._cond:
+            phase, pending = self._phase, self._guard is not None
+        if pending and phase.order >= SavePhase.COPIED.order:
             self._check_fence()
-        return self._finished.is_set()
-
-    @property
-    def phase(self) -> str:
-        """Where this rank's save is: ``snapshot``, ``write``, ``commit`` or ``done``."""
-        if self._finished.is_set():
-            return "done"
-        if not self._copied.is_set():
-            return "snapshot"
-        return "commit" if self._written.is_set() else "write"
-
-    def fence(self, timeout: float | None = None) -> None:
-        """Block until the snapshot copy is complete; the state may then change.
-
-        A lazy save checks here that nothing it copies changed since the call;
-        if something did, the save fails in :meth:`wait` with
-        :class:`~shardpoint.errors.TornSnapshotError` and commits nothing.
-        """
-        if not self._copied.wait(timeout):
-            raise TimeoutError(f"snapshot of {self.path} not finished within {timeout}s")
-        self._check_fence()
-
-    def copies_queued(self, event: Any) -> None:
-        """Told by the saver: every snapshot copy is queued, and ``event`` completes them all.
-
-        Example::
-
-            handle.copies_queued(staged.last_event)
-        """
-        self._copy_event = event
-        self._queued.set()
-
-    def step_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """The optimizer step pre-hook of a lazy save: :meth:`before_step`.
-
-        Example::
-
-            opt.register_step_pre_hook(handle.step_pre_hook)
-        """
-        self.before_step()
-
-    def before_step(self) -> None:
-        """The lazy save's optimizer step pre-hook: the step's updates run only after the snapshot copy.
-
-        On an asynchronous device the step's work waits for the copy's event
-        on the device: the host waits only until every copy is queued (not
-        run), then goes on. Elsewhere this is :meth:`fence`.
-
-        Example::
-
-            opt.register_step_pre_hook(lambda *a, **k: handle.before_step())
-        """
-        dev = self._device
-        if dev is None or not dev.asynchronous:
-            return self.fence()
-        self._queued.wait()
-        if self._copy_event is None:
-            return self.fence()
-        dev.order_after(self._copy_event)
-        self._check_fence()  # the step has not run yet: the state is still the call's, or the save fails
+            phase = self.state
+        return phase.terminal
 
     def wait(self, timeout: float | None = None, tier: str | int | None = None, progress: bool = False) -> SaveResult:
         """Block until durable and committed; raise the background failure if any.
@@ -319,19 +418,18 @@ class AsyncSaveHandle:
     def _wait(self, timeout: float | None, tier: str | int | None) -> SaveResult:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.fence(timeout)
-        if not self._later_ready.wait(timeout):  # the writer, submitted by the copier's thread
-            raise TimeoutError(f"save to {self.path} still running after {timeout}s")
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        _, pending = cf.wait(self._futures + self._later, left)
-        if pending:
-            raise TimeoutError(f"save to {self.path} still running after {timeout}s")
+        with self._cond:  # every worker has returned (the ring is free again), and the commit ran
+            if not self._cond.wait_for(lambda: self._jobs == 0, left):
+                raise TimeoutError(f"save to {self.path} still running after {timeout}s")
+            phase, error = self._phase, self._error
         self._remove_hooks()
-        if not self._finished.is_set():
+        if not phase.terminal:
             # Every worker exited but none reported: a worker died without a trace.
             raise DistributedError(f"background save to {self.path} ended without a result", {})
-        if self._error is not None:
+        if error is not None:
             self._reported = True
-            raise self._error
+            raise error
         if tier is not None:
             if self._storage is None or not self._storage.tiered:
                 raise ValueError(f"{self.path} is not tiered storage; wait(tier=...) needs a TieredStorage")
@@ -339,7 +437,19 @@ class AsyncSaveHandle:
             self._storage.wait(tier, left)
         return self.result
 
+    def _job_done(self, _future: Any = None) -> None:
+        with self._cond:
+            self._jobs -= 1
+            self._cond.notify_all()
+
     def _remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+_PHASE_NAMES = {
+    SavePhase.COPYING: "snapshot", SavePhase.QUEUED: "snapshot",
+    SavePhase.COPIED: "write", SavePhase.FENCED: "write",
+    SavePhase.WRITTEN: "commit", SavePhase.COMMITTED: "done", SavePhase.FAILED: "done",
+}
