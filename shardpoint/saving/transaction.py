@@ -2,7 +2,8 @@
 
 :class:`SaveTransaction` runs ``enter`` (the arguments are checked and the
 ranks agree on the call), ``prepare`` (adapters flatten the state, the
-planners choose writers: :func:`~shardpoint.saving.steps.prepare_save`),
+planners choose writers: :func:`~shardpoint.saving.prepare.prepare_save`,
+with the ranks' agreement where groups or rules are declared),
 ``claim`` (rank 0 claims the path before any data is written), ``snapshot``
 (the bytes to write are fixed), ``write`` (this rank's data and index files,
 then the summary its commit needs) and ``commit`` (rank 0 commits from two
@@ -35,7 +36,8 @@ from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..runtime.monitor import Recorder, format_summary
 from ..planning.describe import RankReport
 from .reuse import SaveCache
-from .steps import PreparedSave, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
+from .prepare import PreparedSave, prepare_save
+from .steps import SaveResult, check_block_size, data_file_name, finish_save, mark_phase
 from ..storage import Storage, storage_for
 
 __all__ = ["SaveTransaction", "SaveOptions", "check_state"]
@@ -139,9 +141,10 @@ class SaveTransaction:
             raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
         self.storage = storage_for(self.path)
         self.where = self.storage.url
-        # The ranks also agree on whether groups are declared: that decides whether the replica
-        # check gathers before the write (see shardpoint.saving.replicas), so all must decide alike.
+        # The ranks also agree on whether groups or rules are declared: that decides whether they
+        # exchange before the write (see shardpoint.saving.agree), so all must decide alike.
         op = self.op if self.options.replicated_over is None else f"{self.op} with replicated_over"
+        op = f"{op} with layouts" if self.options.layouts else op  # rules, too, make the ranks agree before the write
         base.enter(op, self.where, self.options.collective_timeout)
         self.base = base
         self.comm = base if coordinate is None else coordinate(base)

@@ -1,0 +1,35 @@
+"""A failure on one rank before the write, in every phase and feature, raises the same error on every rank in time.
+
+Each launch is one process group running several cases (see
+:mod:`tests.dist.agree_cases`): starting processes is the expensive part.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardpoint.testing import launch
+from tests.dist.agree_cases import CAUSE, LIMIT
+
+pytestmark = pytest.mark.dist
+
+SAVES = ["sync_plain", "sync_reduced", "sync_replicated", "sync_experts", "manager_reduced"]
+ASYNC = ["async_call_eager_reduced", "async_call_lazy_experts", "async_wait_eager_reduced", "async_wait_lazy_reduced"]
+LOADS = ["load_misfit", "load_failing"]
+
+
+def _check(results: list[dict], cases: list[str]) -> None:
+    for case in cases:
+        recs = [r[case] for r in results]
+        types = {rec["type"] for rec in recs}
+        assert len(types) == 1 and None not in types, (case, recs)
+        for rank, rec in enumerate(recs):
+            assert rec["seconds"] < LIMIT, (case, rank, rec)
+            assert "rank(s) [1]" in rec["message"], (case, rank, rec)
+            assert rec["kept"], (case, rank, rec)
+
+
+@pytest.mark.parametrize("cases", [SAVES, ASYNC, LOADS], ids=["save", "async", "load"])
+def test_failure_reaches_every_rank(tmp_path, cases):
+    results = launch(2, "tests.dist.agree_cases:failures_job", {"root": str(tmp_path), "cases": cases}, timeout=240)
+    _check(results, cases)
