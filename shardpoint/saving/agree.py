@@ -18,39 +18,39 @@ no collective) and before the write:
 Every exchange goes through the :class:`Gate`. A rank that fails anywhere
 before the write (an adapter's ``state_dict``, a check, a rule) still
 joins the next exchange, with the failed marker: every rank then learns of
-the failure at once, skips the rest of the agreement and writes nothing,
-and the failing rank's own error reaches every rank at the commit
-(:class:`~shardpoint.errors.DistributedError` naming the rank and its
-cause, or the rank's own typed error); nothing is committed. A collective
-outside the agreement would instead leave the healthy ranks waiting in it
-for a rank that never comes.
+the failure at once, the ranks exchange their outcomes once more, and
+every rank raises the same error from the save call
+(:class:`~shardpoint.errors.DistributedError` naming the failing rank and
+its cause, or the rank's own typed error, as the commit would report it),
+without writing or committing anything. A collective outside the
+agreement would instead leave the healthy ranks waiting in it for a rank
+that never comes.
 
 A plain save (no groups declared, no rules) makes no collective before
 the write at all: its failures surface at the commit.
 
 Example::
 
-    gate = Gate(comm)
-    agreed = agree_save(Proposal.of(tensors, lazy_ok, rules, comm.world), comm, gate)
-    if agreed.peer_failed: ...  # write nothing: the commit raises the failing rank's error
+    gate = Gate(comm, "ckpt/step_100")
+    agreed = agree_save(Proposal.of(tensors, lazy_ok, rules, comm.world), comm, gate)  # or AgreedFailure
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from typing import Mapping, NoReturn, Sequence
 
 import torch
 
 from ..adapters.experts import Experts, apply_placement, expert_keys
-from ..dist import Comm
-from ..errors import UnsupportedStateError
+from ..dist import Comm, Outcome, raise_if_failed, run_guarded
+from ..errors import CheckpointError, UnsupportedStateError
 from ..items import SaveTensor
 from ..layouts import Reduced, apply_save
 from ..planning.replicas import copied_names, copy_name, encode_rows, suspicious
 from .replicas import PendingTable, pending_table, rows_of
 
-__all__ = ["FAILED", "COLUMNS", "Rows", "Gate", "Proposal", "Agreed", "agree_save", "reduce_values"]
+__all__ = ["FAILED", "COLUMNS", "Rows", "Gate", "AgreedFailure", "unwrap", "Proposal", "Agreed", "agree_save", "reduce_values"]
 
 FAILED = -(1 << 63)  # the first column of the marker row a failed rank sends
 COLUMNS = 6  # int64 columns of every table exchanged: replica rows (encode_rows) and experts' keys alike
@@ -97,51 +97,103 @@ class Rows:
         return self.table[:, 0].tolist()
 
 
+class AgreedFailure(Exception):
+    """Every rank of a save learned in its agreement that a rank failed; ``error`` is what each raises.
+
+    The save's transaction raises ``error`` (the same on every rank) with
+    no commit: nothing was written. It never reaches the caller itself.
+
+    Example::
+
+        except AgreedFailure as f: raise f.error from None
+    """
+
+    def __init__(self, error: CheckpointError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def unwrap(e: BaseException) -> BaseException:
+    """The error to raise for ``e``: an :class:`AgreedFailure`'s error, else ``e`` itself.
+
+    Example::
+
+        raise unwrap(outcome.exc)
+    """
+    return e.error if isinstance(e, AgreedFailure) else e
+
+
+def _raise(e: BaseException) -> NoReturn:
+    raise e
+
+
 class Gate:
     """The exchanges of one save's agreement, which a rank that fails before them still joins.
 
     Every rank calls :meth:`exchange` the same number of times while its
     preparation goes well. A rank that fails calls :meth:`abstain`, which
     joins the next exchange with the failed marker (:meth:`Rows.failed`);
-    every rank then sees the marker, skips the remaining exchanges and
-    returns ``None`` from this one. :meth:`close` marks the last exchange
-    done, after which a failure needs no marker.
+    every rank then sees the marker, and all exchange their outcomes once
+    more (the failing rank its error), so that every rank raises the same
+    error (:class:`AgreedFailure`, naming the failing rank and its cause:
+    see :func:`~shardpoint.dist.raise_if_failed`). :meth:`close` marks the
+    last exchange done, after which a failure needs no marker: it reaches
+    the other ranks at the commit.
 
     Example::
 
-        gate = Gate(comm)
-        tables = gate.exchange(Rows(encode_rows(rows)))  # None: a rank failed
+        gate = Gate(comm, "ckpt/step_100")
+        tables = gate.exchange(Rows(encode_rows(rows)))  # raises AgreedFailure when a rank failed
     """
 
-    def __init__(self, comm: Comm):
+    def __init__(self, comm: Comm, where: str = ""):
         self.comm = comm
+        self.where = where
         # A stand-in without a process group (a simulation of many ranks in one process) exchanges nothing.
         self.active = bool(comm.active) and comm.world > 1
         self.failed = False
         self.closed = False
 
-    def exchange(self, rows: Rows) -> dict[int, Rows] | None:
-        """Every rank's message by group rank, or ``None`` once any rank has failed."""
+    @property
+    def open(self) -> bool:
+        """Whether exchanges are still to come (a failure must then join the next one)."""
+        return self.active and not self.failed and not self.closed
+
+    def exchange(self, rows: Rows) -> dict[int, Rows]:
+        """Every rank's message by group rank; raises :class:`AgreedFailure` when a rank failed."""
         if not self.active:
             return {self.comm.rank: rows}
-        if self.failed or self.closed:
-            return None
+        if not self.open:
+            raise RuntimeError("the agreement's exchanges are over")
         tables = self.comm.all_gather_rows(rows.table)
         got = {r: Rows(t) for r, t in enumerate(tables)}
         if any(m.is_failed for m in got.values()):
             self.failed = True
-            return None
+            self._causes(Outcome(True))
         return got
 
-    def abstain(self) -> None:
-        """This rank failed: join one exchange with the marker, unless the exchanges are over."""
-        if self.active and not self.failed and not self.closed:
+    def abstain(self, error: Exception) -> None:
+        """This rank failed with ``error``: join the next exchange with the marker, then raise :class:`AgreedFailure`.
+
+        Returns without a collective when the exchanges are over (or there are none).
+        """
+        if self.open:
             self.failed = True
             self.comm.all_gather_rows(Rows.failed().table)
+            self._causes(run_guarded(lambda: _raise(error)))
 
     def close(self) -> None:
         """The last exchange is done."""
         self.closed = True
+
+    def _causes(self, mine: Outcome) -> NoReturn:
+        """Every rank's outcome, once; raise the error they make, the same on every rank."""
+        outcomes = self.comm.all_gather(mine.sendable(with_value=False))
+        try:
+            raise_if_failed(outcomes, f"save to {self.where}")
+        except CheckpointError as err:
+            raise AgreedFailure(err) from None
+        raise AgreedFailure(CheckpointError(f"save to {self.where}: a rank failed in the agreement but sent no cause"))
 
 
 @dataclass(frozen=True)
@@ -193,18 +245,16 @@ class Proposal:
 class Agreed:
     """What the agreement decided on this rank.
 
-    ``peer_failed``: a rank failed before the write (this rank writes
-    nothing; the commit raises that rank's error); otherwise ``tensors``
-    are the ones to write (reduced, placed, with copy names), ``lazy_ok``
-    the names of them that may be copied lazily, and ``replicas`` this
-    rank's pending table for the commit (``None`` on a world of one).
+    ``tensors`` are the ones to write (reduced, placed, with copy names),
+    ``lazy_ok`` the names of them that may be copied lazily, and
+    ``replicas`` this rank's pending table for the commit (``None`` on a
+    world of one).
 
     Example::
 
         agreed = agree_save(proposal, comm, gate); agreed.tensors
     """
 
-    peer_failed: bool
     tensors: tuple[SaveTensor, ...] = ()
     lazy_ok: frozenset[str] = frozenset()
     replicas: PendingTable | None = field(default=None, compare=False)
@@ -213,7 +263,8 @@ class Agreed:
 def agree_save(proposal: Proposal, comm: Comm, gate: Gate) -> Agreed:
     """Run the agreement of a save with groups or rules declared; see the module documentation.
 
-    A failure on this rank joins the next exchange with the marker before it is raised.
+    A failure on this rank joins the next exchange with the marker; every
+    rank then raises :class:`AgreedFailure` with the same error.
 
     Example::
 
@@ -221,8 +272,10 @@ def agree_save(proposal: Proposal, comm: Comm, gate: Gate) -> Agreed:
     """
     try:
         return _agree(proposal, comm, gate)
-    except Exception:
-        gate.abstain()  # no peer waits in an exchange for this rank
+    except AgreedFailure:
+        raise
+    except Exception as e:
+        gate.abstain(e)  # no peer waits in an exchange for this rank; raises AgreedFailure
         raise
     finally:
         gate.close()
@@ -237,8 +290,6 @@ def _agree(proposal: Proposal, comm: Comm, gate: Gate) -> Agreed:
         rows = rows_of(logical, digests=False)  # which piece in which group: the same before and after reducing
         first = Rows(encode_rows(rows))
     got = gate.exchange(first)
-    if got is None:
-        return Agreed(True)
     # Every rank is healthy: the reductions may run.
     pieces = list(proposal.pieces)
     if proposal.reduced:
@@ -258,11 +309,9 @@ def _agree(proposal: Proposal, comm: Comm, gate: Gate) -> Agreed:
         logical = apply_placement(logical, picked, keys, holders, _global(comm, gate, comm.rank))
         rows = rows_of(logical, digests=False)
         got = gate.exchange(Rows(encode_rows(rows)))
-        if got is None:
-            return Agreed(True)
     gate.close()
     tensors = _renamed(logical, rows, [m.table for m in got.values()], comm) if gate.active else logical
-    return Agreed(False, tuple(tensors), frozenset(lazy), pending_table(tensors, comm))
+    return Agreed(tuple(tensors), frozenset(lazy), pending_table(tensors, comm))
 
 
 def _global(comm: Comm, gate: Gate, rank: int) -> int:

@@ -15,7 +15,7 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Sequence
@@ -33,13 +33,15 @@ from ..planning.describe import CandidateGrids, Description, RankReport, RankSta
 from ..planning.writers import WriterChoice, choose_writers, plan_signature
 from ..runtime.rank_local import rank_local_tensors
 from ..storage import Storage
-from .agree import Gate, Proposal, agree_save
+from .agree import AgreedFailure, Gate, Proposal, agree_save
 from .replicas import PendingTable, pending_table
 from .result import SaveResult
 from .reuse import SaveCache
 from .steps import mark_phase
 
 __all__ = ["PreparedSave", "CheckedSave", "prepare_save", "describe_prepared"]
+
+log = logging.getLogger("shardpoint")
 
 
 @dataclass
@@ -52,8 +54,7 @@ class PreparedSave:
     and reused by repeated saves of the same tensors; ``replicas`` the
     rank's replica table, compared at the commit
     (:func:`~shardpoint.saving.replicas.pending_table`), which the summary
-    waits for. A rank that learned in the agreement that another rank
-    failed holds nothing to write: the commit raises that rank's error.
+    waits for.
 
     Example::
 
@@ -132,10 +133,6 @@ class CheckedSave:
     prepared: PreparedSave
 
 
-class _PeerFailed(Exception):
-    """Another rank failed before the write (this rank learned it in the agreement): nothing is kept."""
-
-
 def prepare_save(
     state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=(), cache: SaveCache | None = None,
     replicated_over: Any = None, rank_local: bool = False,
@@ -146,22 +143,29 @@ def prepare_save(
     passes a ``cache`` reused across saves, see :mod:`shardpoint.saving.reuse`).
     With groups or rules declared, the ranks agree before the write
     (:mod:`shardpoint.saving.agree`); a rank that fails here still takes
-    part, so none waits for it.
+    part, so none waits for it, and every rank then raises
+    :class:`~shardpoint.saving.agree.AgreedFailure` carrying the same error.
 
     Example::
 
         prep = prepare_save(state, comm, False, "ckpt", SaveResult("ckpt", save_id))
     """
-    gate = Gate(comm)  # a rank that fails still joins the agreement's exchanges, so none waits on it
+    gate = Gate(comm, where)  # a rank that fails still joins the agreement's exchanges, so none waits on it
     try:
         rules = [*rules, *deepspeed_expert_rules(state)]  # DeepSpeed MoE experts: stored at their global index
         if replicated_over is None and not rules:
             gate.close()  # no exchange before the write: a rank that fails reports at the commit
         return _prepare(state, comm, allow_pickle, where, result, rules, cache or SaveCache(), replicated_over,
                         rank_local, gate)
-    except Exception:
-        with contextlib.suppress(Exception):  # the original error is the one to report
-            gate.abstain()
+    except AgreedFailure:
+        raise
+    except Exception as e:
+        try:
+            gate.abstain(e)  # with exchanges to come: raises AgreedFailure on every rank
+        except AgreedFailure:
+            raise
+        except Exception as lost:  # noqa: BLE001 - the original error is the one to report
+            log.debug("could not tell the other ranks of a failure: %s", lost)
         raise
 
 
@@ -198,16 +202,12 @@ def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResu
     declared = replicated_over is not None or bool(rules)
     same = None if rules else (rank_local, declared, tuple(map(id, tensors)))
     tables: list[PendingTable | None] = []
-    try:
-        checked, hit = cache.reuse("checked", same, lambda: _check_and_plan(
-            state, tensors, ctx, rules, comm, where, cache, result, (rank_local, declared), gate, tables))
-        if hit:
-            table = _replicas_again(checked, comm, gate, declared)
-            result.plan_cached = True
-    except _PeerFailed:
-        mark_phase(result, "plan", ta)
-        return PreparedSave([], [], {}, {}, frozenset(), ctx=ctx)  # nothing to write: the commit reports the failure
-    if not hit:
+    checked, hit = cache.reuse("checked", same, lambda: _check_and_plan(
+        state, tensors, ctx, rules, comm, where, cache, result, (rank_local, declared), gate, tables))
+    if hit:
+        table = _replicas_again(checked, comm, gate, declared)
+        result.plan_cached = True
+    else:
         table = tables[0]
         if len(checked.tensors) != len(tensors) or any(a is not b for a, b in zip(checked.tensors, tensors)):
             cache.forget("checked")  # renamed or cut by the checks: made from more than the tensors
@@ -223,10 +223,7 @@ def _replicas_again(checked: CheckedSave, comm: Comm, gate: Gate, declared: bool
     """The pending table of a reused check; declared groups still run their agreement (every rank exchanges alike)."""
     if not declared:
         return pending_table(checked.tensors, comm)
-    agreed = agree_save(Proposal.of(checked.tensors, checked.lazy_ok, (), comm.world), comm, gate)
-    if agreed.peer_failed:
-        raise _PeerFailed()
-    return agreed.replicas
+    return agree_save(Proposal.of(checked.tensors, checked.lazy_ok, (), comm.world), comm, gate).replicas
 
 
 def _check_and_plan(state, tensors: list[SaveTensor], ctx: AdapterContext, rules, comm: Comm, where: str,
@@ -246,8 +243,6 @@ def _check_and_plan(state, tensors: list[SaveTensor], ctx: AdapterContext, rules
         proposal = Proposal.of(tensors, frozenset(lazy_ok), rules, comm.world)
         _check_tensors(proposal.logical(), where)  # refused before the agreement, so every rank learns of it there
         agreed = agree_save(proposal, comm, gate)
-        if agreed.peer_failed:
-            raise _PeerFailed()
         tensors, lazy, table = list(agreed.tensors), agreed.lazy_ok, agreed.replicas
     else:
         _check_tensors(tensors, where)

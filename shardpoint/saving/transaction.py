@@ -9,7 +9,9 @@ with the ranks' agreement where groups or rules are declared),
 then the summary its commit needs) and ``commit`` (rank 0 commits from two
 small gathers; the same error reaches every rank), then reports timings and
 metrics. Every phase that can fail on one rank runs guarded and meets the
-others in the commit.
+others in the commit, or, before the write of a save that declares groups
+or rules, in the agreement (:mod:`shardpoint.saving.agree`), from which
+every rank raises the same error at once.
 
 :func:`shardpoint.save` runs the phases in order on the calling thread; its
 snapshot is the write itself. :class:`~shardpoint.saving.background.BackgroundSave`
@@ -36,6 +38,7 @@ from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..runtime.monitor import Recorder, format_summary
 from ..planning.describe import RankReport
 from .reuse import SaveCache
+from .agree import AgreedFailure, unwrap
 from .prepare import PreparedSave, prepare_save
 from .steps import SaveResult, check_block_size, data_file_name, finish_save, mark_phase
 from ..storage import Storage, storage_for
@@ -251,9 +254,9 @@ class SaveTransaction:
         """
         self.bar = bar
         out = run_guarded(self.local_phases)
-        if self.comm.world == 1 and not out.ok:
-            self.abandon()
-            raise out.exc
+        if not out.ok and (self.comm.world == 1 or isinstance(out.exc, AgreedFailure)):
+            self.abandon()  # every rank raises it now: nothing was written, there is nothing to commit
+            raise unwrap(out.exc)
         with bar or contextlib.nullcontext():  # a failed commit closes the bar without a "done" line
             self.commit(out)
         return self.report()

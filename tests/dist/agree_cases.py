@@ -2,7 +2,7 @@
 
 One process group runs the cases in turn. Each case first saves a good
 checkpoint, then plants a failure on rank 1 only (an entry whose
-``state_dict()`` raises, a write that raises, a tensor changed before a
+``state_dict()`` raises, a dtype the format refuses, a background write that raises, a tensor changed before a
 lazy save's fence, a misfit load target, an entry whose
 ``load_state_dict()`` raises) and runs the call on every rank. A case
 records, per rank, the error's class, message, where it surfaced (``call``
@@ -123,8 +123,19 @@ class _Broken:
         setattr(self.cls, self.name, self.real)
 
 
-def _manager(folder: str, layouts: list, kw: dict) -> Any:
-    return sp.CheckpointManager(folder, interval=1000, mode=None, keep_last=None, save_options={"layouts": layouts, **kw})
+def _failing(case: str, rank: int) -> dict:
+    """The state of a save that fails on rank 1: a dtype the format refuses (``check`` cases), else a ``state_dict()`` that raises."""
+    if "_check_" not in case:
+        return _state(case, 1, rank, Flaky(save=rank == 1))
+    state = _state(case, 1, rank)
+    if rank == 1:
+        state["extra"]["odd"] = torch.zeros(2, dtype=torch.uint32)
+    return state
+
+
+def _manager(case: str, folder: str, layouts: list, kw: dict) -> Any:
+    mode = "eager" if case.startswith("manager_async") else None
+    return sp.CheckpointManager(folder, interval=1000, mode=mode, keep_last=None, save_options={"layouts": layouts, **kw})
 
 
 def _save_case(case: str, rank: int, world: int, path: str) -> dict:
@@ -133,17 +144,17 @@ def _save_case(case: str, rank: int, world: int, path: str) -> dict:
     layouts = _layouts(case, world)
     kw: dict = {"replicated_over": list(range(world))} if case.endswith("replicated") else {}
     if case.startswith("sync_"):
-        state = _state(case, 1, rank, Flaky(save=fail))
+        state = _failing(case, rank)
         return _error(lambda: sp.save(path, state, layouts=layouts, **kw))
     if case.startswith("async_call_"):  # eager or lazy: the state fails at the call
-        mode = case.split("_")[2]
-        state = _state(case, 1, rank, Flaky(save=fail))
+        mode = case.split("_")[-2]
+        state = _failing(case, rank)
         return _error(lambda: sp.async_save(path, state, mode=mode, layouts=layouts, **kw))
-    if case.startswith("async_wait_eager"):  # the background write fails
-        from shardpoint.engine.pipeline import StagedWrite
+    if case.startswith("async_wait_eager"):  # the end of the background write fails (every rank runs it)
+        from shardpoint.saving.prepare import PreparedSave
 
         state = _state(case, 1, rank)
-        with _Broken(StagedWrite, "write", fail):
+        with _Broken(PreparedSave, "summary", fail):
             return _error(lambda: sp.async_save(path, state, mode="eager", layouts=layouts, **kw))
     if case.startswith("async_wait_lazy"):  # a parameter changes before the fence on rank 1
         state = _state(case, 1, rank)
@@ -154,10 +165,14 @@ def _save_case(case: str, rank: int, world: int, path: str) -> dict:
                 state["model"].dense.weight.add_(1.0)
         return _error(lambda: h)
     if case.startswith("manager_"):  # the next step fails: it must not be committed
-        mgr = _manager(os.path.dirname(path), layouts, kw)
-        state = _state(case, 1, rank, Flaky(save=fail))
+        mgr = _manager(case, os.path.dirname(path), layouts, kw)
+        state = _failing(case, rank)
+        def save_and_wait() -> None:  # an asynchronous manager's failure surfaces at its wait()
+            mgr.save(STEP + 1, state)
+            mgr.wait()
+
         try:
-            return _error(lambda: mgr.save(STEP + 1, state))
+            return _error(save_and_wait)
         finally:
             mgr.close()
     raise ValueError(f"unknown case {case!r}")
@@ -180,7 +195,7 @@ def _good_save(case: str, rank: int, world: int, path: str) -> dict[str, torch.T
     state = _state(case, 0, rank)
     layouts = _layouts(case, world)
     if case.startswith("manager_"):
-        mgr = _manager(os.path.dirname(path), layouts, {})
+        mgr = _manager(case, os.path.dirname(path), layouts, {})
         mgr.save(STEP, state)
         mgr.close()
     else:
