@@ -150,7 +150,7 @@ class Gate:
         self.comm = comm
         self.where = where
         # A stand-in without a process group (a simulation of many ranks in one process) exchanges nothing.
-        self.active = bool(comm.active) and comm.world > 1
+        self.active = bool(getattr(comm, "active", False)) and comm.world > 1
         self.failed = False
         self.closed = False
 
