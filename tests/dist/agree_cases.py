@@ -114,8 +114,10 @@ class _Broken:
     def __enter__(self) -> "_Broken":
         self.real = getattr(self.cls, self.name)
         if self.armed:
+            name = self.name
+
             def broken(*a, **k):
-                raise RuntimeError(f"{CAUSE}: write")
+                raise RuntimeError(f"{CAUSE}: {name}")
             setattr(self.cls, self.name, broken)
         return self
 
@@ -185,6 +187,12 @@ def _load_case(case: str, rank: int, path: str) -> dict:
     fail = rank == 1
     if case == "load_misfit":
         state = _state(case, 2, rank, width=5 if fail else 4)
+    elif case == "load_index":  # this rank's index files cannot be read
+        from shardpoint.loading import transaction
+
+        state = _state(case, 2, rank)
+        with _Broken(transaction, "resolve", fail):
+            return _error(lambda: sp.load(path, state))
     else:
         state = _state(case, 2, rank, Flaky(load=fail))
     return _error(lambda: sp.load(path, state))

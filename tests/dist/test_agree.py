@@ -18,7 +18,7 @@ ASYNC = [
     "async_call_eager_reduced", "async_call_lazy_experts", "async_call_check_eager_replicated",
     "async_wait_eager_reduced", "async_wait_lazy_reduced", "manager_async_reduced", "manager_async_check_plain",
 ]
-LOADS = ["load_misfit", "load_failing"]
+LOADS = ["load_misfit", "load_index", "load_failing"]
 
 
 def _cause(case: str) -> str:
