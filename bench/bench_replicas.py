@@ -106,22 +106,16 @@ def _without_check():
     """A stand-in for the check that compares nothing (for the save without it); restores the real one on exit."""
     import contextlib
 
-    from shardpoint.saving import steps
+    from shardpoint.saving import prepare
 
     @contextlib.contextmanager
     def patched():
-        real = steps.check_replicas
-
-        def skip(tensors, comm, gate=None, declared=True):
-            if gate is not None:
-                gate.close()
-            return tensors, None
-
-        steps.check_replicas = skip
+        real = prepare.pending_table
+        prepare.pending_table = lambda tensors, comm: None
         try:
             yield
         finally:
-            steps.check_replicas = real
+            prepare.pending_table = real
 
     return patched()
 
@@ -227,8 +221,10 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
     """Per layout: median save time, median check time and the check's share, bytes digested per rank."""
     import shardpoint as sp
     from shardpoint.dist import Comm
-    from shardpoint.saving.replicas import check_replicas, rows_of
-    from shardpoint.saving.steps import SaveResult, prepare_save
+    from shardpoint.saving.agree import Gate, Proposal, agree_save
+    from shardpoint.saving.prepare import prepare_save
+    from shardpoint.saving.result import SaveResult
+    from shardpoint.saving.replicas import pending_table, rows_of
     from shardpoint.testing import GPTConfig, build, train_step
 
     c = GPTConfig(**cfg)
@@ -242,10 +238,11 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
         comm = Comm.resolve(None)
         prep = prepare_save(state, comm, False, path, SaveResult(path, "bench"))
         cpu: list[float] = []
-        at_call = _medians(lambda: check_replicas(prep.tensors, comm, declared=False)[1].table(), repeats, cpu)
-        table = check_replicas(prep.tensors, comm, declared=False)[1].table()
+        at_call = _medians(lambda: pending_table(prep.tensors, comm).table(), repeats, cpu)
+        table = pending_table(prep.tensors, comm).table()
         compare, extra = _commit_side(comm, table, repeats)
-        prewrite = _medians(lambda: check_replicas(prep.tensors, comm, declared=True), repeats)  # digests not included
+        agree = lambda: agree_save(Proposal.of(prep.tensors, frozenset(), (), comm.world), comm, Gate(comm, path))  # noqa: E731
+        prewrite = _medians(agree, repeats)  # the agreement of a declared save; digests not included
         check = at_call + compare + extra
         held = [t for t in prep.tensors if t.replica_count > 1 or t.placement == "local"]
         out[layout] = {

@@ -74,7 +74,7 @@ from shardpoint.planning import describe as planning_describe
 from shardpoint.planning.commit import Documents, representatives
 from shardpoint.planning.describe import Description, GridEntry, RankReport, RankStatus
 from shardpoint.planning.writers import WriterChoice
-from shardpoint.saving.steps import PreparedSave, describe_prepared
+from shardpoint.saving.prepare import PreparedSave, describe_prepared
 from shardpoint.planning.reads import ReadTarget, plan_chunk_reads
 from shardpoint.storage.memory import MemoryStorage
 
@@ -905,7 +905,8 @@ def plain_pp_check() -> dict:
     Each rank claims two copies of its tensors; the writer choice gives one
     of them to the other stage's rank, which does not hold it.
     """
-    from shardpoint.saving.steps import SaveResult as ApiSaveResult, prepare_save
+    from shardpoint.saving.prepare import prepare_save
+    from shardpoint.saving.result import SaveResult as ApiSaveResult
     from shardpoint.engine.indexes import resolve_all
     from shardpoint.engine.io import write_chunks
 

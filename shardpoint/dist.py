@@ -156,6 +156,17 @@ class Comm:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of this group's rank ``group_rank`` (the same number without a group).
+
+        Not a collective. Replica groups and copy names speak of global ranks.
+
+        Example::
+
+            comm.global_rank(comm.rank)
+        """
+        return self._global(group_rank)
+
     def group_ranks(self, ranks: "Sequence[int]") -> "tuple[int, ...] | None":
         """``ranks`` (global ranks) as ranks of this group; ``None`` if one lies outside it.
 

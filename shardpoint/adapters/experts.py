@@ -39,7 +39,7 @@ from ..errors import ExpertLayoutError, UnsupportedStateError
 from ..items import SaveTensor
 from ..layouts import WholeRule
 
-__all__ = ["Experts", "GroupedWeight", "megatron_expert_prefixes", "megatron_grouped_experts", "rename_prefix", "place_experts", "check_divides"]
+__all__ = ["Experts", "GroupedWeight", "megatron_expert_prefixes", "megatron_grouped_experts", "rename_prefix", "expert_keys", "apply_placement", "check_divides"]
 
 
 def check_divides(num_experts: int, ep: int, where: str) -> int:
@@ -210,39 +210,38 @@ class Experts(WholeRule):
 
 
 
-def place_experts(tensors: list[SaveTensor], rules: Sequence[Any], gate: Any) -> list[SaveTensor]:
-    """Give the tensors of :class:`Experts` lists the replica placement of their global experts.
+def expert_keys(tensors: Sequence[SaveTensor], rules: Sequence[Experts]) -> tuple[list[int], list[int]]:
+    """The positions of the tensors of :class:`Experts` lists, and a key of each one's name and box.
 
-    After renaming, the ranks holding a piece of a global expert are those
-    that list the same name and box: one gather of those keys through
-    ``gate`` (a :class:`~shardpoint.saving.replicas.Gate`) finds them, for plain
-    tensors and for experts sharded as DTensors alike. Not a collective when
-    no rule is an :class:`Experts`.
+    The ranks holding a piece of a global expert are those that list the
+    same key; the save's agreement (:mod:`shardpoint.saving.agree`)
+    exchanges the keys and :func:`apply_placement` applies what it found.
 
     Example::
 
-        tensors = place_experts(apply_save(tensors, rules), rules, Gate(comm))
+        picked, keys = expert_keys(tensors, [sp.Experts("model.experts", 8, ep_group)])
     """
-    rules = [r for r in rules if isinstance(r, Experts)]
-    if not rules:
-        return tensors
-    for r in rules:
-        r.offset()  # the EP degree must divide the experts
-    import torch
-    import torch.distributed as dist
     import xxhash
 
-    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     picked = [i for i, t in enumerate(tensors) if any(r.param_match(t.fqn) is not None for r in rules)]
     keys = [xxhash.xxh3_64_intdigest(repr((t.fqn, tuple(t.box.offsets), tuple(t.box.sizes), t.flat)).encode()) >> 1
             for t in (tensors[i] for i in picked)]
-    tables = gate.gather(torch.tensor([[k, me, 0, 0, 0, 0] for k in keys], dtype=torch.int64).reshape(-1, 6))
-    if tables is None:  # a rank failed: its error ends the save
-        return tensors
-    holders: dict[int, list[int]] = {}
-    for table in tables:
-        for k, rank, *_ in table.tolist():
-            holders.setdefault(k, []).append(rank)
+    return picked, keys
+
+
+def apply_placement(
+    tensors: Sequence[SaveTensor], picked: Sequence[int], keys: Sequence[int], holders: Mapping[int, Sequence[int]], me: int,
+) -> list[SaveTensor]:
+    """Give the tensors at ``picked`` the replica placement of their global experts.
+
+    ``holders`` maps each key of :func:`expert_keys` to the global ranks
+    listing it, ``me`` is this rank's global rank. Pure: for plain tensors
+    and for experts sharded as DTensors alike.
+
+    Example::
+
+        tensors = apply_placement(tensors, [4], [key], {key: [0, 2]}, 2)
+    """
     out = list(tensors)
     for i, k in zip(picked, keys):
         t, ranks = tensors[i], sorted(holders[k])

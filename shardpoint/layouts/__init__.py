@@ -39,7 +39,7 @@ Example (a Llama block whose QKV and gate/up are fused)::
     sp.load(path, state, layouts=rules)   # or load into an unfused model with no rules
 """
 
-from .apply import LayoutView, apply_load, apply_reduce, apply_save
+from .apply import LayoutView, apply_load, apply_save
 from .naming import optimizer_doc_to_logical, optimizer_doc_to_physical
 from .rules import Fused, Padded, Reduced, Rule, Segment, WholeRule, find_rule
 
@@ -48,7 +48,6 @@ __all__ = [
     "Fused",
     "Padded",
     "Reduced",
-    "apply_reduce",
     "Rule",
     "Segment",
     "find_rule",

@@ -20,32 +20,9 @@ from ..items import LoadTarget, SaveTensor
 from ..errors import UnsupportedStateError
 from ..format.manifest import TensorMeta
 from ..geometry import Box
-from .rules import Reduced, Rule, WholeRule, find_rule
+from .rules import Rule, WholeRule, find_rule
 
-__all__ = ["apply_reduce", "apply_save", "apply_load", "LayoutView"]
-
-
-def apply_reduce(tensors: list[SaveTensor], rules: Sequence, comm) -> list[SaveTensor]:
-    """Reduce tensors matched by :class:`Reduced` rules across the group (same order on every rank)."""
-    reds = [r for r in rules if isinstance(r, Reduced)]
-    if not reds:
-        return tensors
-
-    out = []
-    for t in tensors:
-        rule = next((r for r in reds if r.matches(t.fqn)), None)
-        if rule is None:
-            out.append(t)
-            continue
-        if t.replica_count != comm.world or t.flat is not None:
-            raise UnsupportedStateError(f"{t.fqn}: Reduced applies to plain tensors held by every rank")
-        data = t.data.detach().clone()
-        if comm.active and comm.world > 1:
-            comm.all_reduce(data)
-            if rule.op == "mean":
-                data = data / comm.world if data.is_floating_point() else data // comm.world
-        out.append(replace(t, data=data, placement=f"reduced:{rule.op}"))
-    return out
+__all__ = ["apply_save", "apply_load", "LayoutView"]
 
 
 def _pieces(rule: Rule, box: Box, phys_shape: tuple[int, ...]):

@@ -2,9 +2,9 @@
 
 :class:`LoadTransaction` runs ``enter`` (the ranks agree on the call),
 ``read_manifest`` (rank 0 reads it, every rank gets it), ``plan`` (targets
-from the state, checked collectively so that the shared read starts on
-every rank or on none), ``agree`` (names unexpected on every rank),
-``read`` (indexes, bytes, checksums), ``land`` (the objects install what
+from the state and the chunks they need from the index files, checked
+collectively so that the shared read starts on every rank or on none),
+``agree`` (names unexpected on every rank), ``read`` (bytes, checksums), ``land`` (the objects install what
 was read, and the load proves it reached the live state) and ``finish``
 (the state is updated, timings and metrics are emitted). Every phase that
 can fail on one rank runs guarded and meets the others in a collective.
@@ -94,6 +94,7 @@ class LoadTransaction:
         self.trace_dir, self.on_metrics = trace_dir, on_metrics
         self.fill: MutableMapping[str, Any] | None = None  # the caller's empty dict, under a non-strict load
         self.parts: dict = {}
+        self.resolved: Any = None  # the chunks the targets need, resolved by plan()
         self.bar = None
 
     def run(self) -> LoadResult:
@@ -149,7 +150,23 @@ class LoadTransaction:
         self.result.missing, self.result.unexpected = sorted(plan.missing), sorted(plan.unexpected)
         if plan.missing and self.strict:
             key_mismatch(self.where, plan.missing, plan.unexpected, self.strict)
+        # The index files are read here, under the plan's check: the read's sharing is collective,
+        # so a rank that cannot resolve its chunks must fail before any rank starts it.
+        self.resolved = self.resolve_chunks([t for p in plan.parts.values() for t in p.targets])
         return plan.parts
+
+    def resolve_chunks(self, targets: list) -> Any:
+        """The chunks that ``targets`` need, from the index files of the ranks that wrote them."""
+        result = self.result
+        wants: dict[str, list[Box]] = {}
+        for t in targets:
+            wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
+        ti = time.monotonic()
+        reader = IndexReader(self.storage, self.manifest, self.where)
+        resolved = resolve(self.storage, self.manifest, wants, self.where, reader)
+        result.index_bytes = reader.bytes_read
+        mark_phase(result, "index", ti, reader.bytes_read)
+        return resolved
 
     def agree(self) -> None:
         """Keep as unexpected only what no rank loads (each pipeline stage loads only its own layers)."""
@@ -164,22 +181,14 @@ class LoadTransaction:
         return self.land()
 
     def read(self) -> None:
-        """Resolve the chunks the targets need from the index files, then read, verify and copy them."""
+        """Read, verify and copy the chunks the targets need (resolved by :meth:`plan`)."""
         result, storage, where = self.result, self.storage, self.where
         tr = time.monotonic()
         targets = [t for p in self.parts.values() for t in p.targets]
         if self.bar is not None:
             self.bar.set_total(sum(t.dest.numel() * t.dest.element_size() for t in targets))
-        wants: dict[str, list[Box]] = {}
-        for t in targets:
-            wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
-        ti = time.monotonic()
-        reader = IndexReader(storage, self.manifest, where)
-        resolved = resolve(storage, self.manifest, wants, where, reader)
-        result.index_bytes = reader.bytes_read
-        mark_phase(result, "index", ti, reader.bytes_read)
         stats = execute_reads(
-            storage, resolved, targets, where, self.verify, comm=self.comm, share=self.share_reads, recorder=result.recorder,
+            storage, self.resolved, targets, where, self.verify, comm=self.comm, share=self.share_reads, recorder=result.recorder,
         )
         result.bytes_read, result.bytes_needed = stats.bytes_read, stats.bytes_needed
         result.bytes_received = stats.bytes_received

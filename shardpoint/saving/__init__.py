@@ -2,7 +2,9 @@
 
 See :mod:`shardpoint.saving.transaction` for the phases,
 :mod:`shardpoint.saving.background` for how an asynchronous save schedules
-them, :mod:`shardpoint.saving.steps` for what the phases call,
+them, :mod:`shardpoint.saving.prepare` for the prepare phase,
+:mod:`shardpoint.saving.agree` for every collective before the write,
+:mod:`shardpoint.saving.steps` for what the other phases call,
 :mod:`shardpoint.saving.replicas` for the replica check, and
 :mod:`shardpoint.saving.async_save` and :mod:`shardpoint.saving.handle` for
 the asynchronous saver and its handle.

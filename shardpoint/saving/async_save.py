@@ -62,7 +62,8 @@ from typing import Any, MutableMapping, Sequence
 
 from .handle import AsyncSaveHandle
 from .reuse import SaveCache
-from .steps import SaveResult, mark_phase
+from ..runtime.monitor import mark_phase
+from .steps import SaveResult
 from . import SaveOptions, SaveTransaction, check_state
 from .background import BackgroundSave
 from ..engine.claim import CommitPolicy
@@ -325,7 +326,8 @@ class AsyncSaver:
             if not early:
                 handle.add_future(pool.submit(tx.finish))
         track_save(handle.path, handle.finished_event)  # a load of this path in this process waits for the commit
-        tx.raise_local_failure()
+        # A failure of this rank alone before the write surfaces at wait(), with the other ranks' (at the commit):
+        # raised here, it would leave this rank out of step with ranks that still wait for this save.
         return handle
 
 

@@ -25,8 +25,10 @@ from ..engine.snapshot_guard import SnapshotGuard
 from ..engine.staging import SaverStaging, StagingRing, optimizer_order
 from ..errors import CheckpointError, GraphCaptureError
 from ..planning.describe import RankReport
+from .agree import AgreedFailure, unwrap
 from .reuse import SaveCache
-from .steps import data_file_name, mark_phase
+from ..runtime.monitor import mark_phase
+from .steps import data_file_name
 from .transaction import SaveOptions, SaveTransaction
 
 __all__ = ["BackgroundSave"]
@@ -59,10 +61,13 @@ class BackgroundSave(SaveTransaction):
     # --- prepare ----------------------------------------------------------------------------------
 
     def prepare_guarded(self, cache: SaveCache) -> None:
-        """The prepare phase; a failure waits for the commit (so no rank hangs) unless this rank saves alone."""
+        """The prepare phase; a failure waits for the commit (so no rank hangs) unless this rank saves alone.
+
+        A failure every rank learned in the agreement is raised now, on every rank: nothing was started.
+        """
         self.prepared = run_guarded(functools.partial(self.prepare, cache))
-        if self.comm.world == 1 and not self.prepared.ok:
-            raise self.prepared.exc
+        if not self.prepared.ok and (self.comm.world == 1 or isinstance(self.prepared.exc, AgreedFailure)):
+            raise unwrap(self.prepared.exc)
 
     def stage(self, staging: SaverStaging, piece_bytes: int) -> AsyncSaveHandle:
         """Size the staging ring for this save, order what it copies, and make the handle."""
@@ -249,8 +254,3 @@ class BackgroundSave(SaveTransaction):
             handle.fail(e)
         finally:
             handle.finish()
-
-    def raise_local_failure(self) -> None:
-        """This rank could not prepare: raise its typed error now (its writer still joins the commit)."""
-        if not self.prepared.ok and isinstance(self.prepared.exc, CheckpointError):
-            raise self.prepared.exc

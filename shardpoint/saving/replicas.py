@@ -20,8 +20,9 @@ place experts), ranks of different groups may hold one name with different
 values, and such tensors are stored as one copy per group, named
 ``<name>@ranks<r0>,<r1>,...`` (:func:`copy_name`); a load takes the copy
 whose ranks include its own (:func:`shardpoint.loading.copies.copy_rule`). Which names those are
-must be known before the write, so such a save gathers, before it,
-which pieces each rank holds in which group (no digests).
+must be known before the write, so such a save exchanges, in its
+agreement phase (:mod:`shardpoint.saving.agree`), which pieces each rank
+holds in which group (no digests).
 
 Digests (:mod:`shardpoint.saving.digest`) compare bit patterns: on the CPU an
 ``xxh3_64`` of the whole tensor up to 64 KiB, else of a strided sample that
@@ -34,16 +35,13 @@ mismatch or a name held by several groups. The pure comparison lives in
 
 Example::
 
-    tensors, table = check_replicas(tensors, comm, declared=False)
+    table = pending_table(tensors, comm)
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from typing import AbstractSet, Any, Iterable, Sequence
-
-import torch
 
 from .digest import HOST, check_mode, digest_all, digest_queued
 from ..items import SaveTensor
@@ -53,8 +51,8 @@ from ..planning.replicas import (
 )
 
 __all__ = [
-    "COPY_MARK", "Row", "ReplicaTable", "rows_of", "table_of", "PendingTable", "mismatches", "copied_names", "encode_rows", "suspicious", "Gate",
-    "FAILED", "copy_name", "parse_copy_name", "check_replicas",
+    "COPY_MARK", "Row", "ReplicaTable", "rows_of", "table_of", "PendingTable", "mismatches", "copied_names", "encode_rows", "suspicious",
+    "copy_name", "parse_copy_name", "pending_table",
 ]
 
 
@@ -206,107 +204,19 @@ class PendingTable:
         return self.done
 
 
-FAILED = -(1 << 63)  # the piece key of the marker row a failed rank sends
+def pending_table(tensors: Iterable[SaveTensor], comm: Any) -> PendingTable | None:
+    """This rank's :class:`PendingTable` for the commit; ``None`` on a world of one (nothing to compare).
 
-
-class Gate:
-    """The gathers of one save's preparation, which a rank that fails before them still joins.
-
-    Every rank calls :meth:`gather` the same number of times while its
-    preparation goes well. A rank that fails calls :meth:`abstain`, which
-    joins the next gather with a marker row; every rank then sees the
-    marker, skips the remaining gathers and the checks, and the failing
-    rank's own error reaches all of them at the commit. :meth:`close` marks
-    the last gather done, after which a failure needs no marker.
+    Not a collective: the digests are always compared at the commit, where
+    rank 0 compares the tables (:func:`~shardpoint.planning.replicas.refusal`);
+    the save says when they are computed. Copy names of declared groups are
+    found before the write, by the save's agreement (:mod:`shardpoint.saving.agree`).
 
     Example::
 
-        gate = Gate(comm)
-        tables = gate.gather(encode_rows(rows))  # None: a rank failed
+        table = pending_table(prep.tensors, comm)
     """
+    if not (bool(getattr(comm, "active", False)) and comm.world > 1):
+        return None
+    return PendingTable(tensors, check_mode() != "off")
 
-    def __init__(self, comm: Any):
-        self.comm = comm
-        # A stand-in without a process group (a simulation of many ranks in one process) gathers nothing.
-        self.active = bool(getattr(comm, "active", False)) and comm.world > 1
-        self.failed = False
-        self.closed = False
-
-    def gather(self, table: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's int64 ``[n, 6]`` table, or ``None`` once any rank has failed."""
-        if not self.active:
-            return [table]
-        if self.failed or self.closed:
-            return None
-        tables = self.comm.all_gather_rows(table)
-        if any(bool((t[:, 0] == FAILED).any()) for t in tables if t.numel()):
-            self.failed = True
-            return None
-        return tables
-
-    def abstain(self) -> None:
-        """This rank failed: join one gather with the marker, unless the gathers are over."""
-        if self.active and not self.failed and not self.closed:
-            self.failed = True
-            self.comm.all_gather_rows(torch.full((1, 6), FAILED, dtype=torch.int64))
-
-    def close(self) -> None:
-        """The last gather is done."""
-        self.closed = True
-
-
-def check_replicas(
-    tensors: list[SaveTensor], comm: Any, gate: Gate | None = None, declared: bool = True,
-) -> tuple[list[SaveTensor], PendingTable | None]:
-    """The tensors to write, with copy names where declared groups keep their own, and this rank's pending table.
-
-    The digests are always compared at the commit: the returned
-    :class:`PendingTable` travels with the rank's status and rank 0
-    compares the tables (:func:`~shardpoint.planning.replicas.refusal`);
-    the save says when it is computed.
-
-    ``declared``: groups are declared (``replicated_over``, or layout rules,
-    which place experts), so ranks of several groups may hold one name and
-    each group's copy gets its own name, which must be known before
-    anything is written. Then the ranks gather which pieces they hold in
-    which group (no digests: ``gate``'s last gather, see :class:`Gate`),
-    and every rank reaches the same names, or raises the same error where
-    groups overlap. Else nothing is gathered here.
-
-    Returns the tensors and the table for the commit (``None``: nothing to
-    compare on a world of one).
-
-    Example::
-
-        tensors, table = check_replicas(tensors, comm, declared=False)
-    """
-    gate = gate if gate is not None else Gate(comm)
-    if not gate.active:
-        gate.close()
-        return tensors, None
-    if declared:
-        tensors = _with_copy_names(tensors, comm, gate)
-    else:
-        gate.close()
-    return tensors, PendingTable(tensors, check_mode() != "off")
-
-
-def _with_copy_names(tensors: list[SaveTensor], comm: Any, gate: Gate) -> list[SaveTensor]:
-    """``tensors`` with each name several declared groups hold renamed to its group's copy, from one gather."""
-    failure: Exception | None = None
-    try:
-        mine = rows_of(tensors, digests=False)  # which piece in which group: the same from save to save
-        encoded = encode_rows(mine)
-    except Exception as e:  # noqa: BLE001 - the gather must still happen on every rank
-        failure, mine, encoded = e, [], torch.full((1, 6), FAILED, dtype=torch.int64)
-    # Fast path: int64 tables only. Every rank sees the same tables, so all take the slow path or none.
-    tables = gate.gather(encoded)
-    gate.close()
-    if failure is not None:
-        raise failure
-    if tables is None or not suspicious(tables):
-        return tensors  # no name in two groups, or a rank failed and the commit reports its error
-    copies = copied_names(comm.all_gather(mine))
-    if not copies:
-        return tensors
-    return [replace(t, fqn=copy_name(t.fqn, t.replica_group)) if t.fqn in copies else t for t in tensors]

@@ -2,13 +2,16 @@
 
 :class:`SaveTransaction` runs ``enter`` (the arguments are checked and the
 ranks agree on the call), ``prepare`` (adapters flatten the state, the
-planners choose writers: :func:`~shardpoint.saving.steps.prepare_save`),
+planners choose writers: :func:`~shardpoint.saving.prepare.prepare_save`,
+with the ranks' agreement where groups or rules are declared),
 ``claim`` (rank 0 claims the path before any data is written), ``snapshot``
 (the bytes to write are fixed), ``write`` (this rank's data and index files,
 then the summary its commit needs) and ``commit`` (rank 0 commits from two
 small gathers; the same error reaches every rank), then reports timings and
 metrics. Every phase that can fail on one rank runs guarded and meets the
-others in the commit.
+others in the commit, or, before the write of a save that declares groups
+or rules, in the agreement (:mod:`shardpoint.saving.agree`), from which
+every rank raises the same error at once.
 
 :func:`shardpoint.save` runs the phases in order on the calling thread; its
 snapshot is the write itself. :class:`~shardpoint.saving.background.BackgroundSave`
@@ -35,7 +38,10 @@ from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..runtime.monitor import Recorder, format_summary
 from ..planning.describe import RankReport
 from .reuse import SaveCache
-from .steps import PreparedSave, SaveResult, check_block_size, data_file_name, finish_save, mark_phase, prepare_save
+from .agree import AgreedFailure, unwrap
+from .prepare import PreparedSave, prepare_save
+from ..runtime.monitor import mark_phase
+from .steps import SaveResult, check_block_size, data_file_name, finish_save
 from ..storage import Storage, storage_for
 
 __all__ = ["SaveTransaction", "SaveOptions", "check_state"]
@@ -139,9 +145,10 @@ class SaveTransaction:
             raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
         self.storage = storage_for(self.path)
         self.where = self.storage.url
-        # The ranks also agree on whether groups are declared: that decides whether the replica
-        # check gathers before the write (see shardpoint.saving.replicas), so all must decide alike.
+        # The ranks also agree on whether groups or rules are declared: that decides whether they
+        # exchange before the write (see shardpoint.saving.agree), so all must decide alike.
         op = self.op if self.options.replicated_over is None else f"{self.op} with replicated_over"
+        op = f"{op} with layouts" if self.options.layouts else op  # rules, too, make the ranks agree before the write
         base.enter(op, self.where, self.options.collective_timeout)
         self.base = base
         self.comm = base if coordinate is None else coordinate(base)
@@ -248,9 +255,9 @@ class SaveTransaction:
         """
         self.bar = bar
         out = run_guarded(self.local_phases)
-        if self.comm.world == 1 and not out.ok:
-            self.abandon()
-            raise out.exc
+        if not out.ok and (self.comm.world == 1 or isinstance(out.exc, AgreedFailure)):
+            self.abandon()  # every rank raises it now: nothing was written, there is nothing to commit
+            raise unwrap(out.exc)
         with bar or contextlib.nullcontext():  # a failed commit closes the bar without a "done" line
             self.commit(out)
         return self.report()

@@ -131,7 +131,8 @@ def _fake_comm(rank, world):
 def test_small_replicated_tensors_are_written_by_copy_zero_and_described_by_one_grid():
     import torch
 
-    from shardpoint.saving.steps import SaveResult, describe_prepared, prepare_save
+    from shardpoint.saving.prepare import describe_prepared, prepare_save
+    from shardpoint.saving.result import SaveResult
 
     state = {"extra": {"step": torch.tensor(3.0), "norm": torch.ones(64), "big": torch.ones(4096), "big2": torch.ones(4096)}}
     mine, digests = {}, set()

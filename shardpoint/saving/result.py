@@ -1,0 +1,31 @@
+"""What a save did on one rank: :class:`SaveResult`.
+
+Example::
+
+    result = SaveResult("ckpt/step_100", save_id); result.timings
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..runtime.monitor import Recorder
+
+__all__ = ["SaveResult"]
+
+
+@dataclass
+class SaveResult:
+    """What a save did on this rank: phase timings (seconds) and bytes written.
+
+    Example::
+
+        result = sp.save("ckpt/step_100", state); result.timings["commit"]
+    """
+
+    path: str
+    save_id: str
+    bytes_written: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    recorder: Recorder | None = field(default=None, repr=False)
+    plan_cached: bool = False
