@@ -38,7 +38,7 @@ from .agree import AgreedFailure, Gate, Proposal, agree_save
 from .options import SaveOptions
 from .replicas import PendingTable, pending_table
 from .result import SaveResult
-from .reuse import Same, SaveCache
+from .reuse import Same, SameItems, SaveCache
 
 __all__ = ["prepare_save", "plan_of", "describe_on", "summarize"]
 
@@ -176,7 +176,7 @@ class _Job:
 def _checked_plan(job: _Job, tensors: list[SaveTensor], cache: SaveCache) -> tuple[SavePlan, PendingTable | None, bool]:
     """The plan of ``tensors`` (kept while they are the very ones of the kept plan), its replica table, and whether the writers were reused."""
     # Layout rules reduce across ranks, so a save under rules is checked in full.
-    fingerprint = None if job.rules else (job.rank_local, job.declared, tuple(map(Same, tensors)))
+    fingerprint = None if job.rules else (job.rank_local, job.declared, SameItems(tensors))
     made: list = []
     plan, hit = cache.reuse("checked", fingerprint, lambda: _check_and_plan(job, tensors, cache, made))
     if hit:

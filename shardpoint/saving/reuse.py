@@ -21,7 +21,7 @@ their fingerprints are:
   context's replica facts and the adapter's
   :meth:`~shardpoint.adapters.Adapter.fingerprint` (the object graph);
 - the checked plan (``"checked"``): the very :class:`SaveTensor` objects
-  that came out of the parts (by identity, :class:`Same`), so it holds
+  that came out of the parts (by identity, :class:`SameItems`), so it holds
   exactly when every part was reused, plus whether the save is rank-local
   and declares groups;
 - the writer choice (``"plan"``): the tensors' names, shapes, dtypes,
@@ -41,10 +41,11 @@ Example::
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
-from typing import Any, Callable, Hashable, TypeVar
+from typing import Any, Callable, Hashable, Iterable, TypeVar
 
-__all__ = ["SaveCache", "Same"]
+__all__ = ["SaveCache", "Same", "SameItems"]
 
 T = TypeVar("T")
 
@@ -69,6 +70,30 @@ class Same:
 
     def __hash__(self) -> int:
         return id(self.obj)
+
+
+class SameItems:
+    """A fingerprint part equal only to one holding the very same objects, in the same order (by identity).
+
+    One comparison for a whole sequence (a save's tensors), kept alive as :class:`Same` keeps its object.
+
+    Example::
+
+        assert SameItems([a, b]) == SameItems((a, b)) and SameItems([a, b]) != SameItems([b, a])
+    """
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Iterable[Any]):
+        self.items = tuple(items)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SameItems) or len(other.items) != len(self.items):
+            return False
+        return all(map(operator.is_, self.items, other.items))
+
+    def __hash__(self) -> int:
+        return hash(tuple(map(id, self.items)))
 
 
 class SaveCache:

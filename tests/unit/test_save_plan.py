@@ -14,7 +14,7 @@ from shardpoint.planning.save_plan import SavePlan, describe_plan
 from shardpoint.saving import SaveOptions, SaveTransaction
 from shardpoint.saving.prepare import describe_on, prepare_save
 from shardpoint.saving.result import SaveResult
-from shardpoint.saving.reuse import Same, SaveCache
+from shardpoint.saving.reuse import Same, SameItems, SaveCache
 
 
 def _state():
@@ -68,6 +68,8 @@ def test_same_compares_by_identity_only():
     a, b = torch.zeros(3), torch.zeros(3)
     assert Same(a) == Same(a) and Same(a) != Same(b) and Same(a) != a
     assert (1, Same(a)) == (1, Same(a))
+    assert SameItems([a, b]) == SameItems((a, b)) and SameItems([a, b]) != SameItems([b, a])
+    assert SameItems([a]) != SameItems([a, b]) and SameItems([a]) != (a,)
 
 
 def test_a_plan_is_made_with_its_writers_and_new_documents_make_a_new_value():
