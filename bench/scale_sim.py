@@ -1127,7 +1127,7 @@ def render_tables(res: dict) -> str:
     L = []
     L.append("**Save, format version 2.** *Per rank* is measured on the sampled ranks (every rank runs the same code in "
              "parallel): *plan* is the adapter's geometry (torch boxes, `grid_of_placements`) plus `prepare_save`'s writer "
-             "choice; *summary* is the real `summarize` (`encode_index`, storing the index, `describe`, "
+             "choice; *summary* is the real `saving/prepare.summarize` (`encode_index`, storing the index, `describe`, "
              "digests). Everything else is measured on every rank's real status and index: *gather* is what "
              "`finish_save` sends to rank 0, pickled (statuses + the asked descriptors); the commit, manifest and parse "
              "are full size; peaks are tracemalloc's. *Checked*: chunks of a stride of tensors resolved from the indexes "
