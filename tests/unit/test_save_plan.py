@@ -91,3 +91,17 @@ def test_async_saver_refuses_an_unknown_option_by_name(tmp_path):
     r = saver.save(str(tmp_path / "b"), _state(), block_size=1 << 16, mode="lazy").wait()
     assert sp.read_manifest(str(tmp_path / "b")).block_size == 1 << 16 and r.bytes_written > 0
     saver.close()
+
+
+def test_plan_cached_means_the_writer_choice_was_reused_whichever_way():
+    state, comm, cache = _state(), Comm.resolve(None), SaveCache()
+    results = [SaveResult(str(i), str(i)) for i in range(3)]
+    prepare_save(state, comm, SaveOptions(), results[0], cache)
+    with torch.no_grad():
+        state["model"][0].weight.data = torch.full((8, 8), 7.0)  # new storage: the parts are made again
+    p = prepare_save(state, comm, SaveOptions(), results[1], cache)
+    assert cache.reused["checked"] == 0 and cache.reused["plan"] == 1  # same names and shapes: the same writers
+    assert torch.equal(next(t for t in p.mine if t.fqn == "model.0.weight").data, torch.full((8, 8), 7.0))
+    state["model"][0] = nn.Linear(8, 8, bias=False)  # a name fewer: writers chosen again
+    prepare_save(state, comm, SaveOptions(), results[2], cache)
+    assert [r.plan_cached for r in results] == [False, True, False]
