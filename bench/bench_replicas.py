@@ -222,6 +222,7 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
     import shardpoint as sp
     from shardpoint.dist import Comm
     from shardpoint.saving.agree import Gate, Proposal, agree_save
+    from shardpoint.saving.options import SaveOptions
     from shardpoint.saving.prepare import prepare_save
     from shardpoint.saving.result import SaveResult
     from shardpoint.saving.replicas import pending_table, rows_of
@@ -236,7 +237,7 @@ def job(rank: int, world: int, root: str, cfg: dict, layouts: list[str], repeats
         path = os.path.join(root, layout)
         save, save_off, diff, wait = _ab(lambda: sp.save(path, state, commit=_replace_policy()), repeats)
         comm = Comm.resolve(None)
-        prep = prepare_save(state, comm, False, path, SaveResult(path, "bench"))
+        prep = prepare_save(state, comm, SaveOptions(), SaveResult(path, "bench"))
         cpu: list[float] = []
         at_call = _medians(lambda: pending_table(prep.tensors, comm).table(), repeats, cpu)
         table = pending_table(prep.tensors, comm).table()

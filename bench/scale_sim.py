@@ -74,7 +74,8 @@ from shardpoint.planning import describe as planning_describe
 from shardpoint.planning.commit import Documents, representatives
 from shardpoint.planning.describe import Description, GridEntry, RankReport, RankStatus
 from shardpoint.planning.writers import WriterChoice
-from shardpoint.saving.prepare import PreparedSave, describe_prepared
+from shardpoint.planning.save_plan import SavePlan
+from shardpoint.saving.prepare import describe_on, plan_of, summarize
 from shardpoint.planning.reads import ReadTarget, plan_chunk_reads
 from shardpoint.storage.memory import MemoryStorage
 
@@ -484,28 +485,35 @@ def stage_values(specs, m: ModelSpec, lay: Layout, p: int) -> tuple[dict, dict]:
 
 
 class SimComm:
-    """What ``describe_prepared`` and ``summary`` read from a ``Comm``: rank, world, group (``None``: global ranks)."""
+    """What ``describe_on`` and ``summarize`` read from a ``Comm``: rank, world, group (``None``: global ranks)."""
 
     def __init__(self, rank: int, world: int):
         self.rank, self.world, self.group = rank, world, None
 
 
 def plan_rank(specs, m: ModelSpec, lay: Layout, rank: int, mode: str = "pp-aware", assign: Callable = assign_writers,
-              exact: bool = False) -> PreparedSave:
+              exact: bool = False) -> SavePlan:
     """One rank's ``prepare_save``: its tensors, what it writes, and its documents."""
     tensors = rank_tensors(specs, m, lay, rank, mode, exact)
     mine, choice = pick_mine(tensors, assign)
     values, layout = stage_values(specs, m, lay, lay.coords(rank)[0])
-    return PreparedSave(tensors, mine, values, layout, set(), choice, rank_context(lay, rank, mode))
+    return _plan(tensors, mine, choice, (values, layout), rank_context(lay, rank, mode))
 
 
-def finish_rank(storage, prep: PreparedSave, rank: int, world: int, block: int) -> tuple[RankReport, list]:
+def _plan(tensors, mine, choice, docs, ctx) -> SavePlan:
+    """The real ``SavePlan`` of a simulated rank; ``mine`` is what ``choice`` picks."""
+    plan = plan_of(tensors, choice, frozenset(), ctx).for_save(*docs, context=ctx)
+    assert len(plan.mine) == len(mine) and all(a is b for a, b in zip(plan.mine, mine))
+    return plan
+
+
+def finish_rank(storage, prep: SavePlan, rank: int, world: int, block: int) -> tuple[RankReport, list]:
     """After the (simulated) data file: the real ``summary`` writes the index and describes the rank."""
     records, files = [], {}
     if prep.mine:
         records, size = fake_records(rank, prep.mine, block)
         files[data_file(rank)] = size
-    return prep.summary(storage, records, files, SimComm(rank, world)), records
+    return summarize(prep, storage, (records, files), SimComm(rank, world)), records
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -689,8 +697,8 @@ def time_rank(specs, m: ModelSpec, lay: Layout, r: int, block: int) -> tuple[dic
     assert same_tensors(tensors, rank_tensors(specs, m, lay, r)), f"closed-form geometry differs from torch's on rank {r}"
     (mine, choice), c_asg = measure(partial(pick_mine, tensors))
     values, layout = stage_values(specs, m, lay, lay.coords(r)[0])
-    prep = PreparedSave(tensors, mine, values, layout, set(), choice, rank_context(lay, r, "pp-aware"))
-    desc, c_desc = best_of(partial(describe_prepared, prep, SimComm(r, lay.world)))
+    prep = _plan(tensors, mine, choice, (values, layout), rank_context(lay, r, "pp-aware"))
+    desc, c_desc = best_of(partial(describe_on, prep, SimComm(r, lay.world)))
     desc2, c_fix = best_of(partial(_describe_memo, prep, SimComm(r, lay.world)))
     assert desc.digest == desc2.digest, "the grid memo changed a descriptor"
     records, size = fake_records(r, mine, block)  # write_chunks' records, outside the timing
@@ -699,9 +707,8 @@ def time_rank(specs, m: ModelSpec, lay: Layout, r: int, block: int) -> tuple[dic
     return costs, tensors, mine
 
 
-def _fresh_summary(prep: PreparedSave, records: list, files: dict, comm: SimComm) -> RankReport:
-    prep.described = None  # summary caches the descriptor for repeated saves: time a first save
-    return prep.summary(MemoryStorage(), records, files, comm)
+def _fresh_summary(prep: SavePlan, records: list, files: dict, comm: SimComm) -> RankReport:
+    return summarize(prep, MemoryStorage(), (records, files), comm)  # no cache: a first save's description
 
 
 def probe(specs, m: ModelSpec, lay: Layout, rng: random.Random) -> dict:
@@ -765,9 +772,9 @@ def run_save(specs, m: ModelSpec, lay: Layout, block: int, sample: list[int], ch
     return res, man
 
 
-def _describe_memo(prep: PreparedSave, comm: SimComm) -> Description:
+def _describe_memo(prep: SavePlan, comm: SimComm) -> Description:
     with memo_grids():  # a fresh memo: what a per-process cache would cost on a first save
-        return describe_prepared(prep, comm)
+        return describe_on(prep, comm)
 
 
 def _chunk_key(c: ChunkMeta) -> tuple:
@@ -905,6 +912,7 @@ def plain_pp_check() -> dict:
     Each rank claims two copies of its tensors; the writer choice gives one
     of them to the other stage's rank, which does not hold it.
     """
+    from shardpoint.saving.options import SaveOptions
     from shardpoint.saving.prepare import prepare_save
     from shardpoint.saving.result import SaveResult as ApiSaveResult
     from shardpoint.engine.indexes import resolve_all
@@ -915,13 +923,13 @@ def plain_pp_check() -> dict:
     locals_, written = [], {}
     for r in range(world):
         comm = SimComm(r, world)
-        prep = prepare_save(states[r], comm, False, "sim://plain-pp", ApiSaveResult("sim://plain-pp", SAVE_ID))
+        prep = prepare_save(states[r], comm, SaveOptions(), ApiSaveResult("sim://plain-pp", SAVE_ID))
         records, files = [], {}
         if prep.mine:
-            records, size = write_chunks(storage, data_file(r), prep.mine, r, block)
+            records, size = write_chunks(storage, data_file(r), list(prep.mine), r, block)
             files[data_file(r)] = size
         written[r] = [t.fqn for t in prep.mine]
-        locals_.append(prep.summary(storage, records, files, comm))
+        locals_.append(summarize(prep, storage, (records, files), comm))
     statuses = [x.status for x in locals_]
     ask = representatives(statuses)
     docs = [Documents(x.tensors if r in ask.tensors else None, x.values if r in ask.values else None) for r, x in enumerate(locals_)]
@@ -1119,7 +1127,7 @@ def render_tables(res: dict) -> str:
     L = []
     L.append("**Save, format version 2.** *Per rank* is measured on the sampled ranks (every rank runs the same code in "
              "parallel): *plan* is the adapter's geometry (torch boxes, `grid_of_placements`) plus `prepare_save`'s writer "
-             "choice; *summary* is the real `PreparedSave.summary` (`encode_index`, storing the index, `describe`, "
+             "choice; *summary* is the real `saving/prepare.summarize` (`encode_index`, storing the index, `describe`, "
              "digests). Everything else is measured on every rank's real status and index: *gather* is what "
              "`finish_save` sends to rank 0, pickled (statuses + the asked descriptors); the commit, manifest and parse "
              "are full size; peaks are tracemalloc's. *Checked*: chunks of a stride of tensors resolved from the indexes "

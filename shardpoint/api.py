@@ -101,7 +101,10 @@ def save(
         sp.save("ckpt/pp", {"model": stage, "optimizer": opt}, replicated_over=dp_group)
         sp.save("ckpt/rank0", {"model": ddp.module}, process_group=sp.LOCAL)  # rank 0 only
     """
-    options = SaveOptions(allow_pickle, block_size, layouts, replicated_over, collective_timeout, commit, trace_dir, on_metrics)
+    options = SaveOptions(
+        allow_pickle=allow_pickle, block_size=block_size, layouts=layouts, replicated_over=replicated_over,
+        collective_timeout=collective_timeout, commit=commit, trace_dir=trace_dir, on_metrics=on_metrics,
+    )
     tx = SaveTransaction(path, state, options)
     tx.check()
     tx.enter(process_group)

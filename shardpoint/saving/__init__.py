@@ -2,7 +2,10 @@
 
 See :mod:`shardpoint.saving.transaction` for the phases,
 :mod:`shardpoint.saving.background` for how an asynchronous save schedules
-them, :mod:`shardpoint.saving.prepare` for the prepare phase,
+them, :mod:`shardpoint.saving.options` for their keyword-only options,
+:mod:`shardpoint.saving.prepare` for the prepare phase (which makes the
+frozen :class:`~shardpoint.planning.save_plan.SavePlan` the later phases
+take), :mod:`shardpoint.saving.reuse` for what repeated saves reuse,
 :mod:`shardpoint.saving.agree` for every collective before the write,
 :mod:`shardpoint.saving.steps` for what the other phases call,
 :mod:`shardpoint.saving.replicas` for the replica check, and

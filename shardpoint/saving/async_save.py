@@ -58,18 +58,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, MutableMapping, Sequence
+from typing import Any, MutableMapping
 
 from .handle import AsyncSaveHandle
 from .reuse import SaveCache
 from ..runtime.monitor import mark_phase
 from .steps import SaveResult
 from . import SaveOptions, SaveTransaction, check_state
+from .options import save_options, take_keywords
 from .background import BackgroundSave
-from ..engine.claim import CommitPolicy
 from ..engine.inflight import track_save
 from ..dist import Comm, close_at_exit, destroy_private_group, private_group
-from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..engine.staging import SaverStaging, StagingRing
 from ..engine.workers import start_workers
 from ..errors import CheckpointError
@@ -128,6 +127,12 @@ class AsyncSaver:
     and destroys the private group; it also runs at interpreter exit for a
     saver still open then, so that no gloo thread outlives the interpreter
     (an abort at exit otherwise).
+
+    Every argument after ``timeout`` is keyword-only.
+
+    Example::
+
+        saver = sp.AsyncSaver(staging_bytes=1 << 30, prewarm_state=state, background_nice=0)
     """
 
     def __init__(
@@ -136,13 +141,15 @@ class AsyncSaver:
         piece_bytes: int = 64 << 20,
         process_group: Any = None,
         timeout: float | None = None,
-        background_nice: int = 5,
-        prewarm: bool = True,
+        *,
         prewarm_state: MutableMapping[str, Any] | None = None,
         device: Any = None,
+        **more: Any,
     ):
+        more = take_keywords("AsyncSaver", more, {"background_nice": 5, "prewarm": True})
+        prewarm = more["prewarm"]
         self.timeout = timeout
-        self.background_nice = int(background_nice)
+        self.background_nice = int(more["background_nice"])
         self.staging = SaverStaging(staging_bytes, piece_bytes, device)  # see SaverStaging for the budget
         self._pg_arg = process_group
         self._comms: dict[Any, Comm] = {}  # the user's group -> its private coordination group
@@ -188,9 +195,9 @@ class AsyncSaver:
         if state is not None:
             check_state(state)
             try:
-                prep = SaveTransaction("prewarm", state, SaveOptions()).rehearse(base, comm, self._cache(base, process_group))
-                need = sum(t.nbytes for t in prep.mine)
-                self.staging.adopt(prep.mine)
+                plan = SaveTransaction("prewarm", state, SaveOptions()).rehearse(base, comm, self._cache(base, process_group))
+                need = sum(t.nbytes for t in plan.mine)
+                self.staging.adopt(plan.mine)
             except CheckpointError as e:  # the save itself will raise it, with its path
                 log.debug("pre-warming could not plan the state: %s", e)
         ring = self.staging.ring_for(need)
@@ -274,25 +281,15 @@ class AsyncSaver:
         return h.wait()
 
     def save(
-        self,
-        path,
-        state: MutableMapping[str, Any],
-        *,
-        mode: str = "eager",
-        allow_pickle: bool = False,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        trace_dir: str | None = None,
-        on_metrics: Any = None,
-        layouts: Sequence[Any] = (),
-        replicated_over: Any = None,
-        process_group: Any = None,
-        collective_timeout: float | None = None,
-        commit: CommitPolicy | None = None,
+        self, path, state: MutableMapping[str, Any], *, mode: str = "eager", process_group: Any = None, **options: Any,
     ) -> AsyncSaveHandle:
         """Start saving ``state`` to ``path``; see the module docs for ``mode``.
 
-        ``layouts``, ``replicated_over``, ``collective_timeout``, ``commit``
-        and ``process_group`` mean what they mean for :func:`shardpoint.save`;
+        The keyword options (``allow_pickle``, ``block_size``, ``trace_dir``,
+        ``on_metrics``, ``layouts``, ``replicated_over``,
+        ``collective_timeout``, ``commit``; see
+        :class:`~shardpoint.saving.options.SaveOptions`) and
+        ``process_group`` mean what they mean for :func:`shardpoint.save`;
         ``process_group`` defaults to the saver's. With
         :data:`~shardpoint.LOCAL` the calling rank saves alone, and nothing
         in the background is a collective. The path is claimed in the
@@ -300,11 +297,11 @@ class AsyncSaver:
         that another save is writing fails in ``wait()`` with
         :class:`~shardpoint.errors.ConcurrentSaveError`.
         """
-        options = SaveOptions(allow_pickle, block_size, layouts, replicated_over, collective_timeout, commit, trace_dir, on_metrics)
+        options = save_options("AsyncSaver.save", options)
         tx = BackgroundSave(path, state, options, mode)
         tx.check()
         self.wait()
-        base = tx.enter(self._pg_arg if process_group is None else process_group, self._coordination)
+        base = tx.enter(self._pg_arg if process_group is None else process_group, self._coordination).base
         tx.prepare_guarded(self._cache(base, process_group))
         handle = tx.stage(self.staging, self.piece_bytes)
         pool = self._workers()

@@ -71,7 +71,7 @@ class BackgroundSave(SaveTransaction):
 
     def stage(self, staging: SaverStaging, piece_bytes: int) -> AsyncSaveHandle:
         """Size the staging ring for this save, order what it copies, and make the handle."""
-        mine = self.prep.mine if self.prepared.ok else []
+        mine = self.plan.mine if self.prepared.ok else []
         if self.prepared.ok:
             refused = run_guarded(functools.partial(self._refuse_capture, staging.adopt(mine)))
             if not refused.ok:  # as a failed preparation: the other ranks still meet this one at the commit
@@ -84,13 +84,13 @@ class BackgroundSave(SaveTransaction):
         handle.attach_storage(self.storage)
         if not self.prepared.ok:
             return handle
-        lazy = set(self.prep.lazy_ok) if self.mode == "lazy" and not self._graph_stepped() else set()
+        lazy = set(self.plan.lazy_ok) if self.mode == "lazy" and not self._graph_stepped() else set()
         later = [t for t in mine if t.fqn in lazy]
         if later:
-            later = optimizer_order(later, step_updates(self.state).order(self.prep.ctx))
+            later = optimizer_order(later, step_updates(self.state).order(self.plan.context))
         items = [t for t in mine if t.fqn not in lazy] + later
         self.split = len(items) - len(later)
-        replicas = self.prep.replicas
+        replicas = self.plan.replicas
         if replicas is not None:
             # Digests of the state at the call: alongside the copies; a lazy save's on its worker, guarded to the fence.
             replicas.start(lazy if not ring.device.asynchronous else frozenset())
@@ -150,14 +150,14 @@ class BackgroundSave(SaveTransaction):
                 staged.wait_copied()  # a snapshot counts once its copies are complete, not queued
             except BaseException as e:  # noqa: BLE001 - the writer reports it via wait()
                 log.debug("snapshot copy failed: %s", e)  # copied all the same: below, or by the lazy copier
-        if self.prepared.ok and self.prep.replicas is not None:
-            self.prep.replicas.join()  # the state may change once the call returns
+        if self.prepared.ok and self.plan.replicas is not None:
+            self.plan.replicas.join()  # the state may change once the call returns
         mark_phase(self.result, "snapshot", self.snapshot_started)
         if not self.lazy:
             handle.mark_copied()
             return
         updates = step_updates(self.state)
-        handle.guard(SnapshotGuard.record(updates.live(self.prep.ctx), self.ring.device))
+        handle.guard(SnapshotGuard.record(updates.live(self.plan.context), self.ring.device))
         for hook in updates.add_pre_hooks(handle.step_pre_hook):
             handle.add_hook(hook)
 
@@ -172,7 +172,7 @@ class BackgroundSave(SaveTransaction):
             log.debug("lazy snapshot copy failed: %s", e)
         finally:
             if self.deferred:
-                self.prep.replicas.digest_later()  # before the step may change them; the guard covers the rest
+                self.plan.replicas.digest_later()  # before the step may change them; the guard covers the rest
             handle.copies_queued(staged.last_event if copies else None)  # the step may now be ordered after them
             try:
                 if copies:

@@ -5,20 +5,20 @@ its fingerprint holds, see :mod:`shardpoint.saving.reuse`), applies the
 layout rules' local part, checks the tensors, then, when groups or rules
 are declared, runs the agreement (:mod:`shardpoint.saving.agree`: every
 collective before the write), and chooses the writers. The result is a
-:class:`PreparedSave`; its :meth:`PreparedSave.summary` runs after the
-write.
+frozen :class:`~shardpoint.planning.save_plan.SavePlan`, the one value the
+write and the commit take; :func:`summarize` runs after the write.
 
 Example::
 
-    prep = prepare_save(state, comm, False, "ckpt", SaveResult("ckpt", save_id))
+    plan = prepare_save(state, comm, SaveOptions(), SaveResult("ckpt", save_id))
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 from ..adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters, implied_rules
 from ..adapters.stepped import step_updates
@@ -28,82 +28,61 @@ from ..errors import UnsupportedStateError
 from ..format.manifest import DTYPE_SIZES, FORMAT_VERSION
 from ..geometry.grid import Grid
 from ..items import dtype_name
-from ..planning.describe import CandidateGrids, Description, RankReport, RankStatus, cover_of, describe, values_doc
-from ..planning.writers import WriterChoice, choose_writers, plan_signature
+from ..planning.describe import Description, RankReport, RankStatus, cover_of, values_doc
+from ..planning.save_plan import SavePlan, describe_plan
+from ..planning.writers import choose_writers, plan_signature
 from ..runtime.monitor import mark_phase
 from ..runtime.rank_local import rank_local_tensors
 from ..storage import Storage
 from .agree import AgreedFailure, Gate, Proposal, agree_save
+from .options import SaveOptions
 from .replicas import PendingTable, pending_table
 from .result import SaveResult
-from .reuse import SaveCache
+from .reuse import Same, SameItems, SaveCache
 
-__all__ = ["PreparedSave", "CheckedSave", "prepare_save", "describe_prepared"]
+__all__ = ["prepare_save", "plan_of", "describe_on", "summarize"]
 
 log = logging.getLogger("shardpoint")
 
 
-@dataclass
-class PreparedSave:
-    """The local half of a save: what this rank holds and writes, plus its documents.
+def summarize(plan: SavePlan, storage: Storage, written: tuple[list, dict], comm: Comm, cache: SaveCache | None = None) -> RankReport:
+    """Write this rank's index file next to its data file; return what the commit needs.
 
-    ``choice`` is the writer choice (:func:`~shardpoint.planning.writers.choose_writers`);
-    ``ctx`` the adapter context (replica groups of plain tensors);
-    ``described`` the rank's description, made by the first :meth:`summary`
-    and reused by repeated saves of the same tensors; ``replicas`` the
-    rank's replica table, compared at the commit
-    (:func:`~shardpoint.saving.replicas.pending_table`), which the summary
-    waits for.
+    ``written`` is the data file's chunk records and ``{name: size}``. Runs
+    after the data file is written (in the background for async saves); the
+    description is reused from ``cache`` while the plan is the same.
 
     Example::
 
-        prep = prepare_save(state, comm, False, "ckpt", result); len(prep.mine)
+        report = summarize(plan, storage, (records, {name: size}), comm, cache)
     """
-
-    tensors: list[SaveTensor]
-    mine: list[SaveTensor]
-    values: dict
-    frameworks: dict
-    lazy_ok: AbstractSet[str]
-    choice: WriterChoice = field(default_factory=lambda: WriterChoice((), {}))
-    ctx: AdapterContext | None = None
-    described: Description | None = None
-    replicas: PendingTable | None = None
-
-    def summary(self, storage: Storage, records, files: dict, comm: Comm) -> RankReport:
-        """Write this rank's index file next to its data file; return what the commit needs.
-
-        Runs after the data file is written (in the background for async saves).
-
-        Example::
-
-            report = prep.summary(storage, records, {name: size}, comm)
-        """
-        index = None
-        if files:
-            (data, _size), = files.items()
-            index, size = write_index(storage, data, records, {t.fqn: dtype_name(t.data.dtype) for t in self.mine})
-            files = {**files, index.index: size}
-        if self.described is None:
-            self.described = describe_prepared(self, comm)
-        d = self.described
-        vdoc, vdig = values_doc(self.values, self.frameworks)
-        table = self.replicas.table() if self.replicas is not None else None
-        status = RankStatus(files, index, d.digest, vdig, cover_of(self.mine, d.listed), table.digest() if table else "")
-        return RankReport(status, d.doc, vdoc, table)
+    records, files = written
+    index = None
+    if files:
+        (data, _size), = files.items()
+        index, size = write_index(storage, data, records, {t.fqn: dtype_name(t.data.dtype) for t in plan.mine})
+        files = {**files, index.index: size}
+    d = describe_on(plan, comm, cache)
+    vdoc, vdig = values_doc(plan.values, plan.frameworks)
+    table = plan.replicas.table() if plan.replicas is not None else None
+    status = RankStatus(files, index, d.digest, vdig, cover_of(plan.mine, d.listed), table.digest() if table else "")
+    return RankReport(status, d.doc, vdoc, table)
 
 
-def describe_prepared(prep: PreparedSave, comm: Comm) -> Description:
-    """``prep``'s description on ``comm``'s rank.
+def describe_on(plan: SavePlan, comm: Comm, cache: SaveCache | None = None) -> Description:
+    """``plan``'s description on ``comm``'s rank, reused from ``cache`` for the same plan, rank and group.
 
     Example::
 
-        d = describe_prepared(prep, comm); d.digest
+        d = describe_on(plan, comm); d.digest
     """
-    ctx = prep.ctx
-    replica_ranks = ctx.replica_ranks if ctx is not None else (lambda fqn: None)
-    grids = CandidateGrids(comm.world, replica_ranks, None if comm.group is None else _group_translator(comm))
-    return describe(prep.tensors, prep.mine, prep.choice, comm.rank, grids)
+    to_group = None if comm.group is None else _group_translator(comm)
+    make = lambda: describe_plan(plan, comm.rank, comm.world, to_group)  # noqa: E731
+    if cache is None:
+        return make()
+    # The plan's tensors and writers by identity: the kept plan of a repeated save is the very same.
+    fingerprint = (Same(plan.tensors), Same(plan.choice), comm.rank, comm.world, Same(comm.group))
+    return cache.reuse("described", fingerprint, make)[0]
 
 
 def _group_translator(comm: Comm):
@@ -114,28 +93,10 @@ def _group_translator(comm: Comm):
     return to_group
 
 
-@dataclass
-class CheckedSave:
-    """The tensors of the last save, already checked and planned, and what was made of them.
-
-    ``prepared`` is the latest save prepared from them; its description,
-    made once by :meth:`PreparedSave.summary`, is reused by the next.
-
-    Example::
-
-        checked = cache.reuse("checked", fingerprint, make)[0]; checked.choice
-    """
-
-    tensors: tuple[SaveTensor, ...]
-    choice: WriterChoice
-    lazy_ok: frozenset[str]
-    prepared: PreparedSave
-
-
 def prepare_save(
-    state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules=(), cache: SaveCache | None = None,
-    replicated_over: Any = None, rank_local: bool = False,
-) -> PreparedSave:
+    state, comm: Comm, options: SaveOptions, result: SaveResult, cache: SaveCache | None = None, *,
+    rank_local: bool = False,
+) -> SavePlan:
     """Describe this rank's part of ``state`` and choose writers: the blocking first step of every save.
 
     Shared by :func:`~shardpoint.save` and the asynchronous saver (which
@@ -144,18 +105,25 @@ def prepare_save(
     (:mod:`shardpoint.saving.agree`); a rank that fails here still takes
     part, so none waits for it, and every rank then raises
     :class:`~shardpoint.saving.agree.AgreedFailure` carrying the same error.
+    Sets ``result.plan_cached`` (see :class:`~shardpoint.SaveResult`).
 
     Example::
 
-        prep = prepare_save(state, comm, False, "ckpt", SaveResult("ckpt", save_id))
+        plan = prepare_save(state, comm, SaveOptions(), SaveResult("ckpt", save_id))
     """
+    where = result.path
     gate = Gate(comm, where)  # a rank that fails still joins the agreement's exchanges, so none waits on it
     try:
-        rules = [*rules, *implied_rules(state)]  # what the frameworks imply (MoE experts: at their global index)
-        if replicated_over is None and not rules:
+        rules = [*options.layouts, *implied_rules(state)]  # what the frameworks imply (MoE experts: at their global index)
+        if options.replicated_over is None and not rules:
             gate.close()  # no exchange before the write: a rank that fails reports at the commit
-        return _prepare(state, comm, allow_pickle, where, result, rules, cache or SaveCache(), replicated_over,
-                        rank_local, gate)
+        ta = time.monotonic()
+        ctx = build_context(state, comm.rank, comm.world, options.allow_pickle, options.replicated_over)
+        tensors, values, frameworks = _parts(state, ctx, rules, cache := cache or SaveCache())
+        job = _Job(state, ctx, rules, comm, gate, where, rank_local, options.replicated_over is not None or bool(rules))
+        plan, table, result.plan_cached = _checked_plan(job, tensors, cache)
+        mark_phase(result, "plan", ta)
+        return plan.for_save(values, frameworks, replicas=table, context=ctx)
     except AgreedFailure:
         raise
     except Exception as e:
@@ -191,65 +159,78 @@ def _parts(state, ctx: AdapterContext, rules, cache: SaveCache) -> tuple[list[Sa
     return tensors, values, frameworks
 
 
-def _prepare(state, comm: Comm, allow_pickle: bool, where: str, result: SaveResult, rules, cache: SaveCache,
-             replicated_over: Any, rank_local: bool, gate: Gate) -> PreparedSave:
-    ta = time.monotonic()
-    ctx = build_context(state, comm.rank, comm.world, allow_pickle, replicated_over)
-    tensors, values, frameworks = _parts(state, ctx, rules, cache)
-    # The very SaveTensor objects checked last time (every part reused): only the values are checked again.
+@dataclass(frozen=True)
+class _Job:
+    """What checking and planning one save reads besides its tensors."""
+
+    state: object
+    ctx: AdapterContext
+    rules: Sequence
+    comm: Comm
+    gate: Gate
+    where: str
+    rank_local: bool
+    declared: bool  # groups or rules: the ranks agree before the write
+
+
+def _checked_plan(job: _Job, tensors: list[SaveTensor], cache: SaveCache) -> tuple[SavePlan, PendingTable | None, bool]:
+    """The plan of ``tensors`` (kept while they are the very ones of the kept plan), its replica table, and whether the writers were reused."""
     # Layout rules reduce across ranks, so a save under rules is checked in full.
-    declared = replicated_over is not None or bool(rules)
-    same = None if rules else (rank_local, declared, tuple(map(id, tensors)))
-    tables: list[PendingTable | None] = []
-    checked, hit = cache.reuse("checked", same, lambda: _check_and_plan(
-        state, tensors, ctx, rules, comm, where, cache, result, (rank_local, declared), gate, tables))
+    fingerprint = None if job.rules else (job.rank_local, job.declared, SameItems(tensors))
+    made: list = []
+    plan, hit = cache.reuse("checked", fingerprint, lambda: _check_and_plan(job, tensors, cache, made))
     if hit:
-        table = _replicas_again(checked, comm, gate, declared)
-        result.plan_cached = True
-    else:
-        table = tables[0]
-        if len(checked.tensors) != len(tensors) or any(a is not b for a, b in zip(checked.tensors, tensors)):
-            cache.forget("checked")  # renamed or cut by the checks: made from more than the tensors
-    mine = [checked.tensors[i] for i in checked.choice.picked]
-    prep = PreparedSave(list(checked.tensors), mine, values, frameworks, checked.lazy_ok, checked.choice, ctx,
-                        checked.prepared.described if hit else None, table)
-    checked.prepared = prep
-    mark_phase(result, "plan", ta)
-    return prep
+        return plan, _replicas_again(plan, job), True
+    if len(plan.tensors) != len(tensors) or any(a is not b for a, b in zip(plan.tensors, tensors)):
+        cache.forget("checked")  # renamed or cut by the checks: made from more than the tensors
+    table, writers_reused = made
+    return plan, table, writers_reused
 
 
-def _replicas_again(checked: CheckedSave, comm: Comm, gate: Gate, declared: bool) -> PendingTable | None:
-    """The pending table of a reused check; declared groups still run their agreement (every rank exchanges alike)."""
-    if not declared:
-        return pending_table(checked.tensors, comm)
-    return agree_save(Proposal.of(checked.tensors, checked.lazy_ok, (), comm.world), comm, gate).replicas
+def _replicas_again(plan: SavePlan, job: _Job) -> PendingTable | None:
+    """The pending table of a reused plan; declared groups still run their agreement (every rank exchanges alike)."""
+    if not job.declared:
+        return pending_table(plan.tensors, job.comm)
+    return agree_save(Proposal.of(plan.tensors, plan.lazy_ok, (), job.comm.world), job.comm, job.gate).replicas
 
 
-def _check_and_plan(state, tensors: list[SaveTensor], ctx: AdapterContext, rules, comm: Comm, where: str,
-                    cache: SaveCache, result: SaveResult, flags: tuple[bool, bool], gate: Gate,
-                    tables: list) -> CheckedSave:
+def _check_and_plan(job: _Job, tensors: list[SaveTensor], cache: SaveCache, made: list) -> SavePlan:
     """The tensors checked (dtypes, names), agreed on where declared, and the writers chosen; which may be copied lazily.
 
-    ``flags`` is (rank-local save, groups or rules declared); this call's replica table goes to ``tables``.
+    This call's replica table (of the values now: never kept) and whether
+    the writer choice was reused go to ``made``.
     """
-    rank_local, declared = flags
+    ctx, where, comm = job.ctx, job.where, job.comm
     # Lazily copied: what an optimizer of the state changes in its step(), whose pre-hook fences the save.
-    lazy_ok: set[str] = step_updates(state).names(ctx)
+    lazy_ok: set[str] = step_updates(job.state).names(ctx)
     lazy_ok.update(t.fqn for t in tensors if t.step_only)  # as each adapter declared it
-    if rank_local:  # process_group=LOCAL: one writer, so every tensor must be whole here
+    if job.rank_local:  # process_group=LOCAL: one writer, so every tensor must be whole here
         tensors = rank_local_tensors(tensors, where)
-    if declared:
-        proposal = Proposal.of(tensors, frozenset(lazy_ok), rules, comm.world)
+    if job.declared:
+        proposal = Proposal.of(tensors, frozenset(lazy_ok), job.rules, comm.world)
         _check_tensors(proposal.logical(), where)  # refused before the agreement, so every rank learns of it there
-        agreed = agree_save(proposal, comm, gate)
+        agreed = agree_save(proposal, comm, job.gate)
         tensors, lazy, table = list(agreed.tensors), agreed.lazy_ok, agreed.replicas
     else:
         _check_tensors(tensors, where)
         lazy, table = frozenset(lazy_ok), pending_table(tensors, comm)
-    tables.append(table)  # of the values at this call: never kept
     # The same names, shapes, dtypes and geometry give the same writers.
-    choice, result.plan_cached = cache.reuse("plan", plan_signature(tensors), lambda: choose_writers(tensors))
-    return CheckedSave(tuple(tensors), choice, lazy, PreparedSave(tensors, [], {}, {}, lazy, choice, ctx))
+    choice, reused = cache.reuse("plan", plan_signature(tensors), lambda: choose_writers(tensors))
+    made.extend((table, reused))
+    return plan_of(tensors, choice, lazy, ctx)
+
+
+def plan_of(tensors: Sequence[SaveTensor], choice, lazy_ok: frozenset[str], ctx: AdapterContext) -> SavePlan:
+    """The :class:`SavePlan` of checked ``tensors`` and their writer ``choice``, with ``ctx``'s replica facts as plain data.
+
+    Example::
+
+        plan = plan_of(tensors, choose_writers(tensors), frozenset(), ctx)
+    """
+    ranks = {}
+    if ctx.replicas or ctx.patterns:  # no declaration: every plain tensor is held by every rank
+        ranks = {t.fqn: r for t in tensors if (r := ctx.replica_ranks(t.fqn)) is not None}
+    return SavePlan.make(tensors, choice, lazy_ok, replica_ranks=ranks)
 
 
 def _check_tensors(tensors: Sequence[SaveTensor], where: str) -> None:

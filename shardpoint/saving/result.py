@@ -18,6 +18,12 @@ __all__ = ["SaveResult"]
 class SaveResult:
     """What a save did on this rank: phase timings (seconds) and bytes written.
 
+    ``plan_cached`` says one thing: this save reused the writer choice of
+    an earlier save of the same saver (its tensors had the same names,
+    shapes, dtypes and geometry), so no writers were chosen again. It is
+    ``False`` for the first save and for :func:`shardpoint.save`, which
+    keeps nothing between calls.
+
     Example::
 
         result = sp.save("ckpt/step_100", state); result.timings["commit"]

@@ -11,16 +11,27 @@ checked and described tensors. One rule says when a kept result may be used:
     (``None``) is made every time and never kept.
 
 Each kind of result is a *slot* of one :class:`SaveCache`, and only the last
-result of each slot is kept, so memory does not grow from save to save. The
-fingerprints are:
+result of each slot is kept, so memory does not grow from save to save. Kept
+results are frozen values (a :class:`~shardpoint.planning.save_plan.SavePlan`,
+a writer choice, a description): nothing assigns to them after they are
+kept, and a save that needs more makes a new value from them. The slots and
+their fingerprints are:
 
 - an entry's part (``("part", key)``): the object itself, its adapter, the
   context's replica facts and the adapter's
   :meth:`~shardpoint.adapters.Adapter.fingerprint` (the object graph);
-- the checked save (``"checked"``): the very :class:`SaveTensor` objects
-  that came out of the parts, so it holds exactly when every part was reused;
+- the checked plan (``"checked"``): the very :class:`SaveTensor` objects
+  that came out of the parts (by identity, :class:`SameItems`), so it holds
+  exactly when every part was reused, plus whether the save is rank-local
+  and declares groups;
 - the writer choice (``"plan"``): the tensors' names, shapes, dtypes,
-  geometry and replica facts (:func:`~shardpoint.planning.writers.plan_signature`).
+  geometry and replica facts (:func:`~shardpoint.planning.writers.plan_signature`);
+- the description (``"described"``): the plan it describes (by identity)
+  and the rank, world and group it is described on.
+
+A save's :attr:`~shardpoint.SaveResult.plan_cached` says one thing: its
+writer choice was reused, from the checked plan or from the writer choice
+slot, so no writers were chosen again.
 
 Example::
 
@@ -30,19 +41,66 @@ Example::
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
-from typing import Any, Callable, Hashable, TypeVar
+from typing import Any, Callable, Hashable, Iterable, TypeVar
 
-__all__ = ["SaveCache"]
+__all__ = ["SaveCache", "Same", "SameItems"]
 
 T = TypeVar("T")
+
+
+class Same:
+    """A fingerprint part equal only to one holding the very same object (compared by identity, never by value).
+
+    It keeps the object alive, so no later object can take its identity.
+
+    Example::
+
+        assert Same(t) == Same(t) and Same(t) != Same(t2)
+    """
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+class SameItems:
+    """A fingerprint part equal only to one holding the very same objects, in the same order (by identity).
+
+    One comparison for a whole sequence (a save's tensors), kept alive as :class:`Same` keeps its object.
+
+    Example::
+
+        assert SameItems([a, b]) == SameItems((a, b)) and SameItems([a, b]) != SameItems([b, a])
+    """
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Iterable[Any]):
+        self.items = tuple(items)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SameItems) or len(other.items) != len(self.items):
+            return False
+        return all(map(operator.is_, self.items, other.items))
+
+    def __hash__(self) -> int:
+        return hash(tuple(map(id, self.items)))
 
 
 class SaveCache:
     """The results one saver keeps across its saves (one per process group), each with its fingerprint.
 
     ``reused`` counts the reuses per slot kind (``"part"``, ``"checked"``,
-    ``"plan"``), for tests and metrics.
+    ``"plan"``, ``"described"``), for tests and metrics.
 
     Example::
 
@@ -71,7 +129,7 @@ class SaveCache:
         return value, False
 
     def forget(self, slot: Hashable) -> None:
-        """Drop what ``slot`` keeps (a result found stale after it was reused).
+        """Drop what ``slot`` keeps: a result found to depend on more than its fingerprint is not kept.
 
         Example::
 

@@ -3,8 +3,8 @@
 The prepare phase and the ranks' agreement live in
 :mod:`shardpoint.saving.prepare` and :mod:`shardpoint.saving.agree`. Then
 the data file is written (by the caller), and
-:meth:`~shardpoint.saving.prepare.PreparedSave.summary` writes the rank's
-index file and describes the rank. :func:`finish_save` commits through two
+:func:`~shardpoint.saving.prepare.summarize` writes the rank's index file
+and describes the rank. :func:`finish_save` commits through two
 small gathers to rank 0. The decisions live in :mod:`shardpoint.planning`;
 the I/O in :mod:`shardpoint.engine`.
 """
@@ -45,23 +45,25 @@ def data_file_name(save_id: str, rank: int) -> str:
 
 
 def finish_save(
-    comm: Comm, storage: Storage, save_id: str, block_size: int, out: Outcome, result: SaveResult, where: str,
+    comm: Comm, storage: Storage, out: Outcome, result: SaveResult, block_size: int,
     claim: SaveClaim | None = None, policy: CommitPolicy | None = None,
 ) -> None:
     """Commit on rank 0 from two small gathers, and raise the same error everywhere.
 
     ``out`` is this rank's outcome (a :class:`RankReport` when it
-    succeeded); see :func:`~shardpoint.engine.commit.commit_gathered`. Rank
-    0's ``claim`` on the path is checked right before the commit and
-    released at the end, whatever happens.
+    succeeded); see :func:`~shardpoint.engine.commit.commit_gathered`. The
+    save is ``result``'s (its path and this rank's save id). Rank 0's
+    ``claim`` on the path is checked right before the commit and released
+    at the end, whatever happens.
 
     Example::
 
-        finish_save(comm, storage, save_id, 1 << 20, run_guarded(write), result, storage.url, claim)
+        finish_save(comm, storage, run_guarded(write), result, 1 << 20, claim)
     """
     tc = time.monotonic()
     try:
-        result.save_id = commit_gathered(comm, storage, save_id, block_size, out, where, claim, policy or CommitPolicy())
+        result.save_id = commit_gathered(comm, storage, result.save_id, block_size, out, result.path, claim,
+                                         policy or CommitPolicy())
     finally:
         mark_phase(result, "commit", tc)
         if claim is not None:

@@ -28,23 +28,24 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, MutableMapping, Sequence
+from typing import Any, MutableMapping
 
 from ..dist import Comm, Outcome, run_guarded
 from ..engine.claim import CommitPolicy, SaveClaim
 from ..engine.io import write_chunks
 from ..errors import UnsupportedStateError
-from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..runtime.monitor import Recorder, format_summary
 from ..planning.describe import RankReport
+from ..planning.save_plan import SavePlan
 from .reuse import SaveCache
 from .agree import AgreedFailure, unwrap
-from .prepare import PreparedSave, prepare_save
+from .options import SaveOptions
+from .prepare import prepare_save, summarize
 from ..runtime.monitor import mark_phase
 from .steps import SaveResult, check_block_size, data_file_name, finish_save
 from ..storage import Storage, storage_for
 
-__all__ = ["SaveTransaction", "SaveOptions", "check_state"]
+__all__ = ["SaveTransaction", "SaveOptions", "SaveCall", "check_state"]
 
 log = logging.getLogger("shardpoint")
 
@@ -72,22 +73,31 @@ def check_state(state: Any, op: str = "save") -> None:
 
 
 @dataclass(frozen=True)
-class SaveOptions:
-    """The arguments of a save that its phases read; they mean what they mean for :func:`shardpoint.save`.
+class SaveCall:
+    """What the enter phase made for one save on one rank; the later phases read it.
+
+    ``base``: the caller's ranks; ``comm``: the ranks' coordination (a
+    private group for background saves); ``storage``: where it goes
+    (``None`` for pre-warming, which writes nothing); ``where``: its URL;
+    ``result``: what the save did, filled as it runs; ``started``: when it
+    was entered (``time.monotonic()``).
 
     Example::
 
-        SaveOptions(block_size=1 << 20, replicated_over=dp_group)
+        call = tx.enter(None); call.result.save_id
     """
 
-    allow_pickle: bool = False
-    block_size: int = DEFAULT_BLOCK_SIZE
-    layouts: Sequence[Any] = ()
-    replicated_over: Any = None
-    collective_timeout: float | None = None
-    commit: CommitPolicy | None = None
-    trace_dir: str | None = None
-    on_metrics: Any = None
+    base: Comm
+    comm: Comm
+    storage: Storage | None
+    where: str
+    result: SaveResult
+    started: float
+
+    @property
+    def save_id(self) -> str:
+        """The id this rank names its data file with."""
+        return self.result.save_id
 
 
 class SaveTransaction:
@@ -111,20 +121,24 @@ class SaveTransaction:
         self.options = options
         self.op = op
         self.policy = options.commit or CommitPolicy()
-        self.base: Comm | None = None  # the caller's ranks
-        self.comm: Comm | None = None  # the ranks' coordination (a private group for background saves)
-        self.storage: Storage | None = None
-        self.where = ""
-        self.save_id = ""
-        self.result: SaveResult | None = None
-        self.t0 = 0.0
-        self.prepared: Outcome | None = None
+        self.call: SaveCall | None = None  # made by the enter phase
+        self.prepared: Outcome | None = None  # the prepare phase's outcome: a SavePlan when it succeeded
+        self.cache: SaveCache | None = None  # what repeated saves reuse (the saver's); the summary's description too
         self.claim: SaveClaim | None = None
         self.bar: Any = None
 
+    # The enter phase's values, by name.
+    base = property(lambda self: self.call.base, doc="The caller's ranks.")
+    comm = property(lambda self: self.call.comm, doc="The ranks' coordination (a private group for background saves).")
+    storage = property(lambda self: self.call.storage, doc="Where the save goes.")
+    where = property(lambda self: self.call.where, doc="The save's URL, for messages.")
+    result = property(lambda self: self.call.result, doc="What the save did on this rank.")
+    save_id = property(lambda self: self.call.save_id, doc="The id this rank names its data file with.")
+    t0 = property(lambda self: self.call.started, doc="When the save was entered.")
+
     @property
-    def prep(self) -> PreparedSave:
-        """The prepare phase's result (it succeeded on this rank)."""
+    def plan(self) -> SavePlan:
+        """The prepare phase's plan (it succeeded on this rank)."""
         return self.prepared.value
 
     # --- enter ------------------------------------------------------------------------------------
@@ -134,8 +148,8 @@ class SaveTransaction:
         check_state(self.state, self.op)
         check_block_size(self.options.block_size)
 
-    def enter(self, process_group: Any, coordinate: Any = None) -> Comm:
-        """The enter phase: every rank agrees it entered this save of this path; return the caller's ranks.
+    def enter(self, process_group: Any, coordinate: Any = None) -> SaveCall:
+        """The enter phase: every rank agrees it entered this save of this path; return what the later phases read.
 
         ``coordinate`` maps the caller's ranks to the group the later phases
         talk on (a background save's private group); default: the same.
@@ -143,42 +157,38 @@ class SaveTransaction:
         base = Comm.resolve(process_group)
         if base.local and self.options.replicated_over is not None:
             raise ValueError("replicated_over has no meaning for a rank-local save (process_group=sp.LOCAL): one rank writes everything")
-        self.storage = storage_for(self.path)
-        self.where = self.storage.url
+        storage = storage_for(self.path)
+        where = storage.url
         # The ranks also agree on whether groups or rules are declared: that decides whether they
         # exchange before the write (see shardpoint.saving.agree), so all must decide alike.
         op = self.op if self.options.replicated_over is None else f"{self.op} with replicated_over"
         op = f"{op} with layouts" if self.options.layouts else op  # rules, too, make the ranks agree before the write
-        base.enter(op, self.where, self.options.collective_timeout)
-        self.base = base
-        self.comm = base if coordinate is None else coordinate(base)
-        self.t0 = time.monotonic()
-        self.save_id = uuid.uuid4().hex  # each rank names its data file with its own id: no collective is needed to start
-        self.result = SaveResult(self.where, self.save_id, recorder=Recorder("save", self.where, self.comm.rank))
-        return base
+        base.enter(op, where, self.options.collective_timeout)
+        comm = base if coordinate is None else coordinate(base)
+        started = time.monotonic()
+        save_id = uuid.uuid4().hex  # each rank names its data file with its own id: no collective is needed to start
+        result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
+        self.call = SaveCall(base, comm, storage, where, result, started)
+        return self.call
 
     # --- prepare ----------------------------------------------------------------------------------
 
-    def prepare(self, cache: SaveCache | None = None) -> PreparedSave:
+    def prepare(self, cache: SaveCache | None = None) -> SavePlan:
         """The prepare phase: this rank's tensors and documents, and who writes what."""
-        o = self.options
-        prep = prepare_save(
-            self.state, self.comm, o.allow_pickle, self.where, self.result, o.layouts, cache,
-            replicated_over=o.replicated_over, rank_local=self.base.local,
-        )
-        self.prepared = Outcome(True, prep)
-        return prep
+        self.cache = cache
+        plan = prepare_save(self.state, self.comm, self.options, self.result, cache, rank_local=self.base.local)
+        self.prepared = Outcome(True, plan)
+        return plan
 
-    def rehearse(self, base: Comm, comm: Comm, cache: SaveCache) -> PreparedSave:
+    def rehearse(self, base: Comm, comm: Comm, cache: SaveCache) -> SavePlan:
         """Pre-warming's run of the prepare phase alone: no path, no agreement, the plan lands in ``cache``.
 
         Example::
 
-            prep = SaveTransaction("prewarm", state, SaveOptions()).rehearse(base, comm, cache)
+            plan = SaveTransaction("prewarm", state, SaveOptions()).rehearse(base, comm, cache)
         """
         self.check()
-        self.base, self.comm, self.where = base, comm, "prewarm"
-        self.result = SaveResult("prewarm", "")
+        self.call = SaveCall(base, comm, None, "prewarm", SaveResult("prewarm", ""), time.monotonic())
         return self.prepare(cache)
 
     # --- claim ------------------------------------------------------------------------------------
@@ -197,12 +207,12 @@ class SaveTransaction:
         """The write phase of a save on the calling thread: its data file, read from the live state."""
         tb = time.monotonic()
         records, files = [], {}
-        mine = self.prep.mine
+        mine = self.plan.mine
         if self.bar is not None:
             self.bar.set_total(sum(it.nbytes for it in mine))
         if mine:
             name = data_file_name(self.save_id, self.comm.rank)
-            records, size = write_chunks(self.storage, name, mine, self.comm.rank, self.options.block_size, self.result.recorder)
+            records, size = write_chunks(self.storage, name, list(mine), self.comm.rank, self.options.block_size, self.result.recorder)
             files[name] = size
             self.result.bytes_written = size
         return self.summarize(records, files, tb)
@@ -210,15 +220,15 @@ class SaveTransaction:
     def summarize(self, records: list, files: dict, started: float) -> RankReport:
         """The write phase's end: the index file, then the summary this rank's commit needs."""
         mark_phase(self.result, "data_file", started)  # whole file incl. fsync; per-chunk spans are "write"
-        report = self.prep.summary(self.storage, records, files, self.comm)
+        report = summarize(self.plan, self.storage, (records, files), self.comm, self.cache)
         self.result.bytes_written = sum(report.status.files.values())
         return report
 
     def local_phases(self) -> RankReport:
         """Prepare, claim and write on this rank (the sync save runs them guarded, as one)."""
-        self.prepare()
-        if self.prep.replicas is not None:  # the caller waits until the commit: digest alongside the write
-            self.prep.replicas.start()
+        plan = self.prepare()
+        if plan.replicas is not None:  # the caller waits until the commit: digest alongside the write
+            plan.replicas.start()
         self.claim_path()
         return self.write()
 
@@ -226,9 +236,7 @@ class SaveTransaction:
 
     def commit(self, out: Outcome) -> None:
         """The commit phase: rank 0 commits from every rank's outcome; the claim is released whatever happens."""
-        o = self.options
-        finish_save(self.comm, self.storage, self.save_id, o.block_size, out, self.result, self.where, self.claim, self.policy)
-
+        finish_save(self.comm, self.storage, out, self.result, self.options.block_size, self.claim, self.policy)
     def report(self) -> SaveResult:
         """After the commit: total time, timings, trace and metrics, and the log line."""
         result = self.result

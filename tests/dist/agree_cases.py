@@ -153,10 +153,10 @@ def _save_case(case: str, rank: int, world: int, path: str) -> dict:
         state = _failing(case, rank)
         return _error(lambda: sp.async_save(path, state, mode=mode, layouts=layouts, **kw))
     if case.startswith("async_wait_eager"):  # the end of the background write fails (every rank runs it)
-        from shardpoint.saving.prepare import PreparedSave
+        from shardpoint.saving.transaction import SaveTransaction
 
         state = _state(case, 1, rank)
-        with _Broken(PreparedSave, "summary", fail):
+        with _Broken(SaveTransaction, "summarize", fail):
             return _error(lambda: sp.async_save(path, state, mode="eager", layouts=layouts, **kw))
     if case.startswith("async_wait_lazy"):  # a parameter changes before the fence on rank 1
         state = _state(case, 1, rank)

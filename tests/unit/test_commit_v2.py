@@ -131,16 +131,17 @@ def _fake_comm(rank, world):
 def test_small_replicated_tensors_are_written_by_copy_zero_and_described_by_one_grid():
     import torch
 
-    from shardpoint.saving.prepare import describe_prepared, prepare_save
+    from shardpoint.saving.options import SaveOptions
+    from shardpoint.saving.prepare import describe_on, prepare_save
     from shardpoint.saving.result import SaveResult
 
     state = {"extra": {"step": torch.tensor(3.0), "norm": torch.ones(64), "big": torch.ones(4096), "big2": torch.ones(4096)}}
     mine, digests = {}, set()
     for r in range(4):
         comm = _fake_comm(r, 4)
-        prep = prepare_save(state, comm, False, "ck", SaveResult("ck", "x"))
-        mine[r] = sorted(t.fqn for t in prep.mine)
-        d = describe_prepared(prep, comm)
+        plan = prepare_save(state, comm, SaveOptions(), SaveResult("ck", "x"))
+        mine[r] = sorted(t.fqn for t in plan.mine)
+        d = describe_on(plan, comm)
         digests.add(d.digest)
         assert not d.listed and d.doc.meshes == (Mesh((4,), (0, 1, 2, 3)),)
         assert all(isinstance(e, GridEntry) for e in d.doc.tensors.values())

@@ -250,11 +250,12 @@ def test_the_commit_fetches_one_table_per_distinct_digest_and_names_every_rank()
 def _tensors():
     import shardpoint as sp
     from shardpoint.dist import Comm
+    from shardpoint.saving.options import SaveOptions
     from shardpoint.saving.prepare import prepare_save
     from shardpoint.saving.result import SaveResult
 
     state = {"w": torch.arange(12.0).view(3, 4), "big": torch.randn(HOST_FULL_BYTES)}
-    return prepare_save(state, Comm.resolve(None), False, "ck", SaveResult("ck", "x")).tensors
+    return list(prepare_save(state, Comm.resolve(None), SaveOptions(), SaveResult("ck", "x")).tensors)
 
 
 def test_a_pending_table_computes_on_a_thread_or_now_and_raises_its_error_where_asked():
