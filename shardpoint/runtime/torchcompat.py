@@ -1,0 +1,313 @@
+"""What differs between the torch releases shardpoint supports (2.6 and later), in one place.
+
+Every check of which torch is installed lives here: the rest of the package
+calls the helpers below and never reads ``torch.__version__`` itself (a test
+in ``tests/unit`` enforces it). Each shim says which torch release made it
+unnecessary, so that raising the floor (``torch>=`` in ``pyproject.toml``)
+tells which shims to delete. Where a feature can be detected, it is detected
+once, at import, rather than inferred from the version number.
+
+A feature that cannot work on the installed torch raises
+:class:`~shardpoint.errors.UnsupportedStateError` naming the release it
+needs (:func:`require`), never an ``AttributeError`` from deep inside torch.
+
+Example::
+
+    from shardpoint.runtime import torchcompat
+
+    torchcompat.TORCH_VERSION            # (2, 6) on torch 2.6.0+cu124
+    torchcompat.require("zero-copy staging", torchcompat.HAS_X, "2.11")
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import UnsupportedStateError
+
+__all__ = [
+    "MIN_TORCH",
+    "TORCH_VERSION",
+    "HAS_CPU_STREAM_EVENTS",
+    "require",
+    "complete_cpu_streams",
+    "torch_places_uneven_strided_shards",
+    "local_shape_and_offset",
+    "root_mesh",
+    "compute_local_shape_and_global_offset",
+    "dcp_save_local",
+    "dcp_load_local",
+]
+
+
+def _release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string such as ``2.6.0+cu124`` or ``2.14.0a0+git1234``."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None:  # pragma: no cover - every torch release has one
+        raise ValueError(f"cannot read the torch version {version!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+#: The oldest torch release shardpoint supports and tests (``make test-min``).
+MIN_TORCH: tuple[int, int] = (2, 6)
+
+#: The installed torch's ``(major, minor)``.
+TORCH_VERSION: tuple[int, int] = _release(torch.__version__)
+
+
+def require(feature: str, available: bool, since: str) -> None:
+    """Raise :class:`UnsupportedStateError` when ``feature`` is not ``available`` on this torch.
+
+    ``since`` is the torch release that brought the feature; the message names
+    it and the installed one, and how to get it.
+
+    Example::
+
+        require("DCP's zero-copy staging", HAS_STAGER, "2.9")
+    """
+    if not available:
+        raise UnsupportedStateError(
+            f"{feature} needs torch {since} or later, and this is torch {torch.__version__}; "
+            f"upgrade torch (pip install 'torch>={since}') or do without it"
+        )
+
+
+# --- CPU stream stubs -------------------------------------------------------------------------------
+
+# torch.cpu.Stream is a stub that lets device-generic code run on CPU. FSDP2 (fully_shard) calls its
+# record_event and wait_event, which torch 2.7 added as no-ops; on torch 2.6 a CPU FSDP2 forward fails
+# with "'Stream' object has no attribute 'record_event'" inside torch, before shardpoint is involved.
+def _cpu_stream_events() -> bool:
+    return hasattr(torch.cpu.Stream, "record_event") and hasattr(torch.cpu.Stream, "wait_event")
+
+
+HAS_CPU_STREAM_EVENTS: bool = _cpu_stream_events()
+
+
+def _record_event(self: Any, event: Any = None) -> Any:
+    return event if event is not None else torch.cpu.Event()
+
+
+def _wait_event(self: Any, event: Any) -> None:
+    return None  # CPU work is synchronous: everything recorded has already happened
+
+
+def complete_cpu_streams() -> bool:
+    """Give torch 2.6's CPU stream stub the no-op ``record_event``/``wait_event`` that FSDP2 calls.
+
+    Unnecessary from torch 2.7, where torch has them; returns whether it
+    added anything. It lets FSDP2 run on CPU (gloo), as in shardpoint's own
+    multi-process tests; on an accelerator FSDP2 uses that device's streams
+    and needs nothing.
+
+    Example::
+
+        complete_cpu_streams()
+        fully_shard(model)   # now trains on CPU with torch 2.6 too
+    """
+    if _cpu_stream_events():
+        return False
+    torch.cpu.Stream.record_event = _record_event  # type: ignore[attr-defined]
+    torch.cpu.Stream.wait_event = _wait_event  # type: ignore[attr-defined]
+    return True
+
+
+# --- DTensor geometry ------------------------------------------------------------------------------
+
+# torch 2.6 and 2.7 compute a DTensor's local shape and global offset only for the calling rank (from
+# its mesh); from 2.8 torch also takes a coordinate and a mesh shape.
+# Looked up on first use: importing torch.distributed.tensor costs a second.
+@functools.cache
+def _at_coordinate() -> Any:
+    try:
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    except ImportError:  # torch 2.6 and 2.7
+        return None
+    return _compute_local_shape_and_global_offset
+
+
+class _MeshAt:
+    """Just what torch 2.6's ``compute_local_shape_and_global_offset`` reads of a mesh, at a chosen coordinate."""
+
+    def __init__(self, shape: Sequence[int], coordinate: Sequence[int]):
+        self.shape, self.coordinate, self.ndim = tuple(shape), list(coordinate), len(shape)
+
+    def size(self, mesh_dim: int) -> int:
+        return self.shape[mesh_dim]
+
+    def get_coordinate(self) -> list[int]:
+        return self.coordinate
+
+
+def _torch_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]):
+    at = _at_coordinate()
+    if at is not None:
+        return at(tuple(global_shape), tuple(mesh_shape), list(coordinate), list(placements))
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh: Any = _MeshAt(mesh_shape, coordinate)
+    return compute_local_shape_and_global_offset(tuple(global_shape), mesh, list(placements))
+
+
+# Torch 2.6 and 2.7 place the shards of a ``_StridedShard`` dim (2-D FSDP2 + TP) at ``local size x
+# shard index``, wrong whenever the split is uneven: 52 rows on (dp=3, tp=2) put tp 1's first dp shard
+# at row 27, where FSDP2 (which chunks the TP-local tensor) holds rows 26..34. Torch 2.8 rewrote it to
+# split in FSDP2's order (26, measured on 2.11 and later), and reports an empty shard at the dim's
+# size. Detected once, by asking torch that very case.
+@functools.cache
+def torch_places_uneven_strided_shards() -> bool:
+    """Whether torch's own offsets of an unevenly split ``_StridedShard`` dim are FSDP2's (no on 2.6, 2.7).
+
+    Example::
+
+        if not torch_places_uneven_strided_shards():
+            print("shard offsets of 2-D FSDP2 + TP tensors come from shardpoint's own split")
+    """
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    return tuple(_torch_box((52,), (3, 2), (0, 1), (_StridedShard(0, split_factor=2), Shard(0)))[1]) == (26,)
+
+
+def _as_newer_torch(global_shape: Sequence[int], box: Any, placements: Sequence[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """An older torch's answer in the newer convention: an empty shard of a sharded dim sits at the dim's size."""
+    sizes, offsets = tuple(int(x) for x in box[0]), list(int(x) for x in box[1])
+    sharded = {int(p.dim) % len(sizes) for p in placements if p.is_shard()} if sizes else set()
+    for d in sharded:
+        if sizes[d] == 0:
+            offsets[d] = int(global_shape[d])
+    return sizes, tuple(offsets)
+
+
+def _strided(placements: Sequence[Any]) -> bool:
+    return any(type(p).__name__ == "_StridedShard" for p in placements)
+
+
+def _nested_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]):
+    """FSDP2's own split of a strided DTensor: torch.chunk of the TP-local rows (the nested grid)."""
+    import math
+
+    from ..geometry.grid import grid_of_placements
+
+    grid = grid_of_placements(tuple(mesh_shape), range(math.prod(mesh_shape)), placements, len(global_shape))
+    if grid is None:
+        raise UnsupportedStateError(
+            f"a DTensor placed {tuple(placements)} needs torch 2.11 or later to locate its shards "
+            f"(torch {torch.__version__} reports wrong offsets for strided shards); upgrade torch"
+        )
+    box = grid.box(tuple(int(x) for x in global_shape), tuple(int(c) for c in coordinate))
+    return box.sizes, box.offsets
+
+
+def local_shape_and_offset(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (local shape, global offset) of a DTensor's shard at a mesh ``coordinate``.
+
+    Torch's own answer, computed without a process group, on every supported
+    torch; on a torch whose strided-shard offsets are wrong (2.6, 2.7), those
+    of a ``_StridedShard`` dim come from FSDP2's nested split instead, and an
+    empty shard is reported at the dim's size as later releases do.
+
+    Example::
+
+        local_shape_and_offset((8, 4), (2,), [1], [Shard(0)])   # ((4, 4), (4, 0))
+    """
+    if torch_places_uneven_strided_shards():
+        return _torch_box(global_shape, mesh_shape, coordinate, placements)
+    if _strided(placements):
+        box = _nested_box(global_shape, mesh_shape, coordinate, placements)
+    else:
+        box = _torch_box(global_shape, mesh_shape, coordinate, placements)
+    return _as_newer_torch(global_shape, box, placements)
+
+
+def compute_local_shape_and_global_offset(global_shape: Sequence[int], mesh: Any, placements: Sequence[Any]):
+    """``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, right on every supported torch.
+
+    The calling rank's (local shape, global offset) of a DTensor on ``mesh``;
+    on torch 2.6 and 2.7 a ``_StridedShard`` dim's come from FSDP2's nested
+    split (see :func:`local_shape_and_offset`).
+
+    Example::
+
+        shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as torchs
+
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or torch_places_uneven_strided_shards():
+        return torchs(global_shape, mesh, placements)
+    return local_shape_and_offset(global_shape, tuple(mesh.shape), coordinate, placements)
+
+
+# --- device meshes ---------------------------------------------------------------------------------
+
+
+def root_mesh(mesh: Any) -> Any:
+    """The mesh ``mesh`` was sliced from (itself when it is a root), on every supported torch.
+
+    Torch 2.10 made this a mesh method (``_get_root_mesh``); before, torch's
+    mesh registry (``_mesh_resources``) answered it.
+
+    Example::
+
+        root_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]).shape   # (2, 2)
+    """
+    getter = getattr(mesh, "_get_root_mesh", None)
+    if getter is not None:
+        return getter()
+    from torch.distributed.device_mesh import _mesh_resources  # torch 2.6 to 2.9
+
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+# --- single-process DCP -----------------------------------------------------------------------------
+
+# dcp.save and dcp.load take no_dist from torch 2.7; torch 2.6 infers it from whether a process group is
+# up, so a one-process export inside a distributed job would turn into a collective. There the older
+# save_state_dict/load_state_dict, which still take no_dist, say it explicitly. Detected on first use
+# (importing torch.distributed.checkpoint costs a second).
+@functools.cache
+def _dcp_takes_no_dist() -> bool:
+    import torch.distributed.checkpoint as dcp
+
+    return "no_dist" in inspect.signature(dcp.save).parameters
+
+
+def dcp_save_local(state: dict, writer: Any, planner: Any = None) -> Any:
+    """``dcp.save`` in this process alone, whether or not a process group is up.
+
+    Example::
+
+        dcp_save_local({"w": t}, FileSystemWriter(out))
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if _dcp_takes_no_dist():
+        return dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # save_state_dict is deprecated, still the way on 2.6
+        return dcp.save_state_dict(state, storage_writer=writer, planner=planner, no_dist=True)
+
+
+def dcp_load_local(state: dict, reader: Any, planner: Any = None) -> None:
+    """``dcp.load`` in this process alone, whether or not a process group is up.
+
+    Example::
+
+        dcp_load_local(state, FileSystemReader(src))
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if _dcp_takes_no_dist():
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dcp.load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
