@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
@@ -34,9 +35,9 @@ from ..errors import UnsupportedStateError
 __all__ = [
     "MIN_TORCH",
     "TORCH_VERSION",
-    "HAS_CPU_STREAM_EVENTS",
+    "HAS_CPU_FSDP2",
     "require",
-    "complete_cpu_streams",
+    "enable_cpu_fsdp2",
     "torch_places_uneven_strided_shards",
     "local_shape_and_offset",
     "root_mesh",
@@ -74,20 +75,22 @@ def require(feature: str, available: bool, since: str) -> None:
     if not available:
         raise UnsupportedStateError(
             f"{feature} needs torch {since} or later, and this is torch {torch.__version__}; "
-            f"upgrade torch (pip install 'torch>={since}') or do without it"
+            f"upgrade torch (pip install 'torch>={since}')"
         )
 
 
-# --- CPU stream stubs -------------------------------------------------------------------------------
+# --- FSDP2 on CPU ----------------------------------------------------------------------------------
 
-# torch.cpu.Stream is a stub that lets device-generic code run on CPU. FSDP2 (fully_shard) calls its
-# record_event and wait_event, which torch 2.7 added as no-ops; on torch 2.6 a CPU FSDP2 forward fails
-# with "'Stream' object has no attribute 'record_event'" inside torch, before shardpoint is involved.
+# Torch 2.7 made FSDP2 (fully_shard) train on CPU, which shardpoint's multi-process tests do over gloo.
+# On torch 2.6 two things stop it, both inside torch: its CPU stream stub lacks record_event and
+# wait_event ("'Stream' object has no attribute 'record_event'"), and re-gathering a block's
+# parameters in backward bumps their autograd version counter ("modified by an inplace operation").
 def _cpu_stream_events() -> bool:
     return hasattr(torch.cpu.Stream, "record_event") and hasattr(torch.cpu.Stream, "wait_event")
 
 
-HAS_CPU_STREAM_EVENTS: bool = _cpu_stream_events()
+#: Whether this torch runs FSDP2 on CPU by itself (torch 2.7 and later).
+HAS_CPU_FSDP2: bool = _cpu_stream_events()
 
 
 def _record_event(self: Any, event: Any = None) -> Any:
@@ -98,23 +101,42 @@ def _wait_event(self: Any, event: Any) -> None:
     return None  # CPU work is synchronous: everything recorded has already happened
 
 
-def complete_cpu_streams() -> bool:
-    """Give torch 2.6's CPU stream stub the no-op ``record_event``/``wait_event`` that FSDP2 calls.
+def _keeping_versions(copy_out: Any) -> Any:
+    """torch 2.7's fix: the copy into the gathered parameters hides from autograd, as on accelerators."""
 
-    Unnecessary from torch 2.7, where torch has them; returns whether it
-    added anything. It lets FSDP2 run on CPU (gloo), as in shardpoint's own
-    multi-process tests; on an accelerator FSDP2 uses that device's streams
-    and needs nothing.
+    def wrapped(all_gather_result: Any, fsdp_params: Any, group: Any) -> None:
+        with contextlib.ExitStack() as keep:
+            for p in fsdp_params:
+                for t in p.all_gather_outputs:  # empty on the first gather: made inside, at version 0
+                    keep.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
+            copy_out(all_gather_result, fsdp_params, group)
+
+    return wrapped
+
+
+def enable_cpu_fsdp2() -> bool:
+    """Let FSDP2 train on CPU with torch 2.6, as it does from torch 2.7; returns whether it changed anything.
+
+    Gives torch 2.6's CPU stream stub the no-op ``record_event`` and
+    ``wait_event`` that FSDP2 calls, and keeps the version counter of the
+    gathered parameters across a re-gather, as torch 2.7 does. A test aid
+    (shardpoint's launcher calls it in every rank): on an accelerator FSDP2
+    needs neither, and from torch 2.7 this does nothing.
 
     Example::
 
-        complete_cpu_streams()
-        fully_shard(model)   # now trains on CPU with torch 2.6 too
+        enable_cpu_fsdp2()
+        fully_shard(block); fully_shard(model)   # now trains on CPU over gloo with torch 2.6 too
     """
     if _cpu_stream_events():
         return False
     torch.cpu.Stream.record_event = _record_event  # type: ignore[attr-defined]
     torch.cpu.Stream.wait_event = _wait_event  # type: ignore[attr-defined]
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+
+    wrapped = _keeping_versions(_fsdp_collectives.foreach_all_gather_copy_out)
+    _fsdp_collectives.foreach_all_gather_copy_out = wrapped
+    _fsdp_param_group.foreach_all_gather_copy_out = wrapped  # imported there by name
     return True
 
 
@@ -184,22 +206,28 @@ def _as_newer_torch(global_shape: Sequence[int], box: Any, placements: Sequence[
     return sizes, tuple(offsets)
 
 
-def _strided(placements: Sequence[Any]) -> bool:
-    return any(type(p).__name__ == "_StridedShard" for p in placements)
+def _uneven_strided(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Any]) -> bool:
+    """Whether a ``_StridedShard`` dim does not divide evenly over all the mesh dims that split it."""
+    import math
+
+    for p in placements:
+        if type(p).__name__ == "_StridedShard":
+            d = int(p.dim) % len(global_shape)
+            parts = math.prod(k for k, q in zip(mesh_shape, placements) if q.is_shard() and int(q.dim) % len(global_shape) == d)
+            if global_shape[d] % parts:
+                return True
+    return False
 
 
 def _nested_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]):
-    """FSDP2's own split of a strided DTensor: torch.chunk of the TP-local rows (the nested grid)."""
+    """FSDP2's own split of an unevenly strided DTensor: torch.chunk of the TP-local rows (the nested grid)."""
     import math
 
     from ..geometry.grid import grid_of_placements
 
     grid = grid_of_placements(tuple(mesh_shape), range(math.prod(mesh_shape)), placements, len(global_shape))
-    if grid is None:
-        raise UnsupportedStateError(
-            f"a DTensor placed {tuple(placements)} needs torch 2.11 or later to locate its shards "
-            f"(torch {torch.__version__} reports wrong offsets for strided shards); upgrade torch"
-        )
+    if grid is None:  # a split factor FSDP2 does not make: only torch's own arithmetic knows it
+        require(f"Saving a DTensor placed {tuple(placements)} on a {tuple(mesh_shape)} mesh, unevenly split,", False, "2.8")
     box = grid.box(tuple(int(x) for x in global_shape), tuple(int(c) for c in coordinate))
     return box.sizes, box.offsets
 
@@ -220,7 +248,7 @@ def local_shape_and_offset(
     """
     if torch_places_uneven_strided_shards():
         return _torch_box(global_shape, mesh_shape, coordinate, placements)
-    if _strided(placements):
+    if _uneven_strided(global_shape, mesh_shape, placements):
         box = _nested_box(global_shape, mesh_shape, coordinate, placements)
     else:
         box = _torch_box(global_shape, mesh_shape, coordinate, placements)
