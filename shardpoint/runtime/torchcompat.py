@@ -81,15 +81,19 @@ def require(feature: str, available: bool, since: str) -> None:
 
 # --- FSDP2 on CPU ----------------------------------------------------------------------------------
 
-# Torch 2.7 made FSDP2 (fully_shard) train on CPU, which shardpoint's multi-process tests do over gloo.
-# On torch 2.6 two things stop it, both inside torch: its CPU stream stub lacks record_event and
-# wait_event ("'Stream' object has no attribute 'record_event'"), and re-gathering a block's
-# parameters in backward bumps their autograd version counter ("modified by an inplace operation").
+# FSDP2 (fully_shard) on CPU over gloo, as shardpoint's multi-process tests run it. On torch 2.6 three
+# things inside torch stop it, where torch 2.7 brought CPU support (its stream no-ops and version-counter
+# fix) and 2.11 and later were measured training correctly: its CPU stream stub lacks record_event and
+# wait_event ("'Stream' object has no attribute 'record_event'"); re-gathering a block's parameters in
+# backward bumps their autograd version counter ("modified by an inplace operation"); and FSDP2 averages
+# gradients with ReduceOp.AVG, which gloo lacks there: its all-reduce refuses it ("Cannot use
+# ReduceOp.AVG with Gloo") and its reduce-scatter silently sums instead (measured: 1 and 2 "average" to 3).
 def _cpu_stream_events() -> bool:
     return hasattr(torch.cpu.Stream, "record_event") and hasattr(torch.cpu.Stream, "wait_event")
 
 
-#: Whether this torch runs FSDP2 on CPU by itself (torch 2.7 and later).
+#: Whether this torch's CPU stream stub has what FSDP2 calls (torch 2.7 and later); where it has not,
+#: :func:`enable_cpu_fsdp2` adds it and the other two fixes.
 HAS_CPU_FSDP2: bool = _cpu_stream_events()
 
 
@@ -114,14 +118,31 @@ def _keeping_versions(copy_out: Any) -> Any:
     return wrapped
 
 
+def _summing_then_dividing(factors: Any) -> Any:
+    """FSDP2 over gloo: sum the gradients, then divide, where torch 2.6 would ask gloo for an average."""
+
+    def wrapped(reduce_scatter_group: Any, all_reduce_group: Any, reduce_dtype: Any) -> Any:
+        pre, post = factors(reduce_scatter_group, all_reduce_group, reduce_dtype)
+        import torch.distributed as dist
+
+        if pre is None and dist.get_backend(reduce_scatter_group) == "gloo":
+            size = reduce_scatter_group.size() * (all_reduce_group.size() if all_reduce_group is not None else 1)
+            return 1.0, float(size)
+        return pre, post
+
+    return wrapped
+
+
 def enable_cpu_fsdp2() -> bool:
     """Let FSDP2 train on CPU with torch 2.6, as it does from torch 2.7; returns whether it changed anything.
 
     Gives torch 2.6's CPU stream stub the no-op ``record_event`` and
-    ``wait_event`` that FSDP2 calls, and keeps the version counter of the
-    gathered parameters across a re-gather, as torch 2.7 does. A test aid
+    ``wait_event`` that FSDP2 calls, keeps the version counter of the
+    gathered parameters across a re-gather, as torch 2.7 does, and has FSDP2
+    over gloo sum and divide its gradients instead of averaging. A test aid
     (shardpoint's launcher calls it in every rank): on an accelerator FSDP2
-    needs neither, and from torch 2.7 this does nothing.
+    needs none of it, and where the CPU stream stub is complete (torch 2.7
+    and later) this does nothing.
 
     Example::
 
@@ -137,6 +158,7 @@ def enable_cpu_fsdp2() -> bool:
     wrapped = _keeping_versions(_fsdp_collectives.foreach_all_gather_copy_out)
     _fsdp_collectives.foreach_all_gather_copy_out = wrapped
     _fsdp_param_group.foreach_all_gather_copy_out = wrapped  # imported there by name
+    _fsdp_collectives._get_gradient_divide_factors = _summing_then_dividing(_fsdp_collectives._get_gradient_divide_factors)
     return True
 
 

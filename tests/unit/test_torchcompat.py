@@ -141,6 +141,7 @@ def test_cpu_fsdp2_is_enabled_only_where_torch_lacks_it(monkeypatch):
     # restored after the test, whatever enable_cpu_fsdp2 puts there
     for mod in (_fsdp_collectives, _fsdp_param_group):
         monkeypatch.setattr(mod, "foreach_all_gather_copy_out", mod.foreach_all_gather_copy_out)
+    monkeypatch.setattr(_fsdp_collectives, "_get_gradient_divide_factors", _fsdp_collectives._get_gradient_divide_factors)
     assert torchcompat.enable_cpu_fsdp2() is True
     ev = Stub().record_event()
     assert isinstance(ev, torch.cpu.Event) and ev.query()
