@@ -228,30 +228,39 @@ def _as_newer_torch(global_shape: Sequence[int], box: Any, placements: Sequence[
     return sizes, tuple(offsets)
 
 
-def _uneven_strided(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Any]) -> bool:
-    """Whether a ``_StridedShard`` dim does not divide evenly over all the mesh dims that split it."""
+def _uneven(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Any]) -> bool:
+    """Whether some sharded dim does not divide evenly over all the mesh dims that split it."""
     import math
 
-    for p in placements:
-        if type(p).__name__ == "_StridedShard":
-            d = int(p.dim) % len(global_shape)
-            parts = math.prod(k for k, q in zip(mesh_shape, placements) if q.is_shard() and int(q.dim) % len(global_shape) == d)
-            if global_shape[d] % parts:
-                return True
+    dims = [int(p.dim) % len(global_shape) if p.is_shard() else None for p in placements]
+    for d in set(dims) - {None}:
+        if global_shape[d] % math.prod(k for k, e in zip(mesh_shape, dims) if e == d):
+            return True
     return False
 
 
-def _nested_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]):
-    """FSDP2's own split of an unevenly strided DTensor: torch.chunk of the TP-local rows (the nested grid)."""
+def _strided_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]):
+    """A strided DTensor's shard on torch 2.6 and 2.7: FSDP2's own split (torch.chunk of the TP-local rows).
+
+    Torch there is wrong for every dim of such a tensor once one split is
+    uneven, and refuses some even ones; the nested grid is FSDP2's layout.
+    """
     import math
 
     from ..geometry.grid import grid_of_placements
 
     grid = grid_of_placements(tuple(mesh_shape), range(math.prod(mesh_shape)), placements, len(global_shape))
-    if grid is None:  # a split factor FSDP2 does not make: only torch's own arithmetic knows it
-        require(f"Saving a DTensor placed {tuple(placements)} on a {tuple(mesh_shape)} mesh, unevenly split,", False, "2.8")
-    box = grid.box(tuple(int(x) for x in global_shape), tuple(int(c) for c in coordinate))
-    return box.sizes, box.offsets
+    if grid is not None:
+        box = grid.box(tuple(int(x) for x in global_shape), tuple(int(c) for c in coordinate))
+        return box.sizes, box.offsets
+    # A split factor FSDP2 does not make: only torch's arithmetic knows it, right only when even.
+    feature = f"Saving a DTensor placed {tuple(placements)} on a {tuple(mesh_shape)} mesh"
+    require(feature + ", unevenly split,", not _uneven(global_shape, mesh_shape, placements), "2.8")
+    try:
+        return _torch_box(global_shape, mesh_shape, coordinate, placements)
+    except NotImplementedError:
+        require(feature, False, "2.8")
+        raise  # pragma: no cover - require raised
 
 
 def local_shape_and_offset(
@@ -261,8 +270,9 @@ def local_shape_and_offset(
 
     Torch's own answer, computed without a process group, on every supported
     torch; on a torch whose strided-shard offsets are wrong (2.6, 2.7), those
-    of a ``_StridedShard`` dim come from FSDP2's nested split instead, and an
-    empty shard is reported at the dim's size as later releases do.
+    of a tensor with a ``_StridedShard`` come from FSDP2's nested split
+    instead, and an empty shard is reported at the dim's size as later
+    releases do.
 
     Example::
 
@@ -270,8 +280,8 @@ def local_shape_and_offset(
     """
     if torch_places_uneven_strided_shards():
         return _torch_box(global_shape, mesh_shape, coordinate, placements)
-    if _uneven_strided(global_shape, mesh_shape, placements):
-        box = _nested_box(global_shape, mesh_shape, coordinate, placements)
+    if any(type(p).__name__ == "_StridedShard" for p in placements):
+        box = _strided_box(global_shape, mesh_shape, coordinate, placements)
     else:
         box = _torch_box(global_shape, mesh_shape, coordinate, placements)
     return _as_newer_torch(global_shape, box, placements)

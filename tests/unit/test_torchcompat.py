@@ -125,6 +125,8 @@ def test_a_strided_split_fsdp2_never_makes_needs_a_newer_torch_when_uneven(monke
     assert "needs torch 2.8 or later" in str(e.value) and torch.__version__ in str(e.value)
     # evenly split, torch's own arithmetic is right on every release
     assert torchcompat.local_shape_and_offset((12, 2), (2, 2), (0, 0), odd)[0] == (3, 2)
+    # a strided tensor with another dim split unevenly: FSDP2's split, torch 2.6 misplaces dim 1
+    assert torchcompat.local_shape_and_offset((1, 3), (1, 2), (0, 1), (_StridedShard(0, split_factor=1), Shard(1))) == ((1, 1), (0, 2))
 
 
 # --- streams, DCP ------------------------------------------------------------------------------------
