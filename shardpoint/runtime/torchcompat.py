@@ -5,7 +5,8 @@ calls the helpers below and never reads ``torch.__version__`` itself (a test
 in ``tests/unit`` enforces it). Each shim says which torch release made it
 unnecessary, so that raising the floor (``torch>=`` in ``pyproject.toml``)
 tells which shims to delete. Where a feature can be detected, it is detected
-once, at import, rather than inferred from the version number.
+once (at import, or on first use where that would import a slow torch
+module) rather than inferred from the version number.
 
 A feature that cannot work on the installed torch raises
 :class:`~shardpoint.errors.UnsupportedStateError` naming the release it
@@ -16,7 +17,7 @@ Example::
     from shardpoint.runtime import torchcompat
 
     torchcompat.TORCH_VERSION            # (2, 6) on torch 2.6.0+cu124
-    torchcompat.require("zero-copy staging", torchcompat.HAS_X, "2.11")
+    torchcompat.root_mesh(mesh["tp"])     # the (dp, tp) mesh, on every supported torch
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def require(feature: str, available: bool, since: str) -> None:
 
     Example::
 
-        require("DCP's zero-copy staging", HAS_STAGER, "2.9")
+        require("Saving this DTensor", torch_places_uneven_strided_shards(), "2.8")
     """
     if not available:
         raise UnsupportedStateError(
