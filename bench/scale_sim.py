@@ -246,13 +246,13 @@ def torch_placements(lay: Layout, style: str) -> list:
 
 
 def torch_shard_box(shape: tuple[int, ...], style: str, lay: Layout, d: int, t: int) -> Box:
-    """The same box from torch's own ``_compute_local_shape_and_global_offset`` (what the adapter calls)."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    """The same box from torch's own ``compute_local_shape_and_global_offset`` (what the adapter calls)."""
+    from shardpoint.runtime.torchcompat import local_shape_and_offset
 
     if style == "scalar":
         return Box((), ())
     coord = [d, t] if lay.tp > 1 else [d]
-    sizes, offs = _compute_local_shape_and_global_offset(shape, lay.mesh, coord, torch_placements(lay, style))
+    sizes, offs = local_shape_and_offset(shape, lay.mesh, coord, torch_placements(lay, style))
     return Box(tuple(int(o) for o in offs), tuple(int(s) for s in sizes))
 
 

@@ -18,6 +18,7 @@ import torch
 from ..errors import CorruptCheckpointError, UnsupportedStateError
 from ..geometry import Box
 from ..geometry.grid import DimPlacement, grid_of_placements
+from ..runtime.torchcompat import compute_local_shape_and_global_offset, root_mesh
 from .base import AdapterContext, LoadTarget, SaveTensor, global_cost
 
 __all__ = ["is_dtensor", "describe_placements", "save_tensor", "load_target", "empty_like_target"]
@@ -71,7 +72,7 @@ def _replication_outside(mesh, allowed: frozenset[int] | None = None) -> tuple[i
     """
     import torch.distributed as dist
 
-    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    root = root_mesh(mesh)
     if root is mesh:
         return 0, 1, mesh.size()
     me = dist.get_rank()
@@ -132,8 +133,6 @@ def _rank() -> int:
 
 
 def _compute_dtensor_geometry(dt, mesh, allowed: frozenset[int] | None) -> tuple | None:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     coord = mesh.get_coordinate()
     if coord is None:
         return None

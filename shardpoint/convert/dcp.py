@@ -44,6 +44,7 @@ from ..format.datafile import DEFAULT_BLOCK_SIZE
 from ..format.values import decode_value
 from ..geometry import Box
 from ..items import torch_dtype
+from ..runtime.torchcompat import dcp_load_local, dcp_save_local
 from .common import CheckpointReader, CheckpointWriter, encodable, encode_entries
 from .options import NameMap, cast, parse_rename, pickle_allowed, prepare_output_dir, progress, top_key
 from .hf import ImportResult
@@ -91,7 +92,6 @@ def export_dcp(
     too, so that :func:`import_dcp` gives back an equivalent checkpoint.
     Peak memory stays near one tensor.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
     reader = CheckpointReader(path, verify=verify)
@@ -109,7 +109,7 @@ def export_dcp(
     ctx = _quiet_dcp()
     try:
         with bar, _dcp_errors(f"exporting {path} to {out}"):
-            dcp.save(tree.state, storage_writer=FileSystemWriter(out, thread_count=1), planner=planner, no_dist=True)
+            dcp_save_local(tree.state, FileSystemWriter(out, thread_count=1), planner)
     finally:
         ctx.__exit__(None, None, None)
     return result
@@ -249,7 +249,6 @@ def import_dcp(
     others are skipped and listed in the result.
     """
     pickle_allowed(allow_pickle, trust_pickle, src, TRUST_PICKLE_HELP)
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
     if not os.path.isdir(src) or not os.path.exists(os.path.join(src, ".metadata")):
@@ -270,7 +269,7 @@ def import_dcp(
         ctx = _quiet_dcp()
         try:
             with imp.bar, _dcp_errors(f"importing {src}"):
-                dcp.load(state, storage_reader=reader, planner=_chunk_planner(imp), no_dist=True)
+                dcp_load_local(state, reader, _chunk_planner(imp))
         finally:
             ctx.__exit__(None, None, None)
         imp.write_values()

@@ -75,6 +75,9 @@ def launcher_main(argv: list[str]) -> None:
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
 
+    from ..runtime.torchcompat import enable_cpu_fsdp2
+
+    enable_cpu_fsdp2()  # FSDP2 on CPU with torch 2.6; the forked ranks inherit it
     port = _free_port()
     mp.start_processes(_rank_entry, args=(world, port, target, args, outdir), nprocs=world, start_method="fork", join=True)
 

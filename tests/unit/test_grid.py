@@ -13,13 +13,14 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardpoint.errors import FormatError
 from shardpoint.geometry import Box
 from shardpoint.adapters.tensors import describe_placements
 from shardpoint.geometry.grid import DimPlacement, Grid, grid_of_placements
+from shardpoint.runtime import torchcompat
+from shardpoint.runtime.torchcompat import local_shape_and_offset
 
 
 def _grid(mesh, ranks, placements, ndim):
@@ -96,17 +97,20 @@ def _same(a: Box, b: Box) -> bool:
 
 
 def _torch_box(shape, mesh, coord, placements) -> Box:
-    sizes, offs = _compute_local_shape_and_global_offset(shape, mesh, list(coord), placements)
+    sizes, offs = local_shape_and_offset(shape, mesh, coord, placements)
     return Box(tuple(int(o) for o in offs), tuple(int(s) for s in sizes))
 
 
-def _torch_rows(n, d, mesh, coord, placements) -> list[int]:
+def _torch_rows(n, d, mesh, coord, placements) -> list[int] | None:
     """The global indices along dim ``d`` that torch's own splitting (``distribute_tensor``) puts at ``coord``."""
     idx = torch.arange(n)
     for m, p in enumerate(placements):
         if isinstance(p, (Shard, _StridedShard)) and p.dim == d:
             one_d = _StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0)
-            idx = one_d._split_tensor(idx, mesh[m], with_padding=False)[0][coord[m]]
+            try:
+                idx = one_d._split_tensor(idx, mesh[m], with_padding=False)[0][coord[m]]
+            except AssertionError:  # torch 2.6 splits only even strided dims: FSDP2's split is the only one
+                return None
     return idx.tolist()
 
 
@@ -151,7 +155,7 @@ def test_box_matches_torch(case):
         bad_dims = [
             d
             for d, n in enumerate(shape)
-            if _torch_rows(n, d, mesh, coord, placements) != list(range(mine.offsets[d], mine.ends[d]))
+            if _torch_rows(n, d, mesh, coord, placements) not in (None, list(range(mine.offsets[d], mine.ends[d])))
         ]
         if not bad_dims or (mine.numel == 0 and theirs.numel == 0):
             # torch holds exactly the grid's rows: the boxes agree.
@@ -177,6 +181,9 @@ def test_box_matches_torch(case):
         assert visible, (mesh, placements, shape, differs)
 
 
+@pytest.mark.skipif(
+    not torchcompat.torch_places_uneven_strided_shards(), reason="this torch cannot split an uneven strided dim itself"
+)
 def test_strided_disagreement_example():
     # Mesh (dp=3, tp=2), 7 rows, (_StridedShard(0, sf=2), Shard(0)). FSDP2 + TP chunks
     # rows by tp ([0, 4), [4, 7)), then by dp: tp 0 -> [0,2) [2,4) [4,4), tp 1 -> [4] [5] [6].

@@ -690,8 +690,13 @@ def _without_line(entry: str) -> str:
     return f"{path}: {rest.split(': ', 1)[1]}"
 
 
+# The compatibility module's fix inside torch 2.6's own FSDP2 (a test aid): a write into torch, not into
+# another shardpoint object; it goes when the torch floor passes 2.6.
+TORCH_INTERNALS_PATCHED = {"runtime/torchcompat.py: _fsdp_collectives._get_gradient_divide_factors"}
+
+
 def test_no_writes_to_another_objects_private_attributes():
-    found = {_without_line(e) for e in private_writes()}
+    found = {_without_line(e) for e in private_writes()} - TORCH_INTERNALS_PATCHED
     assert sorted(found - PRIVATE_WRITES_TODAY) == []
     assert sorted(PRIVATE_WRITES_TODAY - found) == [], "fixed: drop from PRIVATE_WRITES_TODAY"
 
