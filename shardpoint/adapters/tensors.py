@@ -17,8 +17,8 @@ import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedStateError
 from ..geometry import Box
-from ..geometry.grid import DimPlacement, grid_of_placements
-from ..runtime.torchcompat import compute_local_shape_and_global_offset, root_mesh
+from ..geometry.grid import grid_of_placements
+from ..runtime.torchcompat import compute_local_shape_and_global_offset, describe_placements, root_mesh
 from .base import AdapterContext, LoadTarget, SaveTensor, global_cost
 
 __all__ = ["is_dtensor", "describe_placements", "save_tensor", "load_target", "empty_like_target"]
@@ -30,36 +30,6 @@ def is_dtensor(t: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(t, DTensor)
-
-
-def describe_placements(placements: Any) -> tuple[DimPlacement, ...]:
-    """A DTensor's placements, one per mesh dim, as the plain :class:`DimPlacement` the grid reads.
-
-    Types are matched exactly: a subclass could change the split (as
-    ``_StridedShard`` does of ``Shard``), so an unknown one is ``"other"``,
-    like ``Partial``. A split factor torch holds symbolically is ``None``.
-
-    Example::
-
-        describe_placements((Shard(0), Replicate()))  # (DimPlacement('shard', 0), DimPlacement('replicate'))
-    """
-    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
-
-    out = []
-    for p in placements:
-        if type(p) is Replicate:
-            out.append(DimPlacement("replicate"))
-        elif type(p) is Shard:
-            out.append(DimPlacement("shard", int(p.dim)))
-        elif type(p) is _StridedShard:
-            try:
-                sf: int | None = int(p.split_factor)
-            except (TypeError, ValueError):  # symbolic
-                sf = None
-            out.append(DimPlacement("strided", int(p.dim), sf))
-        else:
-            out.append(DimPlacement("other"))
-    return tuple(out)
 
 
 def _replication_outside(mesh, allowed: frozenset[int] | None = None) -> tuple[int, int, int]:

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import UnsupportedStateError
+from ..geometry.grid import DimPlacement
 
 __all__ = [
     "MIN_TORCH",
@@ -40,6 +41,7 @@ __all__ = [
     "require",
     "enable_cpu_fsdp2",
     "torch_places_uneven_strided_shards",
+    "describe_placements",
     "local_shape_and_offset",
     "root_mesh",
     "compute_local_shape_and_global_offset",
@@ -250,7 +252,9 @@ def _strided_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coordin
 
     from ..geometry.grid import grid_of_placements
 
-    grid = grid_of_placements(tuple(mesh_shape), range(math.prod(mesh_shape)), placements, len(global_shape))
+    grid = grid_of_placements(
+        tuple(mesh_shape), range(math.prod(mesh_shape)), describe_placements(placements), len(global_shape)
+    )
     if grid is not None:
         box = grid.box(tuple(int(x) for x in global_shape), tuple(int(c) for c in coordinate))
         return box.sizes, box.offsets
@@ -372,3 +376,33 @@ def dcp_load_local(state: dict, reader: Any, planner: Any = None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         dcp.load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+
+
+def describe_placements(placements: Any) -> tuple[DimPlacement, ...]:
+    """A DTensor's placements, one per mesh dim, as the plain :class:`DimPlacement` the grid reads.
+
+    Types are matched exactly: a subclass could change the split (as
+    ``_StridedShard`` does of ``Shard``), so an unknown one is ``"other"``,
+    like ``Partial``. A split factor torch holds symbolically is ``None``.
+
+    Example::
+
+        describe_placements((Shard(0), Replicate()))  # (DimPlacement('shard', 0), DimPlacement('replicate'))
+    """
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    out = []
+    for p in placements:
+        if type(p) is Replicate:
+            out.append(DimPlacement("replicate"))
+        elif type(p) is Shard:
+            out.append(DimPlacement("shard", int(p.dim)))
+        elif type(p) is _StridedShard:
+            try:
+                sf: int | None = int(p.split_factor)
+            except (TypeError, ValueError):  # symbolic
+                sf = None
+            out.append(DimPlacement("strided", int(p.dim), sf))
+        else:
+            out.append(DimPlacement("other"))
+    return tuple(out)
