@@ -194,25 +194,13 @@ def _key(*parts: Any) -> int:
     return _signed(xxhash.xxh3_64_intdigest(repr(parts).encode()))
 
 
-_KEYS: dict[tuple, int] = {}  # piece or group -> its key, kept across saves (bounded below)
-
-
-def _cached_key(*parts: Any) -> int:
-    k = _KEYS.get(parts)
-    if k is None:
-        if len(_KEYS) >= 1 << 16:
-            _KEYS.clear()
-        k = _KEYS[parts] = _key(*parts)
-    return k
-
-
 def _encode(held: Sequence[tuple]) -> np.ndarray:
     top, wrap = 1 << 63, 1 << 64  # unsigned 64-bit digests as int64
     data = []
     for fqn, offsets, sizes, flat, group, (kind, a, b, c) in held:
         a, b, c = int(a), int(b), int(c)
         data.append((
-            _cached_key(fqn, offsets, sizes, flat), _cached_key(group), int(kind),
+            _key(fqn, offsets, sizes, flat), _key(group), int(kind),
             a - wrap if a >= top else a, b - wrap if b >= top else b, c - wrap if c >= top else c,
         ))
     return np.array(data, dtype=np.int64).reshape(-1, 6)
