@@ -106,12 +106,6 @@ def _dtensor_geometry(dt, allowed: frozenset[int] | None = None) -> tuple | None
     return _compute_dtensor_geometry(dt, dt.device_mesh, allowed)
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _compute_dtensor_geometry(dt, mesh, allowed: frozenset[int] | None) -> tuple | None:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
