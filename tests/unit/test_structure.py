@@ -892,7 +892,10 @@ def _mutated_names(tree: ast.Module) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Global):
             out.update(node.names)
-        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        else:
+            targets = [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
         for t in targets:
             if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
                 out.add(t.value.id)
@@ -925,7 +928,8 @@ def module_state(root: pathlib.Path = PKG, allowed=PROCESS_REGISTRIES) -> list[s
                     if _is_container(node.value):
                         containers.add(t.id)
         mutated = _mutated_names(tree)
-        for name in sorted(((containers & mutated) | (bound & {n for g in ast.walk(tree) if isinstance(g, ast.Global) for n in g.names})) - ok):
+        rebound = {n for g in ast.walk(tree) if isinstance(g, ast.Global) for n in g.names}
+        for name in sorted(((containers & mutated) | (bound & rebound)) - ok):
             found.append(f"{rel}: {name}")
     return found
 
