@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from shardpoint.adapters.base import AdapterContext, Replicas, global_cost
-from shardpoint.engine.commit import CommitDecision, commit_save
+from shardpoint.engine.commit import CommitDecision, CommitTarget, commit_save
 from shardpoint.dist import Outcome
 from shardpoint.engine.indexes import IndexReader, resolve, wanted_box
 from shardpoint.errors import CorruptCheckpointError
@@ -661,7 +661,8 @@ def rank0_unpickle(saved: Saved) -> None:
 
 
 def commit(saved: Saved, lay: Layout, block: int, storage=None, where: str = WHERE) -> str:
-    return commit_save(saved.storage if storage is None else storage, SAVE_ID, lay.world, block, saved.statuses, saved.docs, where)
+    target = CommitTarget(saved.storage if storage is None else storage, SAVE_ID, block, where)
+    return commit_save(target, lay.world, saved.statuses, saved.docs)
 
 
 @dataclass
@@ -935,7 +936,7 @@ def plain_pp_check() -> dict:
     docs = [Documents(x.tensors if r in ask.tensors else None, x.values if r in ask.values else None) for r, x in enumerate(locals_)]
     out = {"written": written}
     try:
-        commit_save(storage, SAVE_ID, world, block, statuses, docs, "sim://plain-pp")
+        commit_save(CommitTarget(storage, SAVE_ID, block, "sim://plain-pp"), world, statuses, docs)
         out["commit"] = "accepted"
     except CorruptCheckpointError as e:
         out["commit"] = f"refused: {e}"

@@ -23,7 +23,7 @@ from .format.manifest import Manifest
 from .geometry import Box
 from .items import LoadTarget, torch_dtype
 from .layouts import Rule
-from .loading import LoadResult, LoadTransaction, manifest_bytes
+from .loading import LoadOptions, LoadResult, LoadTransaction, manifest_bytes
 from .loading.diagnose import check_provided
 from .loading.names import close_names
 from .runtime.progress import SAVE_PHASES, progress_for
@@ -234,11 +234,12 @@ def load(
             "sp.load(report=...) is deprecated; use res = sp.load(..., return_result=True) and read res.bytes_read, "
             "res.timings, ...", DeprecationWarning, stacklevel=2,
         )
-    result = LoadTransaction(
-        path, state, process_group=process_group, strict=strict, allow_pickle=allow_pickle, verify=verify,
+    options = LoadOptions(
+        process_group=process_group, strict=strict, allow_pickle=allow_pickle, verify=verify,
         share_reads=share_reads, keys=keys, layouts=layouts, collective_timeout=collective_timeout,
         progress=progress, trace_dir=trace_dir, on_metrics=on_metrics, replicated_over=replicated_over,
-    ).run()
+    )
+    result = LoadTransaction(path, state, options).run()
     if report is not None:
         for f in ("path", "bytes_read", "index_bytes", "bytes_needed", "bytes_received", "missing", "unexpected", "not_restored", "timings", "recorder", "state"):
             setattr(report, f, getattr(result, f))

@@ -39,6 +39,7 @@ __all__ = ["register_adapter", "unregister_adapter", "registered_adapters", "def
 FALLBACK = TreeAdapter.name  # claims everything, so it stays last
 GENERIC = ModuleAdapter.name  # where a new adapter goes unless told otherwise
 
+# Process-wide on purpose: an adapter a user registers applies to every save and load in the process.
 _lock = threading.Lock()
 _order: list[Adapter] = [
     WholeEntryAdapter(), DeepSpeedAdapter(), OptimizerAdapter(), FSDP1Adapter(),

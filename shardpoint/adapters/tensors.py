@@ -67,39 +67,14 @@ def _replication_outside(mesh, allowed: frozenset[int] | None = None) -> tuple[i
     return index, count, root.size()
 
 
-# Geometry depends only on (mesh, placements, global shape, allowed ranks), and
-# repeated saves of one model ask the same few questions thousands of times;
-# torch's computation costs ~0.1 ms per tensor, on the async save's blocking path.
-_GEOMETRY_CACHE: dict = {}
-_GEOMETRY_CACHE_MAX = 65536
-# A mesh's (shape, ranks) and its grids, shared by every tensor on it (format version 2).
-_MESH_RANKS: dict = {}
-_GRIDS: dict = {}
-
-
 def _dtensor_geometry(dt, allowed: frozenset[int] | None = None) -> tuple | None:
-    """(box, replica index, replica count, root mesh size, grid or None) of this rank's shard."""
-    mesh = dt.device_mesh
-    try:
-        # The rank and coordinate guard against a re-created process group in the same process.
-        key = (mesh, _rank(), mesh.get_coordinate(), tuple(dt.placements), tuple(dt.shape), allowed)
-        hit = _GEOMETRY_CACHE.get(key)
-    except TypeError:  # an unhashable mesh or placement: compute every time
-        key, hit = None, None
-    if hit is not None:
-        return hit
-    geo = _compute_dtensor_geometry(dt, mesh, allowed)
-    if key is not None and geo is not None:
-        if len(_GEOMETRY_CACHE) >= _GEOMETRY_CACHE_MAX:
-            _GEOMETRY_CACHE.clear()
-        _GEOMETRY_CACHE[key] = geo
-    return geo
+    """(box, replica index, replica count, root mesh size, grid or None) of this rank's shard.
 
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
+    Computed each time (about 0.1 ms a tensor): a saver that saves the same
+    state again reuses each entry's whole part from its ``SaveCache``, so
+    warm saves never come here.
+    """
+    return _compute_dtensor_geometry(dt, dt.device_mesh, allowed)
 
 
 def _compute_dtensor_geometry(dt, mesh, allowed: frozenset[int] | None) -> tuple | None:
@@ -129,18 +104,9 @@ def _grid(mesh, placements, shape: tuple[int, ...]):
     reports rows that differ from the nested split, sometimes on ranks whose
     own box still looks right; such tensors keep listed chunks.
     """
-    try:
-        hit = _MESH_RANKS.get(mesh)
-    except TypeError:  # an unhashable mesh: no sharing
-        mesh, hit = None, None
-    if hit is None:
-        grid_ranks = mesh.mesh
-        hit = (tuple(int(s) for s in grid_ranks.shape), tuple(int(r) for r in grid_ranks.flatten().tolist()))
-        if mesh is not None:
-            if len(_MESH_RANKS) >= 1024:
-                _MESH_RANKS.clear()
-            _MESH_RANKS[mesh] = hit
-    mesh_shape, ranks = hit
+    grid_ranks = mesh.mesh
+    mesh_shape = tuple(int(s) for s in grid_ranks.shape)
+    ranks = tuple(int(r) for r in grid_ranks.flatten().tolist())
     dims = [getattr(p, "dim", None) for p in placements]
     dims = [d + len(shape) if isinstance(d, int) and d < 0 else d for d in dims]
     for p, d in zip(placements, dims):
@@ -148,19 +114,7 @@ def _grid(mesh, placements, shape: tuple[int, ...]):
             parts = math.prod(mesh_shape[m] for m, e in enumerate(dims) if e == d)
             if shape[d] % parts:
                 return None
-    key = (mesh, tuple(placements), len(shape))
-    try:
-        grid = _GRIDS.get(key) if mesh is not None else None
-    except TypeError:  # an unhashable placement
-        key, grid = None, None
-    if grid is None:
-        # Shared Grid objects: each builds its rank -> coordinate map once.
-        grid = grid_of_placements(mesh_shape, ranks, describe_placements(placements), len(shape))
-        if key is not None and mesh is not None:
-            if len(_GRIDS) >= 4096:
-                _GRIDS.clear()
-            _GRIDS[key] = grid
-    return grid
+    return grid_of_placements(mesh_shape, ranks, describe_placements(placements), len(shape))
 
 
 def save_tensor(fqn: str, t: torch.Tensor, ctx: AdapterContext) -> SaveTensor | None:

@@ -39,7 +39,7 @@ import torch
 from ..engine.claim import CommitPolicy, SaveClaim
 from ..engine.commit import commit_manifest
 from ..engine.io import tensor_bytes
-from ..engine.load import execute_reads
+from ..engine.load import ReadTuning, execute_reads
 from ..errors import ConversionError, KeyMismatchError, ShapeMismatchError, UnsupportedStateError
 from ..format.datafile import DEFAULT_BLOCK_SIZE, DataFileWriter
 from ..format.index import encode_index, fqn_key, index_digest
@@ -108,7 +108,7 @@ class CheckpointReader:
         box = box or Box.full(meta.shape)
         dest = torch.empty(box.sizes, dtype=torch_dtype(meta.dtype))
         if box.numel:
-            execute_reads(self.storage, self.manifest, [LoadTarget(name, dest, tuple(meta.shape), box)], self.where, self.verify, threads=1)
+            execute_reads(self.storage, self.manifest, [LoadTarget(name, dest, tuple(meta.shape), box)], self.where, self.verify, tuning=ReadTuning(threads=1))
         return dest
 
     def row_blocks(self, name: str, max_bytes: int = 64 << 20) -> Iterable[tuple[Box, torch.Tensor]]:

@@ -64,6 +64,7 @@ def device_of(tensors: Iterable[Any]) -> torch.device:
 
 # One AcceleratorDevice, and so one copy stream, per accelerator for the whole process: savers,
 # synchronous saves and loads share it, as PyTorch shares its own streams; made on first use.
+# Process-wide on purpose: a device's streams and pinned pool belong to the process, not to a save.
 _accelerators: dict[torch.device, AcceleratorDevice] = {}
 _accelerators_lock = threading.Lock()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ..dist import Comm, Outcome, raise_if_failed, run_guarded
@@ -26,7 +26,7 @@ from ..planning.replicas import ReplicaTable, commit_refusal, table_representati
 from ..storage import Storage
 from .claim import CommitPolicy, SaveClaim, cleanup_after_commit
 
-__all__ = ["write_index", "commit_manifest", "discard_files", "commit_save", "commit_gathered", "CommitDecision"]
+__all__ = ["write_index", "commit_manifest", "discard_files", "commit_save", "commit_all", "commit_gathered", "CommitTarget", "CommitDecision"]
 
 log = logging.getLogger("shardpoint")
 
@@ -81,19 +81,35 @@ def discard_files(storage: Storage, files: Sequence[str], rank: int) -> None:
         log.debug("rank %s: could not remove its files of the failed save: %s", rank, e)
 
 
-def commit_save(
-    storage: Storage, save_id: str, world: int, block: int, statuses: Sequence[RankStatus], docs: Sequence[Documents], where: str,
-    claim: SaveClaim | None = None, policy: CommitPolicy | None = None,
-) -> str:
+@dataclass(frozen=True)
+class CommitTarget:
+    """The save a commit completes: its storage, id, block size, path for messages, claim and policy.
+
+    Example::
+
+        target = CommitTarget(storage, save_id, 1 << 20, storage.url)
+        commit_save(target, 8, statuses, docs)
+    """
+
+    storage: Storage
+    save_id: str
+    block: int
+    where: str
+    claim: SaveClaim | None = None
+    policy: CommitPolicy = field(default_factory=CommitPolicy)
+
+
+def commit_save(target: CommitTarget, world: int, statuses: Sequence[RankStatus], docs: Sequence[Documents]) -> str:
     """Rank 0: assemble the manifest from the gathered statuses and documents, and commit it.
 
     Example::
 
-        commit_save(storage, save_id, 8, 1 << 20, statuses, docs, storage.url)
+        commit_save(CommitTarget(storage, save_id, 1 << 20, storage.url), 8, statuses, docs)
     """
-    manifest = assemble_manifest(save_id, world, block, statuses, docs, where, time.time())
-    commit_manifest(storage, manifest.to_json(), manifest.files, claim, (policy or CommitPolicy()).cleanup_grace_s, where)
-    return save_id
+    t = target
+    manifest = assemble_manifest(t.save_id, world, t.block, statuses, docs, t.where, time.time())
+    commit_manifest(t.storage, manifest.to_json(), manifest.files, t.claim, t.policy.cleanup_grace_s, t.where)
+    return t.save_id
 
 
 @dataclass(frozen=True)
@@ -128,6 +144,16 @@ def commit_gathered(
     comm: Comm, storage: Storage, save_id: str, block: int, out: Outcome, where: str, claim: SaveClaim | None,
     policy: CommitPolicy,
 ) -> str:
+    """:func:`commit_all` with the target's fields spelled out (the form the save steps call).
+
+    Example::
+
+        save_id = commit_gathered(comm, storage, save_id, block, out, storage.url, claim, CommitPolicy())
+    """
+    return commit_all(comm, CommitTarget(storage, save_id, block, where, claim, policy), out)
+
+
+def commit_all(comm: Comm, target: CommitTarget, out: Outcome) -> str:
     """Every rank: commit on rank 0 from two small gathers; return the manifest's save id or raise everywhere.
 
     First every rank's fixed-size :class:`RankStatus`; then only the ranks
@@ -140,8 +166,9 @@ def commit_gathered(
 
     Example::
 
-        save_id = commit_gathered(comm, storage, save_id, block, out, storage.url, claim, CommitPolicy())
+        save_id = commit_all(comm, CommitTarget(storage, save_id, block, storage.url, claim), out)
     """
+    storage, where = target.storage, target.where
     report: RankReport | None = out.value if out.ok else None
     status = Outcome(True, report.status) if report is not None else out.sendable(with_value=False)
     gathered = comm.gather(status)
@@ -167,7 +194,7 @@ def commit_gathered(
             final = ([refused.sendable()], True)
         else:
             documents = [d for d, _ in docs]
-            commit = run_guarded(lambda: commit_save(storage, save_id, comm.world, block, statuses, documents, where, claim, policy))
+            commit = run_guarded(lambda: commit_save(target, comm.world, statuses, documents))
             if comm.world == 1 and not commit.ok:
                 raise commit.exc
             final = ([commit.sendable()], False)

@@ -28,6 +28,7 @@ from typing import Iterator
 
 __all__ = ["path_key", "track_save", "wait_for_saves", "saves_in_flight", "saving"]
 
+# Process-wide on purpose: a load or save of a path waits for every save of it in this process, whoever started it.
 _lock = threading.Lock()
 _running: dict[str, list[threading.Event]] = {}
 

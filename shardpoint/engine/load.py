@@ -16,11 +16,13 @@ need). This module binds the plan to the target tensors and runs it:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import socket
 import time
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 import xxhash
@@ -32,10 +34,10 @@ from ..format.manifest import Manifest
 from ..planning.reads import DEFAULT_COALESCE, ReadTarget, order_reads, plan_chunk_reads
 from ..storage.base import Storage
 from .bounce import BounceRing
-from .read_local import LoadStats, execute_local
+from .read_local import LoadStats, ReadJob, execute_local
 from .read_shared import exchange_only, execute_shared
 
-__all__ = ["LoadStats", "read_targets", "execute_reads", "DEFAULT_WINDOW", "BOUNCE_THREADS", "BOUNCE_WINDOW"]
+__all__ = ["LoadStats", "ReadTuning", "read_targets", "execute_reads", "DEFAULT_WINDOW", "BOUNCE_THREADS", "BOUNCE_WINDOW"]
 
 DEFAULT_WINDOW = 256 << 20  # bytes read ahead of the copies
 
@@ -58,6 +60,26 @@ def read_targets(targets: Sequence[LoadTarget]) -> list[ReadTarget]:
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReadTuning:
+    """How :func:`execute_reads` reads: sharing, read-ahead, threads, timings and the target device.
+
+    ``share`` is True, False or ``"auto"``; ``window`` bounds the bytes read
+    ahead of the copies; ``recorder`` receives the phase timings; ``device``
+    overrides the device the targets are found on.
+
+    Example::
+
+        execute_reads(storage, manifest, targets, storage.url, tuning=ReadTuning(threads=1))
+    """
+
+    share: bool | str = "auto"
+    window: int = DEFAULT_WINDOW
+    threads: int = 2
+    recorder: Any = None
+    device: Device | None = None
+
+
 def execute_reads(
     storage: Storage,
     manifest: Manifest,
@@ -65,11 +87,7 @@ def execute_reads(
     where: str,
     verify: bool = True,
     comm: Comm | None = None,
-    share: bool | str = "auto",
-    window: int = DEFAULT_WINDOW,
-    threads: int = 2,
-    recorder=None,
-    device: Device | None = None,
+    tuning: ReadTuning | None = None,
 ) -> LoadStats:
     """Fill every target. ``share`` reads spans needed by several ranks only once.
 
@@ -82,6 +100,8 @@ def execute_reads(
     group, this is a collective: every rank of ``comm`` must call it, even
     with no targets.
     """
+    tuning = ReadTuning() if tuning is None else tuning
+    share, device = tuning.share, tuning.device
     if share not in (True, False, "auto"):
         raise ValueError(f"share_reads must be True, False or 'auto', got {share!r}")
     auto = share == "auto"
@@ -90,8 +110,11 @@ def execute_reads(
     if device is None:
         where_dev = device_of(t.dest for t in targets)
         device = None if where_dev.type == "cpu" else device_for(where_dev)
+    # Backends with high per-request latency (object stores) ask for more reads in flight.
+    threads = max(tuning.threads, int(storage.read_threads))
+    job = ReadJob(storage, targets, where, manifest.block_size, verify, LoadStats(), tuning.window, threads, tuning.recorder)
     with _gc_paused():
-        return _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder, device)
+        return _execute_reads(job, manifest, comm, share, auto, device)
 
 
 @contextlib.contextmanager
@@ -130,17 +153,14 @@ def _plan(manifest: Manifest, targets: Sequence[LoadTarget], where: str, verify:
     return reads
 
 
-def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto, window, threads, recorder, device) -> LoadStats:
-    stats = LoadStats()
+def _execute_reads(job: ReadJob, manifest: Manifest, comm, share, auto: bool, device) -> LoadStats:
+    storage, targets, where, verify, stats, recorder = job.storage, job.targets, job.where, job.verify, job.stats, job.rec
     t_plan = time.monotonic()
-    # Backends with high per-request latency (object stores) ask for more reads in flight
-    # and for wider coalescing of nearby runs.
-    threads = max(threads, int(storage.read_threads))
+    # Object stores also ask for wider coalescing of nearby runs.
     coalesce = DEFAULT_COALESCE if storage.coalesce_bytes is None else int(storage.coalesce_bytes)
     group = comm is not None and comm.active and comm.world > 1
     # With auto, every rank on one host means page-cached storage: re-reads come from memory.
     share = share and group and not (auto and _one_host(comm))
-    block = manifest.block_size
     if share:
         try:
             reads = _plan(manifest, targets, where, verify, stats, coalesce)
@@ -150,9 +170,7 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
             # Still take part in the exchange (with nothing), so no peer waits for this rank.
             exchange_only(comm)
             raise
-        files = {f: i for i, f in enumerate(sorted(manifest.files))}
-        execute_shared(storage, reads, targets, comm, block, verify, where, stats, window, recorder, threads, files,
-                       dict(manifest.files), manifest.world_size)
+        execute_shared(job, reads, comm, dict(manifest.files), manifest.world_size)
     else:
         reads = _plan(manifest, targets, where, verify, stats, coalesce)
         if group:
@@ -160,12 +178,12 @@ def _execute_reads(storage, manifest, targets, where, verify, comm, share, auto,
         if recorder is not None:
             recorder.add("plan", t_plan, time.monotonic())
         if device is None:
-            execute_local(storage, reads, targets, block, verify, where, stats, window, threads, recorder)
+            execute_local(job, reads)
             return stats
-        window = max(window, BOUNCE_WINDOW) if window == DEFAULT_WINDOW else window
+        window = max(job.window, BOUNCE_WINDOW) if job.window == DEFAULT_WINDOW else job.window
         bounce = BounceRing(device, window)
         try:
-            execute_local(storage, reads, targets, block, verify, where, stats, window, max(threads, BOUNCE_THREADS), recorder, bounce)
+            execute_local(dataclasses.replace(job, window=window, threads=max(job.threads, BOUNCE_THREADS)), reads, bounce)
         finally:
             bounce.finish()
     return stats

@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ from ..format.datafile import ALIGN, verify_blocks
 from .io import dest_view, read_chunk_into, short_file_error
 from .bounce import BounceRing
 
-__all__ = ["LoadStats", "execute_local", "fetch", "whole_span", "count_read", "copy_timed", "copy_pairs", "map_span", "fault_in"]
+__all__ = ["LoadStats", "ReadJob", "execute_local", "fetch", "whole_span", "count_read", "copy_timed", "copy_pairs", "map_span", "fault_in"]
 
 
 @dataclass
@@ -49,6 +49,30 @@ class LoadStats:
     direct_reads: int = 0
     shared_spans: int = 0
     per_file: dict = field(default_factory=lambda: defaultdict(int))
+
+
+@dataclass(frozen=True)
+class ReadJob:
+    """What every read of one load shares: where it reads from and into, how it checks, what it counts.
+
+    ``window`` bounds the bytes read ahead of the copies, ``threads`` the
+    reads in flight; ``stats`` is filled as the reads land.
+
+    Example::
+
+        job = ReadJob(storage, targets, storage.url, manifest.block_size, True, LoadStats(), 64 << 20, 2)
+        execute_local(job, reads)
+    """
+
+    storage: Storage
+    targets: Sequence[LoadTarget]
+    where: str
+    block: int
+    verify: bool
+    stats: LoadStats
+    window: int
+    threads: int
+    rec: Any = None
 
 
 def count_read(stats: LoadStats, r: ChunkRead) -> None:
@@ -242,8 +266,9 @@ def _size(group: Sequence[ChunkRead]) -> int:
     return b - a if len(group) > 1 else group[0].hi - group[0].lo
 
 
-def _submit(pool, storage: Storage, g, targets, block: int, verify: bool, where: str, stats: LoadStats, rec, slot):
+def _submit(pool, job: ReadJob, g, slot):
     """Start fetching group ``g``; what the loading thread needs to finish it."""
+    storage, targets, block, verify, where, stats, rec = job.storage, job.targets, job.block, job.verify, job.where, job.stats, job.rec
     # Into a bounce slot (bound for a device), else straight into a host destination.
     direct = _direct_view(g[0], targets) if len(g) == 1 and slot is None else None
     # A batch of small spans is one request into one buffer; a mapping would cost a call per span.
@@ -275,11 +300,8 @@ def _bounce_slot(bounce: BounceRing | None, g, targets, pending: list):
     return False if slot is None and pending else slot
 
 
-def execute_local(
-    storage: Storage, reads: Sequence[ChunkRead], targets: Sequence[LoadTarget], block: int, verify: bool, where: str,
-    stats: LoadStats, window: int, threads: int, rec=None, bounce: BounceRing | None = None,
-) -> None:
-    """Fetch in a thread pool, at most ``window`` bytes ahead of the copies.
+def execute_local(job: ReadJob, reads: Sequence[ChunkRead], bounce: BounceRing | None = None) -> None:
+    """Fetch in a thread pool, at most ``job.window`` bytes ahead of the copies.
 
     A reader thread verifies each block of a span it read or faulted in
     right after it landed, while the block is still in the CPU cache
@@ -291,8 +313,10 @@ def execute_local(
     into a buffer. With ``bounce``, a span bound for its device is read
     into a bounce slot and its copies are queued on the device.
     """
+    storage, targets, block, verify, where, stats, rec = job.storage, job.targets, job.block, job.verify, job.where, job.stats, job.rec
+    window = job.window
     groups = batch_reads(reads, ALIGN)
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardpoint-read") as pool:
+    with ThreadPoolExecutor(max(1, job.threads), thread_name_prefix="shardpoint-read") as pool:
         pending: list = []
         ahead = 0
         i = 0
@@ -301,7 +325,7 @@ def execute_local(
                 slot = _bounce_slot(bounce, groups[i], targets, pending)
                 if slot is False:
                     break
-                pending.append(_submit(pool, storage, groups[i], targets, block, verify, where, stats, rec, slot))
+                pending.append(_submit(pool, job, groups[i], slot))
                 ahead += _size(groups[i])
                 i += 1
             g, direct, fut, pv, slot = pending.pop(0)

@@ -8,6 +8,7 @@ ranks that need the same blocks then read storage once between them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping, Sequence
@@ -15,14 +16,12 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ..items import LoadTarget
 from ..dist import Comm
 from ..errors import CorruptCheckpointError
 from ..planning.reads import ChunkRead, order_reads
 from ..planning.sharing import REPLY_COLUMNS, ROW_COLUMNS, SharedSpan, collect_replies, owner_replies, route_rows, span_rows
-from ..storage.base import Storage
 from ..format.datafile import verify_blocks
-from .read_local import LoadStats, copy_timed, count_read, execute_local, fetch, whole_span
+from .read_local import ReadJob, copy_timed, count_read, execute_local, fetch, whole_span
 
 __all__ = ["route_sharing", "exchange_only", "execute_shared"]
 
@@ -57,9 +56,7 @@ def exchange_only(comm: Comm) -> None:
 
 
 def execute_shared(
-    storage: Storage, reads: Sequence[ChunkRead], targets: Sequence[LoadTarget], comm: Comm, block: int, verify: bool,
-    where: str, stats: LoadStats, window: int, rec=None, threads: int = 2, file_index: Mapping[str, int] | None = None,
-    sizes: Mapping[str, int] | None = None, saved_world: int = 1,
+    job: ReadJob, reads: Sequence[ChunkRead], comm: Comm, sizes: Mapping[str, int] | None = None, saved_world: int = 1,
 ) -> None:
     """Read each span once across the ranks that need it; send it to the others.
 
@@ -70,7 +67,9 @@ def execute_shared(
     shared spans in the same order and only ever waits on an earlier or the
     current span, so the exchange cannot deadlock.
     """
-    by_id, rows = span_rows(reads, file_index or {})
+    targets, stats, rec, window = job.targets, job.stats, job.rec, job.window
+    file_index = {f: i for i, f in enumerate(sorted(sizes or {}))}
+    by_id, rows = span_rows(reads, file_index)
     tc = time.monotonic()
     mine = route_sharing(rows, comm)
     if rec is not None:
@@ -81,8 +80,8 @@ def execute_shared(
     errors: list[BaseException] = []
     # Unshared spans: the ordinary prefetching path, beside the exchange.
     local_pool = ThreadPoolExecutor(1, thread_name_prefix="shardpoint-local")
-    local_done = local_pool.submit(execute_local, storage, local, targets, block, verify, where, stats, window // 2, threads, rec)
-    ex = _Exchange(storage, comm, mine, by_id, block, verify, where, stats, rec, errors, max(1, window // 2), threads)
+    local_done = local_pool.submit(execute_local, dataclasses.replace(job, window=window // 2), local)
+    ex = _Exchange(job, comm, mine, by_id, errors, max(1, window // 2))
     try:
         for i, sp in enumerate(mine):
             ex.post_ahead(i)
@@ -111,11 +110,11 @@ def execute_shared(
 class _Exchange:
     """The shared spans' traffic on one rank: reads and receives posted ahead, sends bounded in flight."""
 
-    def __init__(self, storage, comm, mine, by_id, block, verify, where, stats, rec, errors, half, threads):
-        self.storage, self.comm, self.mine, self.by_id = storage, comm, mine, by_id
-        self.block, self.verify, self.where, self.stats, self.rec, self.errors = block, verify, where, stats, rec, errors
+    def __init__(self, job: ReadJob, comm, mine, by_id, errors, half):
+        self.storage, self.comm, self.mine, self.by_id = job.storage, comm, mine, by_id
+        self.block, self.verify, self.where, self.stats, self.rec, self.errors = job.block, job.verify, job.where, job.stats, job.rec, errors
         self.half = half
-        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardpoint-shared")
+        self.pool = ThreadPoolExecutor(max(1, job.threads), thread_name_prefix="shardpoint-shared")
         # Per span: ("read", future, buf) or ("recv", work, buf). Posted ahead in plan order.
         self.posted: list = []
         self.ahead = 0

@@ -16,6 +16,7 @@ from ..adapters.loading import physical_shapes
 from ..format.manifest import Manifest
 from ..layouts import LayoutView, apply_load
 from .names import entry_selected, name_selected
+from .options import LoadOptions
 
 __all__ = ["EntryPlan", "plan_entries"]
 
@@ -26,7 +27,7 @@ class EntryPlan:
 
     Example::
 
-        plan = plan_entries(state, manifest, rank=0, world=1, allow_pickle=False, layouts=(), selected=None, where="ckpt")
+        plan = plan_entries(state, manifest, LoadOptions(), rank=0, world=1, layouts=(), where="ckpt")
         targets = [t for p in plan.parts.values() for t in p.targets]
     """
 
@@ -36,16 +37,20 @@ class EntryPlan:
 
 
 def plan_entries(
-    state: Mapping[str, Any], manifest: Manifest, *, rank: int, world: int, allow_pickle: bool,
-    layouts: Sequence[Any], selected: list[str] | None, where: str, replicated_over: Any = None,
+    state: Mapping[str, Any], manifest: Manifest, options: LoadOptions, *, rank: int, world: int,
+    layouts: Sequence[Any], where: str,
 ) -> EntryPlan:
     """Targets for every selected entry of ``state``, with the names missing from or unexpected in the checkpoint.
 
+    ``options`` gives the selection, pickle permission and replica facts;
+    ``layouts`` are every rule the load applies (the user's and the implied ones).
+
     Example::
 
-        plan = plan_entries(state, manifest, rank=0, world=1, allow_pickle=False, layouts=(), selected=None, where="ckpt")
+        plan = plan_entries(state, manifest, LoadOptions(), rank=0, world=1, layouts=(), where="ckpt")
     """
-    ctx = build_context(state, rank, world, allow_pickle, replicated_over)
+    selected = options.selected
+    ctx = build_context(state, rank, world, options.allow_pickle, options.replicated_over)
     adapters = default_adapters()
     view = LayoutView(manifest.tensors, layouts, physical_shapes(state)) if layouts else None
     plan = EntryPlan()

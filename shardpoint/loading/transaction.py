@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, MutableMapping, Sequence
+from typing import Any, MutableMapping
 
 from ..adapters import WholeEntry
 from ..adapters.landing import entry_tensors, live_storages, unlanded
@@ -24,7 +24,7 @@ from ..adapters.loading import materialize_meta
 from ..dist import Comm, raise_if_failed, run_guarded
 from ..engine.inflight import wait_for_saves
 from ..engine.indexes import IndexReader, resolve, wanted_box
-from ..engine.load import execute_reads
+from ..engine.load import ReadTuning, execute_reads
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.strict import Limits
 from ..geometry import Box
@@ -35,6 +35,7 @@ from .copies import with_copies
 from .diagnose import key_mismatch, missing_manifest_error, not_restored
 from .entries import plan_entries
 from .names import check_patterns, entry_keys
+from .options import LoadOptions
 from .result import LoadResult
 
 __all__ = ["LoadTransaction", "manifest_bytes"]
@@ -59,39 +60,23 @@ def manifest_bytes(storage: Storage) -> bytes:
 class LoadTransaction:
     """One call of :func:`shardpoint.load` on one rank; :meth:`run` runs its phases in order.
 
-    The arguments mean what they mean for :func:`shardpoint.load`; the state
-    has been checked by the caller.
+    ``options`` carries what the keywords of :func:`shardpoint.load` say
+    (:class:`LoadOptions`); the state has been checked by the caller.
 
     Example::
 
-        result = LoadTransaction("ckpt/step_100", state).run()
+        result = LoadTransaction("ckpt/step_100", state, LoadOptions(strict=False)).run()
         print(result.bytes_read, result.state is state)
     """
 
-    def __init__(
-        self,
-        path: str | Storage,
-        state: MutableMapping[str, Any],
-        *,
-        process_group: Any = None,
-        strict: bool = True,
-        allow_pickle: bool = False,
-        verify: bool = True,
-        share_reads: bool | str = "auto",
-        keys: str | Sequence[str] | None = None,
-        layouts: Sequence[Any] = (),
-        collective_timeout: float | None = None,
-        progress: bool = False,
-        trace_dir: str | None = None,
-        on_metrics: Any = None,
-        replicated_over: Any = None,
-    ) -> None:
-        self.path, self.state, self.process_group = path, state, process_group
-        self.replicated_over = replicated_over
-        self.strict, self.allow_pickle, self.verify, self.share_reads = strict, allow_pickle, verify, share_reads
-        self.selected = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
-        self.layouts, self.collective_timeout, self.progress = layouts, collective_timeout, progress
-        self.trace_dir, self.on_metrics = trace_dir, on_metrics
+    def __init__(self, path: str | Storage, state: MutableMapping[str, Any], options: LoadOptions | None = None) -> None:
+        o = LoadOptions() if options is None else options
+        self.path, self.state, self.options = path, state, o
+        self.process_group, self.replicated_over = o.process_group, o.replicated_over
+        self.strict, self.allow_pickle, self.verify, self.share_reads = o.strict, o.allow_pickle, o.verify, o.share_reads
+        self.selected = o.selected
+        self.layouts, self.collective_timeout, self.progress = o.layouts, o.collective_timeout, o.progress
+        self.trace_dir, self.on_metrics = o.trace_dir, o.on_metrics
         self.fill: MutableMapping[str, Any] | None = None  # the caller's empty dict, under a non-strict load
         self.parts: dict = {}
         self.resolved: Any = None  # the chunks the targets need, resolved by plan()
@@ -144,8 +129,7 @@ class LoadTransaction:
         # Names saved as one copy per replica group; DeepSpeed MoE experts at their global index.
         layouts = with_copies([*self.layouts, *implied_rules(self.state)], self.manifest.tensors)
         plan = plan_entries(
-            self.state, self.manifest, rank=self.comm.rank, world=self.comm.world, allow_pickle=self.allow_pickle,
-            layouts=layouts, selected=self.selected, where=self.where, replicated_over=self.replicated_over,
+            self.state, self.manifest, self.options, rank=self.comm.rank, world=self.comm.world, layouts=layouts, where=self.where,
         )
         self.result.missing, self.result.unexpected = sorted(plan.missing), sorted(plan.unexpected)
         if plan.missing and self.strict:
@@ -188,7 +172,8 @@ class LoadTransaction:
         if self.bar is not None:
             self.bar.set_total(sum(t.dest.numel() * t.dest.element_size() for t in targets))
         stats = execute_reads(
-            storage, self.resolved, targets, where, self.verify, comm=self.comm, share=self.share_reads, recorder=result.recorder,
+            storage, self.resolved, targets, where, self.verify, self.comm,
+            ReadTuning(share=self.share_reads, recorder=result.recorder),
         )
         result.bytes_read, result.bytes_needed = stats.bytes_read, stats.bytes_needed
         result.bytes_received = stats.bytes_received

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..errors import CorruptCheckpointError, ShapeMismatchError, UnsupportedStateError
 from ..format.index import fqn_key
@@ -128,11 +128,12 @@ def assemble_manifest(
             cover[fqn] = cover.get(fqn, 0) + n
     tensors: dict[str, TensorMeta] = {}
     keys: dict[int, str] = {}
+    seen = _Seen(mentions, cover, holders)
     for fqn, (dt, shape) in meta.items():
         other = keys.setdefault(fqn_key(fqn, dt), fqn)
         if other != fqn:
             raise UnsupportedStateError(f"{where}: tensor names {other!r} and {fqn!r} share a 64-bit key; rename one")
-        tensors[fqn] = _tensor_meta(fqn, dt, shape, grids[fqn], mentions, cover, holders, where)
+        tensors[fqn] = _tensor_meta(fqn, dt, shape, grids[fqn], seen, where)
     return Manifest(
         save_id=save_id,
         world_size=world,
@@ -147,7 +148,17 @@ def assemble_manifest(
     )
 
 
-def _tensor_meta(fqn: str, dt: str, shape: tuple, g: set, mentions: dict, cover: dict, holders: dict, where: str) -> TensorMeta:
+@dataclass(frozen=True)
+class _Seen:
+    """What the ranks' documents say of every tensor: ranks describing it with a grid, elements covered, writers."""
+
+    mentions: Mapping[str, int]
+    cover: Mapping[str, int]
+    holders: Mapping[str, set]
+
+
+def _tensor_meta(fqn: str, dt: str, shape: tuple, g: set, seen: _Seen, where: str) -> TensorMeta:
+    mentions, cover, holders = seen.mentions, seen.cover, seen.holders
     if len(g) == 1 and None not in g:
         grid, copy = next(iter(g))
         # Every rank that describes it lies on its mesh (checked locally), so equal

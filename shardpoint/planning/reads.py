@@ -169,8 +169,9 @@ def merge_intervals(lo: np.ndarray, hi: np.ndarray, gap: int) -> list[tuple[int,
 
 
 def _segments(
-    jobs: Sequence[CopyJob], lo: int, hi: int, chunk: ChunkMeta, itemsize: int, verify: bool, block: int, coalesce: int
+    jobs: Sequence[CopyJob], span: tuple[int, int], chunk: ChunkMeta, itemsize: int, verify: bool, block: int, coalesce: int
 ) -> tuple[tuple[int, int], ...] | None:
+    lo, hi = span
     if verify and hi - lo <= block:
         return None  # one checksum block: read it whole
     if len(jobs) == 1 and len(jobs[0].ops) == 1:
@@ -197,7 +198,7 @@ def plan_segments(r: ChunkRead, verify: bool, block: int, coalesce: int) -> tupl
     Runs closer than ``coalesce`` bytes are read as one (one request costs more
     than a small gap). ``None`` means the whole span ``[lo, hi)``.
     """
-    return _segments(r.jobs, r.lo, r.hi, r.chunk, r.itemsize, verify, block, coalesce)
+    return _segments(r.jobs, (r.lo, r.hi), r.chunk, r.itemsize, verify, block, coalesce)
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,7 @@ def plan_chunk_reads(
             lo = (lo // block) * block
             hi = min(-(-hi // block) * block, chunk.nbytes)
         jobs = tuple(sp.jobs)
-        segs = _segments(jobs, lo, hi, chunk, sp.itemsize, verify, block, coalesce)
+        segs = _segments(jobs, (lo, hi), chunk, sp.itemsize, verify, block, coalesce)
         out.append(ChunkRead(sp.fqn, sp.ci, chunk, lo, hi, sp.dtype, sp.itemsize, jobs, segs, sp.needed))
     return out
 

@@ -76,19 +76,16 @@ def check_mode() -> str:
 
 
 _NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64, 16: np.int64}
-_NP_SAMPLES: dict[int, np.ndarray] = {}  # numel -> sample index, kept across saves (bounded below)
 
 
 def _np_sample(n: int) -> np.ndarray:
-    """One index in each of ``min(n, SAMPLES)`` equal stretches of ``[0, n)``, the last element included."""
-    idx = _NP_SAMPLES.get(n)
-    if idx is None:
-        k = min(n, SAMPLES)
-        idx = np.arange(k, dtype=np.int64) * n // k
-        idx[-1] = n - 1
-        if len(_NP_SAMPLES) >= 1024:
-            _NP_SAMPLES.clear()
-        _NP_SAMPLES[n] = idx
+    """One index in each of ``min(n, SAMPLES)`` equal stretches of ``[0, n)``, the last element included.
+
+    Made each time: a few microseconds, less than a lookup's upkeep is worth.
+    """
+    k = min(n, SAMPLES)
+    idx = np.arange(k, dtype=np.int64) * n // k
+    idx[-1] = n - 1
     return idx
 
 

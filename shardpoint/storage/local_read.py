@@ -27,23 +27,23 @@ __all__ = ["MADV_WILLNEED", "MADV_POPULATE_READ", "madvise", "populate_supported
 log = logging.getLogger("shardpoint.storage.local")
 
 
-_LIBC: Any = None
+def _open_libc() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC: Any = _open_libc()  # opened once at import, never replaced: a constant, not a cache
 
 
 def _libc(name: str) -> Any:
     """The C library's function ``name`` (called without the interpreter lock), or None."""
-    global _LIBC
-    try:
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-        return getattr(_LIBC, name)
-    except (OSError, AttributeError):
-        return None
+    return getattr(_LIBC, name, None) if _LIBC is not None else None
 
 
 MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)  # 3 on Linux and the BSDs
 MADV_POPULATE_READ = 22  # Linux 5.14+: fault a range in, reading it from disk, without copying it anywhere
-_POPULATE: list[bool] = []  # [whether MADV_POPULATE_READ works here], found on first use
 
 
 def madvise(mm: mmap.mmap, offset: int, length: int, advice: int) -> int:
@@ -75,10 +75,24 @@ def madvise(mm: mmap.mmap, offset: int, length: int, advice: int) -> int:
 
 
 def populate_supported(mm: mmap.mmap) -> bool:
-    """Whether ``MADV_POPULATE_READ`` works on this kernel (tried once, on one page of ``mm``)."""
-    if not _POPULATE:
-        _POPULATE.append(sys.platform.startswith("linux") and len(mm) > 0 and madvise(mm, 0, 1, MADV_POPULATE_READ) == 0)
-    return _POPULATE[0]
+    """Whether ``MADV_POPULATE_READ`` works on this kernel, asked with an empty range of ``mm``.
+
+    Example::
+
+        populate_supported(mm)  # True on Linux 5.14 and later
+
+    The kernel checks the advice before it looks at the length, so an empty
+    range answers without reading a page: cheap enough to ask every time,
+    and no answer is kept for the process.
+    """
+    fn = _libc("madvise") if sys.platform.startswith("linux") and len(mm) > 0 else None
+    if fn is None:
+        return False
+    ref = ctypes.c_char.from_buffer(mm, 0)  # the mapping's address; released below so it can close
+    try:
+        return fn(ctypes.c_void_p(ctypes.addressof(ref)), ctypes.c_size_t(0), ctypes.c_int(MADV_POPULATE_READ)) == 0
+    finally:
+        del ref
 
 
 def resident_fraction(mm: mmap.mmap, offset: int, length: int) -> float:

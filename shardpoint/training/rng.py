@@ -272,28 +272,28 @@ def seed_generators(rows: Mapping[str, bytes], rank: int, cuda: str) -> list[str
 
 
 # ---------------------------------------------------------------- the Stateful
-_MESHES: dict[tuple, Any] = {}
+def _default_layout(kept: tuple[Any, Any] | None) -> tuple[int, int, Any, tuple[Any, Any] | None]:
+    """(rank, world, mesh, what to keep) over the default process group; mesh is None for one rank.
 
-
-def _default_layout() -> tuple[int, int, Any]:
-    """(rank, world, mesh) over the default process group; mesh is None for one rank."""
+    ``kept`` is the caller's last ``(fingerprint, mesh)``: the mesh is reused
+    only while the default group and world size are the ones it was made for.
+    """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1, None
+        return 0, 1, None, kept
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
-        return rank, world, None
+        return rank, world, None, kept
     # A CPU mesh: the rows stay in host memory, and no DTensor operation ever runs on them, so
     # the mesh only names who owns which row. Over the whole world it reuses the default group.
-    key = (id(dist.distributed_c10d._get_default_group()), world)
-    mesh = _MESHES.get(key)
-    if mesh is None:
-        from torch.distributed.device_mesh import init_device_mesh
+    group = dist.distributed_c10d._get_default_group()
+    if kept is not None and kept[0][0] is group and kept[0][1] == world:
+        return rank, world, kept[1], kept
+    from torch.distributed.device_mesh import init_device_mesh
 
-        _MESHES.clear()  # a new process group: old meshes are stale
-        mesh = _MESHES[key] = init_device_mesh("cpu", (world,))
-    return rank, world, mesh
+    mesh = init_device_mesh("cpu", (world,))
+    return rank, world, mesh, ((group, world), mesh)
 
 
 class RNGState:
@@ -333,11 +333,13 @@ class RNGState:
         self.cuda = cuda
         self.mesh = mesh
         self.last_restore: dict[str, Any] | None = None
+        self._world_mesh: tuple[Any, Any] | None = None  # ((default group, world), mesh) made for it
 
     def _layout(self) -> tuple[int, int, Any]:
         if self.mesh is not None:
             return int(self.mesh.get_local_rank()), int(self.mesh.size()), self.mesh
-        return _default_layout()
+        rank, world, mesh, self._world_mesh = _default_layout(self._world_mesh)
+        return rank, world, mesh
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's generators now, as rows of a ``(world_size, bytes)`` tensor per generator.

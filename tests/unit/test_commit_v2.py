@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardpoint.engine.commit import commit_save
+from shardpoint.engine.commit import CommitTarget, commit_save
 from shardpoint.errors import CorruptCheckpointError, ShapeMismatchError, UnsupportedStateError
 from shardpoint.format.manifest import Manifest, RankFiles
 from shardpoint.planning.commit import Documents
@@ -41,7 +41,7 @@ def _status(r, tdig="t", vdig="v", cover=None, wrote=True):
 def _commit_of(statuses, docs):
     store = MemoryStorage()
     docs = [d if isinstance(d, Documents) else Documents(*d) for d in docs]
-    commit_save(store, "ab" * 8, len(statuses), 1 << 20, statuses, docs, "ck")
+    commit_save(CommitTarget(store, "ab" * 8, 1 << 20, "ck"), len(statuses), statuses, docs)
     return Manifest.from_json(store.get("manifest.json"), "ck")
 
 

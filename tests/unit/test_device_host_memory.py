@@ -16,7 +16,7 @@ from torch import nn
 import shardpoint as sp
 from shardpoint.device import HostCache, SimulatedDevice
 from shardpoint.engine.io import write_chunks
-from shardpoint.engine.load import execute_reads
+from shardpoint.engine.load import ReadTuning, execute_reads
 from shardpoint.engine.staging import PINNED_SLACK, pinned_capacity
 from shardpoint.geometry import Box
 from shardpoint.items import LoadTarget, SaveTensor, torch_dtype
@@ -155,7 +155,7 @@ def test_a_synchronous_save_and_a_load_give_their_rings_back(tmp_path):
         for n, m in manifest.tensors.items()
     ]
     held_before = sim.host.peak_held
-    execute_reads(st, manifest, targets, st.url, True, window=1 << 20, threads=2, device=sim)
+    execute_reads(st, manifest, targets, st.url, True, tuning=ReadTuning(window=1 << 20, threads=2, device=sim))
     assert sim.host.peak_held > held_before and sim.host.held == 0  # the bounce ring went back to the system
     sim.close()
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import shardpoint as sp
 from shardpoint.device import SimulatedDevice
-from shardpoint.engine.load import execute_reads
+from shardpoint.engine.load import ReadTuning, execute_reads
 from shardpoint.engine.io import write_chunks
 from shardpoint.engine.pipeline import StagedWrite
 from shardpoint.engine.staging import StagingRing
@@ -177,7 +177,7 @@ def test_load_through_bounce_buffers_is_exact(tmp_path):
         targets.append(LoadTarget(name, dest, tuple(meta.shape), Box.full(tuple(meta.shape))))
     sim = SimulatedDevice(delay=0.002)
     # A window of a few spans: bounce slots are reused many times over, only after their copies ran.
-    execute_reads(st, manifest, targets, st.url, True, window=3 * 1031 * 105 * 4, threads=2, device=sim)
+    execute_reads(st, manifest, targets, st.url, True, tuning=ReadTuning(window=3 * 1031 * 105 * 4, threads=2, device=sim))
     got = {t.fqn.split(".")[-1]: t.dest for t in targets}
     assert got.keys() == state.keys()
     for k, v in state.items():

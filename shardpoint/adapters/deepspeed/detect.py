@@ -96,6 +96,7 @@ def is_zero3_param(p: Any) -> bool:
 
 # Modules that appeared next to their ZeRO optimizer in a state (``engine.module`` used
 # instead of the engine): filled when the context is built, read when adapters claim.
+# Process-wide on purpose, and weak: it describes live modules, and forgets each with its module.
 _OWNERS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
