@@ -26,7 +26,7 @@ from ..planning.replicas import ReplicaTable, commit_refusal, table_representati
 from ..storage import Storage
 from .claim import CommitPolicy, SaveClaim, cleanup_after_commit
 
-__all__ = ["write_index", "commit_manifest", "discard_files", "commit_save", "commit_all", "commit_gathered", "CommitTarget", "CommitDecision"]
+__all__ = ["write_index", "commit_manifest", "discard_files", "commit_save", "commit_all", "CommitTarget", "CommitDecision"]
 
 log = logging.getLogger("shardpoint")
 
@@ -138,19 +138,6 @@ def _refuse(digests: Sequence[str], tables: Mapping[int, ReplicaTable], where: s
     error = commit_refusal(digests, tables, where)
     if error is not None:
         raise error
-
-
-def commit_gathered(
-    comm: Comm, storage: Storage, save_id: str, block: int, out: Outcome, where: str, claim: SaveClaim | None,
-    policy: CommitPolicy,
-) -> str:
-    """:func:`commit_all` with the target's fields spelled out (the form the save steps call).
-
-    Example::
-
-        save_id = commit_gathered(comm, storage, save_id, block, out, storage.url, claim, CommitPolicy())
-    """
-    return commit_all(comm, CommitTarget(storage, save_id, block, where, claim, policy), out)
 
 
 def commit_all(comm: Comm, target: CommitTarget, out: Outcome) -> str:

@@ -15,7 +15,7 @@ import time
 
 from ..dist import Comm, Outcome
 from ..engine.claim import CommitPolicy, SaveClaim
-from ..engine.commit import commit_gathered
+from ..engine.commit import CommitTarget, commit_all
 from ..runtime.monitor import mark_phase
 from ..storage import Storage
 from .result import SaveResult
@@ -51,7 +51,7 @@ def finish_save(
     """Commit on rank 0 from two small gathers, and raise the same error everywhere.
 
     ``out`` is this rank's outcome (a :class:`RankReport` when it
-    succeeded); see :func:`~shardpoint.engine.commit.commit_gathered`. The
+    succeeded); see :func:`~shardpoint.engine.commit.commit_all`. The
     save is ``result``'s (its path and this rank's save id). Rank 0's
     ``claim`` on the path is checked right before the commit and released
     at the end, whatever happens.
@@ -62,8 +62,8 @@ def finish_save(
     """
     tc = time.monotonic()
     try:
-        result.save_id = commit_gathered(comm, storage, result.save_id, block_size, out, result.path, claim,
-                                         policy or CommitPolicy())
+        target = CommitTarget(storage, result.save_id, block_size, result.path, claim, policy or CommitPolicy())
+        result.save_id = commit_all(comm, target, out)
     finally:
         mark_phase(result, "commit", tc)
         if claim is not None:
