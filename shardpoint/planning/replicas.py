@@ -33,7 +33,7 @@ import xxhash
 from ..errors import ReplicaMismatchError
 
 __all__ = [
-    "COPY_MARK", "Row", "RowKeys", "ReplicaTable", "mismatches", "copied_names", "copy_name", "parse_copy_name", "copies_of", "encode_rows",
+    "COPY_MARK", "Row", "ReplicaTable", "mismatches", "copied_names", "copy_name", "parse_copy_name", "copies_of", "encode_rows",
     "suspicious", "replica_message", "mismatch_error", "refusal", "table_representatives", "commit_refusal",
 ]
 
@@ -74,10 +74,10 @@ class ReplicaTable:
     held: tuple[tuple, ...]
 
     @staticmethod
-    def of(held: Sequence[tuple], keys: RowKeys | None = None) -> "ReplicaTable":
-        """The table of rows given as tuples of :class:`Row`'s fields (or as rows); ``keys`` as for :func:`encode_rows`."""
+    def of(held: Sequence[tuple]) -> "ReplicaTable":
+        """The table of rows given as tuples of :class:`Row`'s fields (or as rows)."""
         held = tuple(tuple(h) if isinstance(h, tuple) else (h.fqn, h.offsets, h.sizes, h.flat, h.group, h.digest) for h in held)
-        return ReplicaTable(_encode(held, keys).tobytes(), held)
+        return ReplicaTable(_encode(held).tobytes(), held)
 
     def rows(self) -> list[Row]:
         """The rows, named."""
@@ -194,54 +194,20 @@ def _key(*parts: Any) -> int:
     return _signed(xxhash.xxh3_64_intdigest(repr(parts).encode()))
 
 
-class RowKeys:
-    """The piece and group keys of one saver's last table, so that the next save hashes only new ones.
-
-    A key is a pure function of what it is made from, so that is its own
-    fingerprint: a key is reused only for an equal piece or group. Only the
-    last table's keys are kept, so memory does not grow from save to save.
-    The saver that owns this object decides its lifetime.
-
-    Example::
-
-        keys = RowKeys()
-        encode_rows(rows, keys)  # hashes every piece; the next call with the same rows hashes none
-    """
-
-    def __init__(self) -> None:
-        self._last: dict[tuple, int] = {}
-
-    def swap(self, now: dict[tuple, int]) -> dict[tuple, int]:
-        """Keep ``now`` (this table's keys) and return the previous table's keys."""
-        last, self._last = self._last, now
-        return last
-
-
-def _encode(held: Sequence[tuple], keys: RowKeys | None = None) -> np.ndarray:
+def _encode(held: Sequence[tuple]) -> np.ndarray:
     top, wrap = 1 << 63, 1 << 64  # unsigned 64-bit digests as int64
-    now: dict[tuple, int] = {}
-    last = keys.swap(now) if keys is not None else now
-
-    def key(*parts: Any) -> int:
-        k = now.get(parts)
-        if k is None:
-            k = now[parts] = last.get(parts) or _key(*parts)
-        return k
-
     data = []
     for fqn, offsets, sizes, flat, group, (kind, a, b, c) in held:
         a, b, c = int(a), int(b), int(c)
         data.append((
-            key(fqn, offsets, sizes, flat), key(group), int(kind),
+            _key(fqn, offsets, sizes, flat), _key(group), int(kind),
             a - wrap if a >= top else a, b - wrap if b >= top else b, c - wrap if c >= top else c,
         ))
     return np.array(data, dtype=np.int64).reshape(-1, 6)
 
 
-def encode_rows(rows: Sequence[Row], keys: RowKeys | None = None) -> torch.Tensor:
+def encode_rows(rows: Sequence[Row]) -> torch.Tensor:
     """``rows`` as an int64 ``[n, 6]`` table: piece key, group key and the four digest fields.
-
-    ``keys``, a saver's :class:`RowKeys`, spares hashing the pieces its last table had.
 
     The fast path of the check sends this table (no pickled objects); names
     travel only when the keys show a mismatch or a name held by several groups.
@@ -250,7 +216,7 @@ def encode_rows(rows: Sequence[Row], keys: RowKeys | None = None) -> torch.Tenso
 
         encode_rows(rows_of(tensors)).shape  # (n, 6)
     """
-    return torch.from_numpy(_encode([(*r.piece, r.group, r.digest) for r in rows], keys))
+    return torch.from_numpy(_encode([(*r.piece, r.group, r.digest) for r in rows]))
 
 
 def _array(table: Any) -> np.ndarray:
