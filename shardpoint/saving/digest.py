@@ -180,6 +180,22 @@ def digest_tensor(t: torch.Tensor, host: bool = True) -> tuple[int, ...]:
     return digest_all([t], host)[0]
 
 
+def _host_pass(
+    tensors: Sequence[torch.Tensor], host: bool, cache: dict,
+) -> tuple[list[tuple[int, ...]], dict[torch.device, list[int]]]:
+    """The digests of CPU tensors (hashed now, others left as placeholders), and the others' positions by device."""
+    out: list[tuple[int, ...]] = [(HOST, 0, 0, 0)] * len(tensors)
+    by_dev: dict[torch.device, list[int]] = {}
+    full = check_mode() == "full"
+    for i, t in enumerate(tensors):
+        if host and t.is_cpu:
+            d = _raw_digest(t, full)
+            out[i] = d if d is not None else _host_digest(t.detach(), full, cache)
+        else:
+            by_dev.setdefault(t.device, []).append(i)
+    return out, by_dev
+
+
 def digest_all(tensors: Sequence[torch.Tensor], host: bool = True) -> list[tuple[int, ...]]:
     """Digests of many tensors: CPU ones hashed in place, others on their devices with one host copy per device.
 
@@ -187,21 +203,10 @@ def digest_all(tensors: Sequence[torch.Tensor], host: bool = True) -> list[tuple
 
         digest_all([w1, w2])  # [(kind, a, b, c), ...]
     """
-    out: list[tuple[int, ...]] = [(HOST, 0, 0, 0)] * len(tensors)
-    by_dev: dict[torch.device, list[int]] = {}
-    parts: dict[int, tuple[torch.Tensor, ...]] = {}
     cache: dict = {}
-    full = check_mode() == "full"
-    for i, t in enumerate(tensors):
-        if host and t.is_cpu:
-            d = _raw_digest(t, full)
-            out[i] = d if d is not None else _host_digest(t.detach(), full, cache)
-            continue
-        t = t.detach()
-        parts[i] = _device_parts(t, cache)
-        by_dev.setdefault(t.device, []).append(i)
+    out, by_dev = _host_pass(tensors, host, cache)
     for idx in by_dev.values():
-        table = torch.stack([torch.stack(parts[i]) for i in idx]).cpu().tolist()
+        table = torch.stack([torch.stack(_device_parts(tensors[i].detach(), cache)) for i in idx]).cpu().tolist()
         for i, row in zip(idx, table):
             out[i] = (DEVICE, int(row[0]), int(row[1]), int(row[2]))
     return out
@@ -245,16 +250,8 @@ def digest_queued(tensors: Sequence[torch.Tensor], host: bool = True) -> QueuedD
 
         pending = digest_queued([w_gpu, b_gpu]); ...; pending.result()
     """
-    out: list[tuple[int, ...]] = [(HOST, 0, 0, 0)] * len(tensors)
-    by_dev: dict[torch.device, list[int]] = {}
     cache: dict = {}
-    full = check_mode() == "full"
-    for i, t in enumerate(tensors):
-        if host and t.is_cpu:
-            d = _raw_digest(t, full)
-            out[i] = d if d is not None else _host_digest(t.detach(), full, cache)
-        else:
-            by_dev.setdefault(t.device, []).append(i)
+    out, by_dev = _host_pass(tensors, host, cache)
     queued = []
     for where, idx in by_dev.items():
         dev = device_for(where)
