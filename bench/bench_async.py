@@ -35,7 +35,14 @@ Usage::
 
 ``--layout`` trains another 4-rank layout instead of FSDP2 (``ddp``; ``2d``:
 FSDP2 x TP on a 2 x 2 mesh, where ByteCheckpoint 0.0.2 has no checkpointer and
-is skipped); ``--size`` picks one of the suite's state sizes (``100mb``, ``1.5gb``).
+is skipped); ``--size`` picks one of the suite's state sizes (``100mb``, ``1.5gb``);
+``--world`` trains on another number of ranks.
+
+For every shardpoint system it also prints the call's profile: per rank, the
+median milliseconds of each phase of the save call (prepare, plan, stage,
+copies, digests, guard, ...; see ``bench/async_profile.py``), so that a slower
+stall shows where it grew. The per-rank profiles are in the JSON under
+``call_profile_per_rank`` (seconds).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
+import async_profile as AP  # noqa: E402
 
 SYSTEMS = {
     "none": "no checkpoints (baseline)",
@@ -97,6 +105,8 @@ def rank_job(rank: int, world: int, system: str, cfg: dict, root: str, every: in
     stager = None
     bcp = None
     if system.startswith("sp-"):
+        call_steps: list[dict] = []
+        AP.install(call_steps)  # the call's phases per rank (see bench/async_profile.py)
         budget = (small_mb if system.endswith("-small") else staging_mb) << 20
         saver = sp.AsyncSaver(staging_bytes=budget, piece_bytes=min(64 << 20, budget // 4))
         out["staging_bytes"] = budget
@@ -144,6 +154,7 @@ def rank_job(rank: int, world: int, system: str, cfg: dict, root: str, every: in
             t1 = time.monotonic()
             h = saver.save(path, {"model": model, "optimizer": opt}, mode=mode)
             pending["handle"] = handles[k] = h
+            rec["steps"] = call_steps[-1] if call_steps else {}
             if mode == "lazy":
                 pending["fence"] = h.fence
         elif system.startswith("dcp-"):
@@ -238,6 +249,8 @@ def rank_job(rank: int, world: int, system: str, cfg: dict, root: str, every: in
             # The handle's own timing: from the save call to the committed manifest.
             rec["durable_s"] = rec["wait_prev_s"] + handles[k].result.timings["total"]
             rec["sp_timings"] = {p: round(v, 4) for p, v in handles[k].result.timings.items()}
+            rec["call_profile"] = AP.call_profile(rec.pop("steps", {}), handles[k].result.timings, rec["call_s"],
+                                                  rec["wait_prev_s"], rec["fence_s"])
         elif k in durable_at:
             rec["durable_s"] = durable_at[k] - rec["t0"]
         else:
@@ -337,6 +350,8 @@ def aggregate(system: str, ranks: list[dict], every: int) -> dict:
     if "sp_timings" in (ranks[0]["records"][-1] if ranks[0]["records"] else {}):
         agg["sp_timings_rank0_last"] = ranks[0]["records"][-1]["sp_timings"]
         agg["sp_timings_last_per_rank"] = [r["records"][-1]["sp_timings"] if r["records"] else None for r in ranks]
+        agg["call_profile_per_rank"] = [AP.median_profile([x["call_profile"] for x in r["records"] if x["k"] >= 1 and "call_profile" in x])
+                                        for r in ranks]
     if system != "none":
         checks = [v for r in ranks for v in (r.get("verify") or {}).values()]
         agg["verified"] = bool(checks) and all(v["ok"] for v in checks)
@@ -350,7 +365,7 @@ def run_system(system: str, args, cfg: dict, root: str) -> dict:
 
     t = time.monotonic()
     la = C.load_average()
-    ranks = launch(4, "bench_async:rank_job", {
+    ranks = launch(args.world, "bench_async:rank_job", {
         "system": system, "cfg": cfg, "root": root, "every": args.every, "n_ckpt": args.checkpoints,
         "batch": args.batch, "staging_mb": args.staging_mb, "small_mb": args.small_mb, "verify": not args.no_verify,
         "layout": args.layout,
@@ -390,7 +405,7 @@ def plot(results: dict, path: str) -> None:
     bars(axes[2], "durable_s", "save call -> durable", 1, unit="s")
     bars(axes[3], "peak_rss_with_children_mb", "peak RSS per rank (+children)", 1, unit="MiB")
     axes[3].axhline(results["baseline_peak_rss_mb"], color="gray", ls="--", lw=1)
-    fig.suptitle(f"4-rank {results['config'].get('layout', 'fsdp2').upper()} TinyGPT + AdamW, {results['state_mb']:.0f} MB state, CPU/gloo (2 cores), "
+    fig.suptitle(f"{results['config']['world']}-rank {results['config'].get('layout', 'fsdp2').upper()} TinyGPT + AdamW, {results['state_mb']:.0f} MB state, CPU/gloo (2 cores), "
                  f"load avg {results['load_average_start'][0]:.2f} at start, {results['load_average_end'][0]:.2f} at end; "
                  "dashed: max rank's peak RSS in the two warm-up steps before any save")
     fig.tight_layout()
@@ -409,6 +424,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--world", type=int, default=4, help="ranks that train (default 4; the 2-d layout needs 4)")
     ap.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     ap.add_argument("--checkpoints", type=int, default=None, help="measured checkpoints per system (plus one warm-up)")
     ap.add_argument("--staging-mb", type=int, default=1024, help="per-rank staging budget for sp-eager/sp-lazy")
@@ -454,7 +470,7 @@ def main(argv=None) -> int:
     results = {
         "benchmark": "async_save",
         "command": "python bench/bench_async.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "config": {"model": cfg, "world": 4, "layout": args.layout, "size": args.size, "optimizer": "AdamW", "every": args.every,
+        "config": {"model": cfg, "world": args.world, "layout": args.layout, "size": args.size, "optimizer": "AdamW", "every": args.every,
                    "checkpoints": args.checkpoints, "batch": args.batch, "staging_mb": args.staging_mb,
                    "small_mb": args.small_mb},
         "machine": C.machine_info(),
@@ -463,7 +479,7 @@ def main(argv=None) -> int:
         "load_average_start": quiet["load_average_at_start"],
         "systems": [],
     }
-    print(f"# 4-rank {args.layout.upper()} TinyGPT {cfg}, AdamW, checkpoint every {args.every} steps, "
+    print(f"# {args.world}-rank {args.layout.upper()} TinyGPT {cfg}, AdamW, checkpoint every {args.every} steps, "
           f"{args.checkpoints} measured checkpoints (+1 warm-up); load average {results['load_average_start'][0]:.2f}", flush=True)
     try:
         for s in systems:
@@ -478,6 +494,8 @@ def main(argv=None) -> int:
             print(f"{s:18s} stall {C.fmt(agg['stall_s'], 1000, 1)} ms  overhead {C.fmt(agg['overhead'], 100, 1)} %  "
                   f"durable {C.fmt(agg['durable_s'], 1, 2)} s  peak rss(+children) {C.fmt(agg['peak_rss_with_children_mb'], 1, 0)} MiB"
                   f"  verified={agg.get('verified', '-')}  ({agg['job_s']} s)", flush=True)
+            if agg.get("call_profile_per_rank"):
+                print(AP.profile_table(s, agg["call_profile_per_rank"]), flush=True)
     finally:
         if not args.root:
             shutil.rmtree(root, ignore_errors=True)
@@ -493,7 +511,7 @@ def main(argv=None) -> int:
     results["state_mb"] = ok[0]["state_bytes"] / 1e6
     results["load_average_end"] = C.load_average()
     dcp = next((r for r in ok if r["system"] == "dcp-thread"), None)
-    print(f"\n# state {results['state_mb']:.0f} MB over 4 ranks; load average at end {results['load_average_end'][0]:.2f}")
+    print(f"\n# state {results['state_mb']:.0f} MB over {args.world} ranks; load average at end {results['load_average_end'][0]:.2f}")
     print(f"{'system':18s} {'stall ms':>8s} {'vs dcp-thread':>13s} {'overhead':>9s} {'durable s':>9s} {'peak MiB':>9s} {'+children':>9s}  ok")
     for r in ok:
         if r["system"] == "none":

@@ -122,3 +122,55 @@ def merge_entries(old: list[dict], new: list[dict], key=("part", "size", "layout
     out = [fresh.pop(k(e)) if k(e) in fresh else e for e in old]
     out.extend(e for e in new if k(e) in fresh)
     return out
+
+
+def compare_line(label: str, fresh: float | None, before: float | None, unit: str, where: str,
+                 factor: float | None = None, digits: int = 1) -> str:
+    """A fresh figure beside an earlier one, with their ratio; flagged when off by more than ``factor`` either way.
+
+    ``compare_line("lazy stall", 12.1, 8.3, "ms", "last recorded (commit abc123)")`` ->
+    ``lazy stall 12.1 ms, last recorded (commit abc123) 8.3 ms: 1.46x``.
+    """
+    f = f"{{:.{digits}f}} {unit}"
+    now = "n/a" if fresh is None else f.format(fresh)
+    then = "n/a" if before is None else f.format(before)
+    r = ratio(fresh, before)
+    line = f"{label} {now}, {where} {then}: {fmt_ratio(r)}"
+    if factor is not None and r is not None and r > 0 and max(r, 1 / r) > factor:
+        line += f"  <-- OFF BY MORE THAN {factor:g}x"
+    return line
+
+
+def recorded_async(data: dict | None) -> dict[tuple, dict]:
+    """From a suite JSON: per (size, layout, system) of the async part, the median stall and call (s) and the commit."""
+    out: dict[tuple, dict] = {}
+    for e in (data or {}).get("entries", []):
+        if e.get("part") != "async" or "result" not in e:
+            continue
+        git = e["result"].get("git") or "?"
+        for s in e["result"].get("systems", []):
+            if "error" in s or "stall_s" not in s:
+                continue
+            out[(e["size"], e["layout"], s["system"])] = {
+                "stall_s": s["stall_s"].get("median"), "call_s": (s.get("call_s") or {}).get("median"), "git": git}
+    return out
+
+
+def async_call_report(before: dict | None, after: dict, systems=("sp-lazy", "sp-eager")) -> list[str]:
+    """Lines comparing this run's shardpoint stall and call times with the last recorded ones; never a verdict.
+
+    Example::
+
+        print("\\n".join(async_call_report(old_suite_json, new_suite_json)))
+    """
+    old, new = recorded_async(before), recorded_async(after)
+    lines = []
+    for key in sorted(k for k in new if k[2] in systems):
+        size, layout, system = key
+        prev = old.get(key)
+        where = f"last recorded (commit {prev['git']})" if prev else "none recorded"
+        for what in ("stall", "call"):
+            fresh, then = new[key][f"{what}_s"], (prev or {}).get(f"{what}_s")
+            lines.append(compare_line(f"{system} {what} {size} {layout}", None if fresh is None else fresh * 1e3,
+                                      None if then is None else then * 1e3, "ms", where))
+    return lines

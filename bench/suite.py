@@ -26,7 +26,10 @@ system while training); the tables give median [min, max] over them. Results go 
 plots (``--plots``: stall, throughput, bytes read per system) and a markdown
 table on stdout. ``--merge`` adds this run's entries to an earlier JSON (same
 part, size and layout replaced), so a suite can be assembled from partial
-runs; ``--report-only`` redraws tables and plots from a JSON.
+runs; ``--report-only`` redraws tables and plots from a JSON. After a run
+with the async part it prints shardpoint's eager and lazy stall and call
+times beside those last recorded in the ``--json`` file (and their commit),
+so a slower call is seen even though it fails nothing.
 
     .venv/bin/python bench/suite.py --quick           # < 10 min: 100 MB state, FSDP2 for async and load
     .venv/bin/python bench/suite.py                   # everything: 100 MB and 1.5 GB, three layouts
@@ -547,6 +550,10 @@ def main(argv=None) -> int:
             for p in pieces:
                 print(".venv/bin/python " + " ".join(p["args"]))
             return 0
+        before = None  # the last recorded results at --json, to print the async call times beside
+        if os.path.exists(jpath):
+            with open(jpath) as f:
+                before = json.load(f)
         data: dict[str, Any] = {"benchmark": "suite", "entries": []}
         if args.merge and os.path.exists(args.merge):
             with open(args.merge) as f:
@@ -574,6 +581,10 @@ def main(argv=None) -> int:
         data.setdefault("runs", []).append(run)
         C.write_json(jpath, data)
         print(f"\n# suite wall time {run['wall_s']:.0f} s; wrote {jpath}")
+        report = R.async_call_report(before, {"entries": new})
+        if report:
+            print("\n# shardpoint async save, this run against the last recorded (slower figures are not failures):")
+            print("\n".join("# " + line for line in report))
     print()
     print(render(data))
     try:
