@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Any, MutableMapping
 
-from ..adapters.stepped import step_updates
+from ..adapters.stepped import StepUpdates, step_updates
 from .handle import AsyncSaveHandle
 from ..dist import run_guarded
 from ..engine.pipeline import StagedWrite
@@ -87,7 +87,7 @@ class BackgroundSave(SaveTransaction):
         lazy = set(self.plan.lazy_ok) if self.mode == "lazy" and not self._graph_stepped() else set()
         later = [t for t in mine if t.fqn in lazy]
         if later:
-            later = optimizer_order(later, step_updates(self.state).order(self.plan.context))
+            later = optimizer_order(later, self.updates.order(self.plan.context))
         items = [t for t in mine if t.fqn not in lazy] + later
         self.split = len(items) - len(later)
         replicas = self.plan.replicas
@@ -101,6 +101,11 @@ class BackgroundSave(SaveTransaction):
             self.staged.after = ring.device.snapshot_point()  # here, on the training thread: copies read the state as of the call
         return handle
 
+    @functools.cached_property
+    def updates(self) -> StepUpdates:
+        """The stepped objects of this save's state, found once: the copy order, the graph check, the guard and the hooks read it."""
+        return step_updates(self.state)
+
     def _graph_stepped(self) -> bool:
         """Whether an optimizer of the state may step inside a captured graph: then this save is taken eagerly.
 
@@ -108,7 +113,7 @@ class BackgroundSave(SaveTransaction):
         so neither the lazy fence nor its guard would see the step; a
         ``capturable`` optimizer is one made to be captured.
         """
-        found = step_updates(self.state).in_graphs()
+        found = self.updates.in_graphs()
         if found:
             log.warning(
                 "the lazy save to %s is taken eagerly: optimizer %s is capturable, and a step replayed from a "
@@ -156,9 +161,8 @@ class BackgroundSave(SaveTransaction):
         if not self.lazy:
             handle.mark_copied()
             return
-        updates = step_updates(self.state)
-        handle.guard(SnapshotGuard.record(updates.live(self.plan.context), self.ring.device))
-        for hook in updates.add_pre_hooks(handle.step_pre_hook):
+        handle.guard(SnapshotGuard.record(self.updates.live(self.plan.context), self.ring.device))
+        for hook in self.updates.add_pre_hooks(handle.step_pre_hook):
             handle.add_hook(hook)
 
     def copy_lazy(self) -> None:
