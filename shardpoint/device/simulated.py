@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -115,6 +115,8 @@ class SimulatedDevice(Device):
         self._q: "queue.Queue" = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._running = threading.Event()
+        self._running.set()
         self.captures = CaptureModel()
         self.host = HostCache()
         self.pool = DevicePool()
@@ -167,6 +169,22 @@ class SimulatedDevice(Device):
 
     # --- the copy engine ---------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold every queued copy until the body ends, as a busy device would, whatever the delay.
+
+        Example::
+
+            with sim.held():
+                ev = sim.copy_to_host(buf, src)   # not run yet, however slow the caller is
+            ev.synchronize()
+        """
+        self._running.clear()
+        try:
+            yield
+        finally:
+            self._running.set()
+
     def _submit(self, dst: torch.Tensor, src: torch.Tensor, host_side: torch.Tensor) -> SimEvent:
         if not self.host.owns(host_side):
             # Pageable memory: the copy cannot be queued, it runs now and the call returns after it.
@@ -189,6 +207,7 @@ class SimulatedDevice(Device):
             if job is None:
                 return
             dst, src, ev = job
+            self._running.wait()
             time.sleep(self.delay)
             if callable(src):  # queued work (queue_to_host): its result lands in dst
                 out = src()

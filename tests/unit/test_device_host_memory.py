@@ -163,24 +163,26 @@ def test_a_synchronous_save_and_a_load_give_their_rings_back(tmp_path):
 def test_a_dropped_temporary_hands_its_block_to_the_next_one_and_a_queued_copy_reads_that():
     import gc
 
-    sim = SimulatedDevice(delay=0.5)  # long enough for a collection in a loaded test run
+    sim = SimulatedDevice()
     x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     y = -torch.arange(24, dtype=torch.float32).reshape(4, 6)
     raw, temporary = sim.byte_view(x.t())
     assert temporary and torch.equal(raw.view(torch.float32), x.t().contiguous().reshape(-1))
     buf = sim.host_buffer(raw.numel()).zero_()
-    ev = sim.copy_to_host(buf, raw)
-    del raw  # dropped before its copy ran, and not kept alive
-    gc.collect()
-    other, _ = sim.byte_view(y.t())  # the caching allocator hands it the freed block
+    with sim.held():  # the copy runs only after the block changed hands, however slow this process is
+        ev = sim.copy_to_host(buf, raw)
+        del raw  # dropped before its copy ran, and not kept alive
+        gc.collect()
+        other, _ = sim.byte_view(y.t())  # the caching allocator hands it the freed block
     ev.synchronize()
     assert sim.pool.reused == 1 and torch.equal(buf.view(torch.float32), y.t().contiguous().reshape(-1))
-    kept, _ = sim.byte_view(x.t())
-    ev = sim.copy_to_host(buf, kept)
-    sim.keep_alive(kept, ev)  # what the engine does: the block stays the temporary's until the copy ran
-    del kept
-    gc.collect()
-    sim.byte_view(y.t())
+    with sim.held():
+        kept, _ = sim.byte_view(x.t())
+        ev = sim.copy_to_host(buf, kept)
+        sim.keep_alive(kept, ev)  # what the engine does: the block stays the temporary's until the copy ran
+        del kept
+        gc.collect()
+        sim.byte_view(y.t())
     ev.synchronize()
     assert torch.equal(buf.view(torch.float32), x.t().contiguous().reshape(-1))
     del other
