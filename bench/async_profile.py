@@ -134,14 +134,15 @@ def median_profile(profiles: list[dict[str, float]]) -> dict[str, float]:
     return {p: statistics.median(x.get(p, 0.0) for x in profiles) for p in PHASES}
 
 
-def profile_table(system: str, per_rank: list[dict[str, float]]) -> str:
+def profile_table(system: str, per_rank: list[dict[str, float]],
+                  what: str = "median over the measured checkpoints") -> str:
     """A compact text table, one row per rank, of median milliseconds per phase.
 
     Example::
 
         print(profile_table("sp-lazy", [median_profile(profiles_of_rank0)]))
     """
-    head = f"# {system} call profile, ms (median over the measured checkpoints)"
+    head = f"# {system} call profile, ms ({what})"
     cols = "".join(f"{p:>8s}" for p in PHASES)
     lines = [head, f"{'rank':>6s}{cols}"]
     for rank, prof in enumerate(per_rank):

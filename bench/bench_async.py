@@ -41,8 +41,9 @@ is skipped); ``--size`` picks one of the suite's state sizes (``100mb``, ``1.5gb
 For every shardpoint system it also prints the call's profile: per rank, the
 median milliseconds of each phase of the save call (prepare, plan, stage,
 copies, digests, guard, ...; see ``bench/async_profile.py``), so that a slower
-stall shows where it grew. The per-rank profiles are in the JSON under
-``call_profile_per_rank`` (seconds).
+stall shows where it grew, and the same for the checkpoint with the largest
+stall, so that a spike shows where it lives. The per-rank profiles are in the
+JSON under ``call_profile_per_rank`` and ``slowest_call_profile_per_rank`` (seconds).
 """
 
 from __future__ import annotations
@@ -352,6 +353,14 @@ def aggregate(system: str, ranks: list[dict], every: int) -> dict:
         agg["sp_timings_last_per_rank"] = [r["records"][-1]["sp_timings"] if r["records"] else None for r in ranks]
         agg["call_profile_per_rank"] = [AP.median_profile([x["call_profile"] for x in r["records"] if x["k"] >= 1 and "call_profile" in x])
                                         for r in ranks]
+        measured = [x["k"] for x in ranks[0]["records"] if x["k"] >= 1 and "call_profile" in x]
+        if measured:
+            def worst_stall(k):
+                return max(x["stall_s"] for r in ranks for x in r["records"] if x["k"] == k)
+            worst = max(measured, key=worst_stall)
+            agg["slowest_checkpoint"] = worst
+            agg["slowest_call_profile_per_rank"] = [next((x["call_profile"] for x in r["records"] if x["k"] == worst), {})
+                                                    for r in ranks]
     if system != "none":
         checks = [v for r in ranks for v in (r.get("verify") or {}).values()]
         agg["verified"] = bool(checks) and all(v["ok"] for v in checks)
@@ -496,6 +505,8 @@ def main(argv=None) -> int:
                   f"  verified={agg.get('verified', '-')}  ({agg['job_s']} s)", flush=True)
             if agg.get("call_profile_per_rank"):
                 print(AP.profile_table(s, agg["call_profile_per_rank"]), flush=True)
+                print(AP.profile_table(s, agg["slowest_call_profile_per_rank"],
+                                       f"the slowest checkpoint, #{agg['slowest_checkpoint']}"), flush=True)
     finally:
         if not args.root:
             shutil.rmtree(root, ignore_errors=True)
