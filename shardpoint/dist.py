@@ -15,13 +15,16 @@ import logging
 import traceback
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import errors as _errors
 from .errors import CheckpointError, DistributedError
+
+if TYPE_CHECKING:
+    from .runtime.handshake import Ticket
 
 __all__ = ["Comm", "Outcome", "run_guarded", "LocalGroup", "LOCAL", "private_group", "destroy_private_group", "close_at_exit"]
 
@@ -135,21 +138,35 @@ class Comm:
         not arrive within ``timeout`` seconds (``None``: the environment or
         the default). Free in a world of one.
         """
-        if not self.active or self.world == 1:
-            return
-        from .runtime.handshake import Entry, collective_timeout, enter, mismatch_message
+        self.announce(op, path, timeout).wait()
 
+    def announce(self, op: str, path: str, timeout: float | None = None) -> Ticket:
+        """Post this rank's entry into ``op`` on ``path`` without waiting; the ticket's ``wait()`` is :meth:`enter`'s wait.
+
+        An asynchronous save posts its entry on the training thread and waits
+        for the other ranks in the background, before its first exchange with
+        them. Where the group has no store to wait on, the ranks exchange
+        their entries now (a collective) and the ticket has nothing left to wait for.
+
+        Example::
+
+            ticket = comm.announce("async_save", "file:///ck"); ...; ticket.wait()
+        """
+        from .runtime.handshake import Entry, Ticket, announce, collective_timeout, mismatch_message
+
+        if not self.active or self.world == 1:
+            return Ticket()
         entry = Entry(op, path)
         seconds = collective_timeout(timeout)
         store = _group_store(self.group)
         if store is not None:
-            enter(store, self.rank, self.world, entry, seconds)
-            return
+            return announce(store, self.rank, self.world, entry, seconds)
         # No store to wait on with a timeout: still name a disagreement, without one.
         tags = self.all_gather(entry.tag())
         for r, t in enumerate(tags):
             if t != tags[0]:
                 raise DistributedError(mismatch_message(entry, self.rank, Entry.parse(tags[0]), r, Entry.parse(t)), {r: t})
+        return Ticket()
 
     def _global(self, group_rank: int) -> int:
         if self.group is None:

@@ -18,15 +18,24 @@ cleanly and leave the other ranks' collectives alone, so after the error
 the ranks can meet again (a barrier, the next save).
 
 Protocol, per group, with a counter per rank in the store (no process-wide
-state): a rank takes its next *slot* ``k``, skipping slots that an earlier
-timeout abandoned before this rank got there. Rank 0 posts its entry; the
-others compare theirs with it and post any disagreement. The last rank to
-arrive marks the slot ``go``; a rank whose wait times out marks it
-``cancel`` instead. The store's compare-and-set makes exactly one of the two
-win, so either every rank proceeds or none does. Rank 0 deletes the keys of
-the previous slot once a slot goes (every rank has then left it). Cost of a
-normal call: about ten store round trips per rank (well under a
-millisecond on one host).
+state), in two halves so that an asynchronous save can post its entry on
+the training thread and wait for the others in the background:
+
+- :func:`announce` (never waits): a rank takes its next *slot* ``k``,
+  skipping slots that an earlier timeout abandoned before this rank got
+  there. The first rank to arrive records its entry; each later one compares
+  its own with it and posts the first disagreement (rank 0's entry is kept
+  too: an error names it beside one that differs). The last rank to arrive
+  marks the slot ``go``.
+- :func:`await_entry`: wait until the slot goes; a rank whose wait times out
+  marks it ``cancel`` instead. The store's compare-and-set makes exactly one
+  of the two win, so either every rank proceeds or none does. Each rank then
+  leaves the slot; the last to leave deletes its keys (a rank still waiting
+  on a slot keeps it alive, however far its training thread has moved on).
+
+Every rank compares before it counts itself in, so once a slot goes every
+disagreement is posted. Cost: about ten store round trips per rank (well
+under a millisecond on one host), half of them in each half.
 
 The timeout is, in order: the call's ``collective_timeout`` argument, the
 environment variable ``SHARDPOINT_COLLECTIVE_TIMEOUT`` (seconds), or
@@ -46,13 +55,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DistributedError
 
-__all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "Entry", "collective_timeout", "mismatch_message", "timeout_message", "enter"]
+__all__ = [
+    "DEFAULT_TIMEOUT", "TIMEOUT_ENV", "Entry", "Ticket", "Arrival", "collective_timeout", "mismatch_message",
+    "timeout_message", "announce", "await_entry", "enter",
+]
 
 DEFAULT_TIMEOUT = 600.0
 TIMEOUT_ENV = "SHARDPOINT_COLLECTIVE_TIMEOUT"
@@ -104,10 +117,10 @@ class Entry:
         return f"{self.op} of {self.path}"
 
 
-def mismatch_message(mine: Entry, rank: int, first: Entry, other_rank: int, other: Entry) -> str:
-    """The error for ranks that entered different calls (pure)."""
+def mismatch_message(mine: Entry, rank: int, first: Entry, other_rank: int, other: Entry, first_rank: int = 0) -> str:
+    """The error for ranks that entered different calls (pure): rank ``first_rank`` is in ``first``, ``other_rank`` in ``other``."""
     return (
-        f"{mine} on rank {rank}: the ranks of the process group are in different calls: rank 0 is in "
+        f"{mine} on rank {rank}: the ranks of the process group are in different calls: rank {first_rank} is in "
         f"{first}, rank {other_rank} is in {other}. Every rank of the group must make the same shardpoint "
         "call (same function, same path) at the same point of the program; a call for one rank alone "
         "takes process_group=sp.LOCAL"
@@ -143,46 +156,117 @@ def _arrived(store, slot: str) -> set[int]:
     return {int(r) for r in store.get(f"{slot}/in").decode().split(",") if r}
 
 
+_KEYS = ("in", "tag0", "first", "n", "bad", "why", "state", "left")
+
+
+def _cancelled(store, slot: str) -> bool:
+    return store.check([f"{slot}/state"]) and store.get(f"{slot}/state") == b"cancel"
+
+
+def _leave(store, slot: str, world: int) -> None:
+    """This rank is done with ``slot``; the last rank to leave deletes its keys."""
+    if store.add(f"{slot}/left", 1) == world:
+        for name in _KEYS:
+            store.delete_key(f"{slot}/{name}")
+
+
+class Ticket:
+    """A rank's entry into a call, posted; :meth:`wait` returns once every rank entered it, or raises.
+
+    This base is an entry that needs no wait (a world of one, or one agreed
+    already). Example::
+
+        ticket = announce(store, 0, 2, Entry("async_save", "file:///ck"), 600.0)
+        ticket.wait()   # later, before the first exchange with the other ranks
+    """
+
+    def wait(self) -> None:
+        """Return once every rank entered the same call; raise :class:`DistributedError` otherwise."""
+
+
+class Arrival(Ticket):
+    """One rank's entry posted to slot ``slot`` of the group's store; :meth:`wait` runs :func:`await_entry` once.
+
+    A second ``wait()`` returns, or raises the same error, without asking
+    the store again (the rank has left the slot by then).
+    """
+
+    def __init__(self, store: Any, rank: int, world: int, entry: Entry, slot: str, deadline: float, timeout: float):
+        self.store, self.rank, self.world, self.entry = store, rank, world, entry
+        self.slot, self.deadline, self.timeout = slot, deadline, timeout
+        self._lock = threading.Lock()
+        self._settled: BaseException | None = None
+        self._waited = False
+
+    def wait(self) -> None:
+        with self._lock:
+            if not self._waited:
+                try:
+                    await_entry(self)
+                except Exception as e:  # the store's own failure, too: a later wait must not pass
+                    self._settled = e
+                finally:
+                    self._waited = True
+            if self._settled is not None:
+                raise self._settled
+
+
+def announce(store, rank: int, world: int, entry: Entry, timeout: float) -> Arrival:
+    """Post this rank's ``entry`` to its next slot, without waiting for the other ranks (see the module docs).
+
+    ``timeout`` counts from now. Example::
+
+        arrival = announce(store, 1, 2, Entry("save", "file:///ck"), 600.0)
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        slot = f"{_BASE}/{store.add(f'{_BASE}/seq/{rank}', 1)}"
+        if not _cancelled(store, slot):
+            break
+        _leave(store, slot, world)  # abandoned before this rank got there: the others moved on
+    store.append(f"{slot}/in", f"{rank},")
+    if rank == 0:
+        store.set(f"{slot}/tag0", entry.tag())  # the reference an error names, whoever arrived first
+    mine = f"{rank}\n{entry.tag()}"
+    first = store.compare_set(f"{slot}/first", "", mine).decode()
+    if first.partition("\n")[2] != entry.tag():
+        store.compare_set(f"{slot}/bad", "", mine)  # the first disagreement is the one reported
+    if store.add(f"{slot}/n", 1) == world:
+        store.compare_set(f"{slot}/state", "", "go")
+    return Arrival(store, rank, world, entry, slot, deadline, timeout)
+
+
+def await_entry(arrival: Arrival) -> None:
+    """Wait until every rank posted the same entry to ``arrival``'s slot; raise :class:`DistributedError` otherwise."""
+    store, slot, rank, entry = arrival.store, arrival.slot, arrival.rank, arrival.entry
+    try:
+        if not _wait(store, [f"{slot}/state"], arrival.deadline):
+            why = timeout_message(entry, rank, arrival.world, _arrived(store, slot), arrival.timeout)
+            store.compare_set(f"{slot}/why", "", why)
+            store.compare_set(f"{slot}/state", "", "cancel")
+        if store.get(f"{slot}/state") != b"go":
+            raise DistributedError(store.get(f"{slot}/why").decode(), {rank: "entry timed out"})
+        if store.check([f"{slot}/bad"]):
+            raise _disagreement(store, slot, entry, rank)
+    finally:
+        _leave(store, slot, arrival.world)
+
+
+def _disagreement(store, slot: str, entry: Entry, rank: int) -> DistributedError:
+    """The error of a slot whose ranks disagreed: rank 0's call beside one that differs from it."""
+    tag0 = store.get(f"{slot}/tag0").decode()
+    pairs = [store.get(f"{slot}/{k}").decode().partition("\n") for k in ("first", "bad")]
+    other_rank, _, other = next(p for p in pairs if p[2] != tag0)  # the two differ: one differs from rank 0
+    return DistributedError(
+        mismatch_message(entry, rank, Entry.parse(tag0), int(other_rank), Entry.parse(other)),
+        {int(other_rank): str(Entry.parse(other))},
+    )
+
+
 def enter(store, rank: int, world: int, entry: Entry, timeout: float) -> None:
     """Wait until every rank of the group has entered ``entry``; raise :class:`DistributedError` otherwise.
 
     ``store`` is the group's key-value store (keys are scoped to the group).
+    :func:`announce`, then :func:`await_entry`.
     """
-    deadline = time.monotonic() + timeout
-    while True:
-        k = store.add(f"{_BASE}/seq/{rank}", 1)
-        slot = f"{_BASE}/{k}"
-        if not store.check([f"{slot}/state"]) or store.get(f"{slot}/state") != b"cancel":
-            break  # a slot abandoned before this rank arrived is skipped: the others moved on
-    store.append(f"{slot}/in", f"{rank},")
-    tag = entry.tag()
-    ok = True
-    if rank == 0:
-        store.set(f"{slot}/tag0", tag)
-    elif _wait(store, [f"{slot}/tag0"], deadline):
-        if store.get(f"{slot}/tag0").decode() != tag:
-            store.set(f"{slot}/bad", f"{rank}\n{tag}")
-    else:
-        ok = False
-    if ok and store.add(f"{slot}/n", 1) == world:
-        store.compare_set(f"{slot}/state", "", "go")
-    if ok:
-        ok = _wait(store, [f"{slot}/state"], deadline)
-    if not ok:
-        why = timeout_message(entry, rank, world, _arrived(store, slot), timeout)
-        store.compare_set(f"{slot}/why", "", why)
-        store.compare_set(f"{slot}/state", "", "cancel")
-    state = store.get(f"{slot}/state")
-    if state != b"go":
-        raise DistributedError(store.get(f"{slot}/why").decode() if ok else why, {rank: "entry timed out"})
-    if store.check([f"{slot}/bad"]):
-        bad_rank, _, bad_tag = store.get(f"{slot}/bad").decode().partition("\n")
-        first = Entry.parse(store.get(f"{slot}/tag0").decode())
-        raise DistributedError(
-            mismatch_message(entry, rank, first, int(bad_rank), Entry.parse(bad_tag)), {int(bad_rank): str(Entry.parse(bad_tag))}
-        )
-    if rank == 0 and k > 1:
-        prev = f"{_BASE}/{k - 1}"
-        if store.compare_set(f"{prev}/state", "go", "done") == b"done":
-            for name in ("in", "tag0", "n", "bad", "why", "state"):
-                store.delete_key(f"{prev}/{name}")
+    await_entry(announce(store, rank, world, entry, timeout))

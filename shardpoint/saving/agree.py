@@ -48,6 +48,7 @@ from ..errors import CheckpointError, UnsupportedStateError
 from ..items import SaveTensor
 from ..layouts import Reduced, apply_save
 from ..planning.replicas import copied_names, copy_name, encode_rows, suspicious
+from ..runtime.handshake import Ticket
 from .replicas import PendingTable, pending_table, rows_of
 
 __all__ = ["FAILED", "COLUMNS", "Rows", "Gate", "AgreedFailure", "unwrap", "Proposal", "Agreed", "agree_save", "reduce_values"]
@@ -146,9 +147,10 @@ class Gate:
         tables = gate.exchange(Rows(encode_rows(rows)))  # raises AgreedFailure when a rank failed
     """
 
-    def __init__(self, comm: Comm, where: str = ""):
+    def __init__(self, comm: Comm, where: str = "", entry: Ticket | None = None):
         self.comm = comm
         self.where = where
+        self.entry = entry or Ticket()  # every rank entered the save: awaited before the first exchange
         # A stand-in without a process group (a simulation of many ranks in one process) exchanges nothing.
         self.active = bool(getattr(comm, "active", False)) and comm.world > 1
         self.failed = False
@@ -165,6 +167,7 @@ class Gate:
             return {self.comm.rank: rows}
         if not self.open:
             raise RuntimeError("the agreement's exchanges are over")
+        self.entry.wait()
         tables = self.comm.all_gather_rows(rows.table)
         got = {r: Rows(t) for r, t in enumerate(tables)}
         if any(m.is_failed for m in got.values()):
@@ -179,6 +182,7 @@ class Gate:
         """
         if self.open:
             self.failed = True
+            self.entry.wait()
             self.comm.all_gather_rows(Rows.failed().table)
             self._causes(run_guarded(lambda: _raise(error)))
 

@@ -62,6 +62,7 @@ from typing import Any, MutableMapping
 
 from .handle import AsyncSaveHandle
 from .reuse import SaveCache
+from ..runtime.handshake import Ticket
 from ..runtime.monitor import mark_phase
 from .steps import SaveResult
 from . import SaveOptions, SaveTransaction, check_state
@@ -258,16 +259,19 @@ class AsyncSaver:
         # Plans depend on the ranks: one cache for the saver's own group, one per other group.
         return self._plan_cache if process_group is None else self._plan_caches.setdefault(_group_key(base), SaveCache())
 
-    def _coordination(self, base: Comm) -> Comm:
+    def _coordination(self, base: Comm, entry: Ticket | None = None) -> Comm:
         """The private coordination group for the saves of ``base``'s ranks (one per group).
 
         Background collectives run on a private gloo group, so they cannot
         interleave with the training loop's collectives. For a subset of the
-        world only its members create it (see :func:`~shardpoint.dist.private_group`).
+        world only its members create it (see :func:`~shardpoint.dist.private_group`),
+        after every rank entered the save (``entry``): making it is a collective.
         """
         key = _group_key(base)
         comm = self._comms.get(key)
         if comm is None:
+            if entry is not None:
+                entry.wait()
             comm = self._comms[key] = private_group(base, self.timeout)
             if comm is not base:
                 self._owned.append(comm)

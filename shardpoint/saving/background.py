@@ -230,11 +230,19 @@ class BackgroundSave(SaveTransaction):
         return self.summarize(*written)
 
     def finish(self) -> None:
-        """The writer's phases: claim and write (guarded), then, once past the fence, summary, commit and report.
+        """The writer's phases: the ranks' entry, claim and write (guarded), then, once past the fence, summary, commit and report.
 
         A lazy save commits only what held until its fence: the commit waits
         for it with the handle, holding no worker. ``wait()`` raises a failure.
+        Ranks that did not all enter this save fail it without a commit: the
+        same error reaches every rank from the entry itself, and their
+        commit exchanges would meet another call's.
         """
+        try:
+            self.call.entry.wait()
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+            self.abandon(e)
+            return
         out = self.prepared
         if out.ok:
             out = run_guarded(functools.partial(self.write_staged, time.monotonic()))
@@ -242,6 +250,15 @@ class BackgroundSave(SaveTransaction):
             self.handle.commit_after_fence(functools.partial(self.complete, out.value))
         else:
             self.commit_and_report(out)
+
+    def abandon(self, error: BaseException) -> None:
+        """End this save as failed with ``error``, writing and committing nothing."""
+        if self.staged is not None:
+            self.staged.abandon()
+        handle = self.handle
+        handle.mark_written()
+        handle.fail(error)
+        handle.finish()
 
     def complete(self, written: tuple[list, dict, float], torn: CheckpointError | None) -> None:
         """The writer's phases after the fence: on its own worker if the fence had passed, else where the fence sends it."""

@@ -31,6 +31,7 @@ from ..items import dtype_name
 from ..planning.describe import Description, RankReport, RankStatus, cover_of, values_doc
 from ..planning.save_plan import SavePlan, describe_plan
 from ..planning.writers import choose_writers, plan_signature
+from ..runtime.handshake import Ticket
 from ..runtime.monitor import mark_phase
 from ..runtime.rank_local import rank_local_tensors
 from ..storage import Storage
@@ -95,7 +96,7 @@ def _group_translator(comm: Comm):
 
 def prepare_save(
     state, comm: Comm, options: SaveOptions, result: SaveResult, cache: SaveCache | None = None, *,
-    rank_local: bool = False,
+    rank_local: bool = False, entry: Ticket | None = None,
 ) -> SavePlan:
     """Describe this rank's part of ``state`` and choose writers: the blocking first step of every save.
 
@@ -106,13 +107,15 @@ def prepare_save(
     part, so none waits for it, and every rank then raises
     :class:`~shardpoint.saving.agree.AgreedFailure` carrying the same error.
     Sets ``result.plan_cached`` (see :class:`~shardpoint.SaveResult`).
+    ``entry`` is this rank's posted entry into the save, when the ranks'
+    agreement on it is still to be awaited: before the first exchange.
 
     Example::
 
         plan = prepare_save(state, comm, SaveOptions(), SaveResult("ckpt", save_id))
     """
     where = result.path
-    gate = Gate(comm, where)  # a rank that fails still joins the agreement's exchanges, so none waits on it
+    gate = Gate(comm, where, entry)  # a rank that fails still joins the agreement's exchanges, so none waits on it
     try:
         rules = [*options.layouts, *implied_rules(state)]  # what the frameworks imply (MoE experts: at their global index)
         if options.replicated_over is None and not rules:

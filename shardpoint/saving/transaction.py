@@ -27,13 +27,14 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, MutableMapping
 
 from ..dist import Comm, Outcome, run_guarded
 from ..engine.claim import CommitPolicy, SaveClaim
 from ..engine.io import write_chunks
 from ..errors import UnsupportedStateError
+from ..runtime.handshake import Ticket
 from ..runtime.monitor import Recorder, format_summary
 from ..planning.describe import RankReport
 from ..planning.save_plan import SavePlan
@@ -80,7 +81,9 @@ class SaveCall:
     private group for background saves); ``storage``: where it goes
     (``None`` for pre-warming, which writes nothing); ``where``: its URL;
     ``result``: what the save did, filled as it runs; ``started``: when it
-    was entered (``time.monotonic()``).
+    was entered (``time.monotonic()``); ``entry``: the ranks' agreement on
+    the call, still to be awaited by a background save before its first
+    exchange (already awaited for a save on the calling thread).
 
     Example::
 
@@ -93,6 +96,7 @@ class SaveCall:
     where: str
     result: SaveResult
     started: float
+    entry: Ticket = field(default_factory=Ticket)
 
     @property
     def save_id(self) -> str:
@@ -151,8 +155,11 @@ class SaveTransaction:
     def enter(self, process_group: Any, coordinate: Any = None) -> SaveCall:
         """The enter phase: every rank agrees it entered this save of this path; return what the later phases read.
 
-        ``coordinate`` maps the caller's ranks to the group the later phases
-        talk on (a background save's private group); default: the same.
+        ``coordinate(base, entry)`` maps the caller's ranks to the group the
+        later phases talk on (a background save's private group); default:
+        the same. A background save only posts its entry here (see
+        :meth:`Comm.announce <shardpoint.dist.Comm.announce>`): nothing on
+        the training thread waits for the other ranks.
         """
         base = Comm.resolve(process_group)
         if base.local and self.options.replicated_over is not None:
@@ -163,12 +170,15 @@ class SaveTransaction:
         # exchange before the write (see shardpoint.saving.agree), so all must decide alike.
         op = self.op if self.options.replicated_over is None else f"{self.op} with replicated_over"
         op = f"{op} with layouts" if self.options.layouts else op  # rules, too, make the ranks agree before the write
-        base.enter(op, where, self.options.collective_timeout)
-        comm = base if coordinate is None else coordinate(base)
+        entry = base.announce(op, where, self.options.collective_timeout)
+        if not self.background:
+            entry.wait()
+        # A background save waits in its writer, or before its agreement's first exchange: not on the training thread.
+        comm = base if coordinate is None else coordinate(base, entry)
         started = time.monotonic()
         save_id = uuid.uuid4().hex  # each rank names its data file with its own id: no collective is needed to start
         result = SaveResult(where, save_id, recorder=Recorder("save", where, comm.rank))
-        self.call = SaveCall(base, comm, storage, where, result, started)
+        self.call = SaveCall(base, comm, storage, where, result, started, entry)
         return self.call
 
     # --- prepare ----------------------------------------------------------------------------------
@@ -176,7 +186,8 @@ class SaveTransaction:
     def prepare(self, cache: SaveCache | None = None) -> SavePlan:
         """The prepare phase: this rank's tensors and documents, and who writes what."""
         self.cache = cache
-        plan = prepare_save(self.state, self.comm, self.options, self.result, cache, rank_local=self.base.local)
+        plan = prepare_save(self.state, self.comm, self.options, self.result, cache, rank_local=self.base.local,
+                            entry=self.call.entry)
         self.prepared = Outcome(True, plan)
         return plan
 

@@ -134,6 +134,30 @@ def _disagree(rank: int, root: str, model) -> dict:
     return out
 
 
+def _disagree_async(rank: int, root: str, state: dict) -> dict:
+    """Async saves post their entry at the call and wait for the other ranks in the background."""
+    d, e, f = (os.path.join(root, n) for n in ("dis_async_d", "dis_async_e", "dis_async_f"))
+    out: dict = {}
+    saver = sp.AsyncSaver()
+    try:
+        saver.prewarm()  # the private group exists: the call itself makes no collective
+        if rank == 1:
+            time.sleep(1.0)  # arrives late: the others' calls do not wait for it
+        t0 = time.monotonic()
+        h = saver.save(d, state, collective_timeout=SHORT)
+        out["call_s"] = time.monotonic() - t0
+        out["committed"] = h.wait().path.endswith("dis_async_d") and sp.read_manifest(d, chunks=False).world_size
+        t0 = time.monotonic()
+        h = saver.save(f if rank == 2 else e, state, mode="lazy", collective_timeout=SHORT)
+        out["paths_call_s"] = time.monotonic() - t0
+        out["paths"] = _error(h.wait)
+        out["paths_nothing_committed"] = not any(os.path.exists(os.path.join(p, "manifest.json")) for p in (e, f))
+        out["recovered"] = saver.save(d, state, collective_timeout=SHORT).wait().path.endswith("dis_async_d")
+    finally:
+        saver.close()
+    return out
+
+
 def _everything(rank: int, root: str, model, opt) -> dict:
     path = os.path.join(root, "all")
     h = torch.tensor([1.5, -2.0])
@@ -160,6 +184,7 @@ def ranks_job(rank: int, world: int, root: str) -> dict:
     return {
         "local": _local(rank, root, model, opt),
         "dtensor": _dtensor(rank, root),
+        "disagree_async": _disagree_async(rank, root, {"model": model}),  # before any subset group: new groups stay in step
         "subset": _subset(rank, root, model, opt),
         "disagree": _disagree(rank, root, model),
         "everything": _everything(rank, root, model, opt),

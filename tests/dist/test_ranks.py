@@ -53,6 +53,14 @@ def test_disagreeing_ranks_raise_distributed_error_on_every_rank(ranks):
         p = res["disagree"]["paths"]
         assert p["type"] == "DistributedError" and "rank 2 is in save of " in p["message"] and "dis_c" in p["message"], (r, p)
         assert res["disagree"]["recovered"] == 3 and res["disagree"]["nothing_committed"] is True
+        a = res["disagree_async"]
+        if r != 1:
+            assert a["call_s"] < 0.5, (r, a)  # did not wait for the late rank
+        assert a["committed"] == 3 and a["recovered"] is True, (r, a)
+        p = a["paths"]
+        assert p["type"] == "DistributedError" and "rank 0 is in async_save of " in p["message"], (r, p)
+        assert "rank 2 is in async_save of " in p["message"] and "dis_async_f" in p["message"], (r, p)
+        assert a["paths_call_s"] < SHORT and p["seconds"] < SHORT and a["paths_nothing_committed"] is True, (r, a)
     alone = ranks[0]["disagree"]["save_vs_barrier"]
     assert alone["type"] == "DistributedError"
     assert f"on rank 0: waited {SHORT:g} s for rank(s) [1, 2] of 3 to enter the same call" in alone["message"]

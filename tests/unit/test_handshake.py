@@ -12,7 +12,9 @@ import torch.distributed as dist
 import shardpoint as sp
 from shardpoint.dist import LOCAL, Comm
 from shardpoint.errors import DistributedError
-from shardpoint.runtime.handshake import DEFAULT_TIMEOUT, TIMEOUT_ENV, Entry, collective_timeout, enter, mismatch_message, timeout_message
+from shardpoint.runtime.handshake import (
+    DEFAULT_TIMEOUT, TIMEOUT_ENV, Entry, announce, collective_timeout, enter, mismatch_message, timeout_message,
+)
 
 
 @pytest.fixture
@@ -49,8 +51,28 @@ def test_agreeing_ranks_pass_and_old_slots_are_deleted(stores):
     e = Entry("save", "file:///ck")
     for _ in range(3):
         assert _run([lambda r=r: enter(s[r], r, 3, e, 5.0) for r in range(3)]) == [None, None, None]
-    assert not s[0].check(["shardpoint/enter/1/state"]) and not s[0].check(["shardpoint/enter/2/tag0"])
-    assert s[0].get("shardpoint/enter/3/state") == b"go"  # the latest slot stays until the next one goes
+    for k in (1, 2, 3):  # the last rank to leave a slot deletes its keys
+        assert not any(s[0].check([f"shardpoint/enter/{k}/{name}"]) for name in ("state", "first", "in", "n", "left"))
+
+
+def test_a_posted_entry_waits_in_the_background_while_its_rank_enters_the_next_call(stores):
+    s = [stores() for _ in range(2)]
+    a, b = Entry("async_save", "file:///a"), Entry("load", "file:///b")
+    posted = [announce(s[r], r, 2, a, 5.0) for r in range(2)]  # on the training threads: nothing waits
+    # Both ranks move on to a load and agree on it, while the save's entry is not awaited yet.
+    assert _run([lambda r=r: enter(s[r], r, 2, b, 5.0) for r in range(2)]) == [None, None]
+    assert s[0].get(f"{posted[0].slot}/state") == b"go"  # still there: no rank has left it
+    assert _run([p.wait for p in posted]) == [None, None]
+    assert not s[0].check([f"{posted[0].slot}/state"])
+
+
+def test_a_disagreement_posted_without_waiting_is_raised_by_the_wait(stores):
+    s = [stores() for _ in range(2)]
+    posted = [announce(s[0], 0, 2, Entry("async_save", "file:///a"), 5.0), announce(s[1], 1, 2, Entry("save", "file:///a"), 5.0)]
+    res = _run([p.wait for p in posted])
+    for e in res:
+        assert isinstance(e, DistributedError)
+        assert "rank 0 is in async_save of file:///a, rank 1 is in save of file:///a" in str(e)
 
 
 def test_disagreeing_ranks_all_raise_naming_both_calls(stores):
