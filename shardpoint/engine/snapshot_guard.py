@@ -35,15 +35,16 @@ Example::
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
 from ..device import CpuDevice, Device
 from ..errors import TornSnapshotError
 
-__all__ = ["SnapshotGuard", "GuardedTensor", "SAMPLE_ELEMENTS", "FINGERPRINTED"]
+__all__ = ["SnapshotGuard", "GuardedTensor", "SAMPLE_ELEMENTS", "FINGERPRINTED", "largest"]
 
 SAMPLE_ELEMENTS = 1024
 """The most elements one tensor's fingerprint samples."""
@@ -88,6 +89,17 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
     return sample.view(torch.uint8)
 
 
+def largest(tensors: Iterable[torch.Tensor], n: int = FINGERPRINTED) -> frozenset[int]:
+    """The positions of the ``n`` tensors holding the most elements on this rank: the ones a guard samples.
+
+    Example::
+
+        largest([torch.zeros(3), torch.zeros(9), torch.zeros(1)], 1)  # frozenset({1})
+    """
+    sizes = [_local(t).numel() for t in tensors]
+    return frozenset(heapq.nlargest(n, range(len(sizes)), key=sizes.__getitem__))
+
+
 class SnapshotGuard:
     """The versions (and fingerprints) of the tensors of one save, taken at the call.
 
@@ -98,27 +110,47 @@ class SnapshotGuard:
         guard.changed()   # ["model.w"]
     """
 
-    def __init__(self, watched: list[GuardedTensor], device: Device | None = None):
-        self.watched = watched
+    def __init__(self, names: Sequence[str], tensors: Sequence[torch.Tensor], versions: Sequence[int],
+                 fingerprints: Mapping[int, torch.Tensor], device: Device | None = None):
+        # Parallel sequences, not an object per tensor: a sharded model's guard watches thousands at every save.
+        self.names, self.tensors, self.versions = tuple(names), tuple(tensors), tuple(versions)
+        self.fingerprints = dict(fingerprints)
         self.device = device if device is not None else CpuDevice()
 
     @classmethod
-    def record(cls, tensors: Iterable[tuple[str, torch.Tensor]], device: Device | None = None) -> "SnapshotGuard":
+    def record(cls, tensors: Iterable[tuple[str, torch.Tensor]], device: Device | None = None,
+               sampled: frozenset[int] | None = None) -> "SnapshotGuard":
         """Watch ``(name, tensor)`` pairs as they are now; ``device`` is the one the save stages from.
+
+        ``sampled``: the positions that also get a fingerprint (default: the
+        :func:`largest`); a saver that watches the same tensors again passes
+        the positions it found before instead of sizing every tensor again.
 
         Example::
 
             guard = SnapshotGuard.record([("model.w", w), ("optimizer.state.model.w.exp_avg", m)])
         """
         pairs = list(tensors)
-        sized = sorted(range(len(pairs)), key=lambda i: -_local(pairs[i][1]).numel())
-        sampled = set(sized[:FINGERPRINTED])
-        return cls([
-            GuardedTensor(fqn, t, t._version, _fingerprint(t) if i in sampled else None) for i, (fqn, t) in enumerate(pairs)
-        ], device)
+        names = [n for n, _ in pairs]
+        ts = [t for _, t in pairs]
+        if sampled is None:
+            sampled = largest(ts)
+        prints = {i: fp for i in sorted(sampled) if (fp := _fingerprint(ts[i])) is not None}
+        return cls(names, ts, [t._version for t in ts], prints, device)
+
+    @property
+    def watched(self) -> list[GuardedTensor]:
+        """Every watched tensor with its version and fingerprint at the call (for inspection).
+
+        Example::
+
+            [g.fqn for g in guard.watched if g.fingerprint is not None]  # the sampled ones
+        """
+        return [GuardedTensor(n, t, v, self.fingerprints.get(i))
+                for i, (n, t, v) in enumerate(zip(self.names, self.tensors, self.versions))]
 
     def __len__(self) -> int:
-        return len(self.watched)
+        return len(self.tensors)
 
     def changed(self) -> list[str]:
         """The names of the watched tensors changed in place since :meth:`record`.
@@ -129,13 +161,13 @@ class SnapshotGuard:
         """
         out = []
         with self.device.capture_guard():  # comparing a device sample waits for the device
-            for g in self.watched:
-                if g.tensor._version != g.version:
-                    out.append(g.fqn)
-                elif g.fingerprint is not None:
-                    now = _fingerprint(g.tensor)
-                    if now is None or not torch.equal(now, g.fingerprint):
-                        out.append(g.fqn)
+            for i, (t, v) in enumerate(zip(self.tensors, self.versions)):
+                if t._version != v:
+                    out.append(self.names[i])
+                elif i in self.fingerprints:
+                    now = _fingerprint(t)
+                    if now is None or not torch.equal(now, self.fingerprints[i]):
+                        out.append(self.names[i])
         return out
 
     def check(self, path: str) -> TornSnapshotError | None:

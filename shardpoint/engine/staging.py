@@ -292,8 +292,16 @@ class SaverStaging:
 
     def adopt(self, items: Sequence[Any]) -> Device:
         """The device for ``items`` (objects with ``.data``): as given, else that of their first device tensor."""
-        if not self.given:
-            where = device_of(t.data for t in items)
+        return self.serve(None if self.given else device_of(t.data for t in items))
+
+    def serve(self, where: torch.device | None) -> Device:
+        """The device for tensors on ``where`` (the first device a save's tensors are on): as given, else one serving it.
+
+        Example::
+
+            staging.serve(torch.device("cpu"))  # CpuDevice, unless a device was given
+        """
+        if not self.given and where is not None:
             if self.device is None or not self.device.serves(where):
                 self.device = device_for(where)
         elif self.device is None:

@@ -15,6 +15,7 @@ import concurrent.futures as cf
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, MutableMapping
 
 from ..adapters.stepped import StepUpdates, step_updates
@@ -22,18 +23,55 @@ from .handle import AsyncSaveHandle
 from ..dist import run_guarded
 from ..engine.pipeline import StagedWrite
 from ..engine.snapshot_guard import SnapshotGuard
-from ..engine.staging import SaverStaging, StagingRing, optimizer_order
+from ..engine.staging import SaverStaging, StagingRing
 from ..errors import CheckpointError, GraphCaptureError
 from ..planning.describe import RankReport
 from .agree import AgreedFailure, unwrap
-from .reuse import SaveCache
+from .copy_order import CopyOrder, copy_order
+from .reuse import SameItems, SaveCache
 from ..runtime.monitor import mark_phase
 from .steps import data_file_name
 from .transaction import SaveOptions, SaveTransaction
 
-__all__ = ["BackgroundSave"]
+__all__ = ["BackgroundSave", "Staging"]
 
 log = logging.getLogger("shardpoint")
+
+
+@dataclass(frozen=True)
+class Staging:
+    """What the stage phase made for one asynchronous save on one rank.
+
+    ``write``: the staged data file (``None``: nothing of this rank's to
+    write, or its preparation failed); its items ``[0, split)`` are copied
+    before the call returns, the rest lazily. ``deferred``: replica digests
+    left for the lazy worker. ``live``: the tensors the steps update, which
+    a lazy save's guard watches (empty for an eager save), and ``sampled``
+    the positions among them the guard fingerprints.
+
+    Example::
+
+        Staging(handle, ring).lazy  # False: nothing left for after the call
+    """
+
+    handle: AsyncSaveHandle
+    ring: StagingRing
+    write: StagedWrite | None = None
+    split: int = 0
+    deferred: bool = False
+    live: tuple = ()
+    sampled: frozenset[int] = frozenset()
+    eager_nbytes: int = 0
+
+    @property
+    def lazy(self) -> bool:
+        """Whether part of the snapshot is copied, or digested, after the call returns (the save is then fenced)."""
+        return self.deferred or (self.write is not None and self.split < len(self.write.items))
+
+    @property
+    def streams(self) -> bool:
+        """Whether the eager part is larger than the ring, so that it streams through it."""
+        return self.split > 0 and self.write is not None and self.eager_nbytes > self.ring.capacity
 
 
 class BackgroundSave(SaveTransaction):
@@ -51,12 +89,9 @@ class BackgroundSave(SaveTransaction):
             raise ValueError(f"mode must be 'eager' or 'lazy', got {mode!r}")
         super().__init__(path, state, options, "async_save")
         self.mode = mode
-        self.staged: StagedWrite | None = None
-        self.split = 0  # staged items [0, split) are copied before the call returns, the rest lazily
-        self.ring: StagingRing | None = None
-        self.handle: AsyncSaveHandle | None = None
+        self.staging: Staging | None = None  # made by the stage phase
+        self.live: tuple = ()  # what the steps update, when part of the save is lazy (found by the stage phase)
         self.snapshot_started = 0.0
-        self.deferred = False  # replica digests left for the lazy worker
 
     # --- prepare ----------------------------------------------------------------------------------
 
@@ -71,35 +106,46 @@ class BackgroundSave(SaveTransaction):
 
     def stage(self, staging: SaverStaging, piece_bytes: int) -> AsyncSaveHandle:
         """Size the staging ring for this save, order what it copies, and make the handle."""
-        mine = self.plan.mine if self.prepared.ok else []
+        order = CopyOrder((), 0, frozenset())
         if self.prepared.ok:
-            refused = run_guarded(functools.partial(self._refuse_capture, staging.adopt(mine)))
-            if not refused.ok:  # as a failed preparation: the other ranks still meet this one at the commit
+            ordered = run_guarded(self._copy_order)
+            if ordered.ok:
+                order = ordered.value
+                ordered = run_guarded(functools.partial(self._refuse_capture, staging.serve(order.where)))
+            if not ordered.ok:  # as a failed preparation: the other ranks still meet this one at the commit
                 if self.comm.world == 1:
-                    raise refused.exc
-                self.prepared, mine = refused, []
-        ring = self.ring = staging.ring_for(sum(t.nbytes for t in mine))
+                    raise ordered.exc
+                self.prepared, order = ordered, CopyOrder((), 0, frozenset())
+        ring = staging.ring_for(order.nbytes)
         ring.reopen()
-        handle = self.handle = AsyncSaveHandle(self.where, self.result, device=ring.device)
+        handle = AsyncSaveHandle(self.where, self.result, device=ring.device)
         handle.attach_storage(self.storage)
         if not self.prepared.ok:
+            self.staging = Staging(handle, ring)
             return handle
-        lazy = set(self.plan.lazy_ok) if self.mode == "lazy" and not self._graph_stepped() else set()
-        later = [t for t in mine if t.fqn in lazy]
-        if later:
-            later = optimizer_order(later, self.updates.order(self.plan.context))
-        items = [t for t in mine if t.fqn not in lazy] + later
-        self.split = len(items) - len(later)
+        deferred = False
         replicas = self.plan.replicas
         if replicas is not None:
             # Digests of the state at the call: alongside the copies; a lazy save's on its worker, guarded to the fence.
-            replicas.start(lazy if not ring.device.asynchronous else frozenset())
-            self.deferred = bool(replicas.later)
-        if items:
+            replicas.start(order.lazy if not ring.device.asynchronous else frozenset())
+            deferred = bool(replicas.later)
+        write = None
+        if order.items:
             name = data_file_name(self.save_id, self.comm.rank)
-            self.staged = StagedWrite(self.storage, name, items, ring, self.comm.rank, self.options.block_size, piece_bytes, recorder=self.result.recorder)
-            self.staged.after = ring.device.snapshot_point()  # here, on the training thread: copies read the state as of the call
+            write = StagedWrite(self.storage, name, list(order.items), ring, self.comm.rank, self.options.block_size, piece_bytes,
+                                recorder=self.result.recorder)
+            write.after = ring.device.snapshot_point()  # here, on the training thread: copies read the state as of the call
+        self.staging = Staging(handle, ring, write, order.split, deferred, self.live, order.sampled, order.eager_nbytes)
         return handle
+
+    def _copy_order(self) -> CopyOrder:
+        """What to copy in which order: kept by the saver while the plan's items and the live tensors are the same objects."""
+        mine = self.plan.mine
+        lazy = frozenset(self.plan.lazy_ok) if self.mode == "lazy" and not self._graph_stepped() else frozenset()
+        self.live = tuple(self.updates.live(self.plan.context)) if lazy else ()
+        fingerprint = (SameItems(mine), lazy, SameItems(t for _, t in self.live))
+        cache = self.cache if self.cache is not None else SaveCache()
+        return cache.reuse("copy order", fingerprint, lambda: copy_order(mine, lazy, self.live))[0]
 
     @functools.cached_property
     def updates(self) -> StepUpdates:
@@ -137,50 +183,57 @@ class BackgroundSave(SaveTransaction):
 
         One that fits is copied before the writer wakes, which would compete with the copy for the CPU.
         """
-        staged = self.staged
-        return self.split > 0 and staged is not None and sum(t.nbytes for t in staged.items[: self.split]) > self.ring.capacity
+        return self.staging.streams
 
     @property
     def lazy(self) -> bool:
         """Whether part of the snapshot is copied, or digested, after the call returns (the save is then fenced)."""
-        return self.deferred or (self.staged is not None and self.split < len(self.staged.items))
+        return self.staging.lazy
+
+    @property
+    def split(self) -> int:
+        """How many staged items are copied before the call returns; the rest are copied lazily."""
+        return self.staging.split
 
     def snapshot(self) -> None:
         """The snapshot phase on the training thread: the eager copies, then the lazy part's guard and hooks."""
-        staged, handle = self.staged, self.handle
+        st = self.staging
+        write, handle = st.write, st.handle
         self.snapshot_started = time.monotonic()
-        if staged is not None:
+        if write is not None:
             try:
-                staged.copy(0, self.split, last=(self.split == len(staged.items)))
-                staged.wait_copied()  # a snapshot counts once its copies are complete, not queued
+                write.copy(0, st.split, last=(st.split == len(write.items)))
+                write.wait_copied()  # a snapshot counts once its copies are complete, not queued
             except BaseException as e:  # noqa: BLE001 - the writer reports it via wait()
                 log.debug("snapshot copy failed: %s", e)  # copied all the same: below, or by the lazy copier
         if self.prepared.ok and self.plan.replicas is not None:
             self.plan.replicas.join()  # the state may change once the call returns
         mark_phase(self.result, "snapshot", self.snapshot_started)
-        if not self.lazy:
+        if not st.lazy:
             handle.mark_copied()
             return
-        handle.guard(SnapshotGuard.record(self.updates.live(self.plan.context), self.ring.device))
+        live = st.live or tuple(self.updates.live(self.plan.context))
+        handle.guard(SnapshotGuard.record(live, st.ring.device, st.sampled if st.live else None))
         for hook in self.updates.add_pre_hooks(handle.step_pre_hook):
             handle.add_hook(hook)
 
     def copy_lazy(self) -> None:
         """The lazy part of the snapshot, on a worker; the optimizer's step is ordered after it."""
-        staged, handle = self.staged, self.handle
-        copies = staged is not None and self.split < len(staged.items)
+        st = self.staging
+        write, handle = st.write, st.handle
+        copies = write is not None and st.split < len(write.items)
         try:
             if copies:
-                staged.copy(self.split, len(staged.items), last=True)
+                write.copy(st.split, len(write.items), last=True)
         except BaseException as e:  # noqa: BLE001
             log.debug("lazy snapshot copy failed: %s", e)
         finally:
-            if self.deferred:
+            if st.deferred:
                 self.plan.replicas.digest_later()  # before the step may change them; the guard covers the rest
-            handle.copies_queued(staged.last_event if copies else None)  # the step may now be ordered after them
+            handle.copies_queued(write.last_event if copies else None)  # the step may now be ordered after them
             try:
                 if copies:
-                    staged.wait_copied()
+                    write.wait_copied()
             finally:
                 mark_phase(self.result, "lazy_copy", self.snapshot_started)
                 handle.mark_copied()
@@ -200,27 +253,27 @@ class BackgroundSave(SaveTransaction):
                 self.finish()
             finally:
                 writer.set_result(None)
-                self.handle.writer_started(writer)
+                self.staging.handle.writer_started(writer)
             return
-        self.handle.writer_started(writer)
+        self.staging.handle.writer_started(writer)
         self.copy_lazy()
 
     # --- claim, write, commit ---------------------------------------------------------------------
 
     def write_staged(self, started: float) -> tuple[list, dict, float]:
         """Claim the path and write the staged data file; return what the summary needs."""
-        staged = self.staged
+        write = self.staging.write
         try:
             self.claim_path()
         except BaseException:
-            if staged is not None:
-                staged.abandon()
+            if write is not None:
+                write.abandon()
             raise
         records, files = [], {}
-        if staged is not None:
-            staged.write()
-            records, files[staged.file] = staged.records, staged.size
-            self.result.bytes_written = staged.size
+        if write is not None:
+            write.write()
+            records, files[write.file] = write.records, write.size
+            self.result.bytes_written = write.size
         return records, files, started
 
     def summarize_fenced(self, written: tuple[list, dict, float], torn: CheckpointError | None) -> RankReport:
@@ -247,15 +300,15 @@ class BackgroundSave(SaveTransaction):
         if out.ok:
             out = run_guarded(functools.partial(self.write_staged, time.monotonic()))
         if out.ok:
-            self.handle.commit_after_fence(functools.partial(self.complete, out.value))
+            self.staging.handle.commit_after_fence(functools.partial(self.complete, out.value))
         else:
             self.commit_and_report(out)
 
     def abandon(self, error: BaseException) -> None:
         """End this save as failed with ``error``, writing and committing nothing."""
-        if self.staged is not None:
-            self.staged.abandon()
-        handle = self.handle
+        if self.staging.write is not None:
+            self.staging.write.abandon()
+        handle = self.staging.handle
         handle.mark_written()
         handle.fail(error)
         handle.finish()
@@ -266,7 +319,7 @@ class BackgroundSave(SaveTransaction):
 
     def commit_and_report(self, out: Any) -> None:
         """Commit this rank's outcome and report; the handle ends COMMITTED or FAILED."""
-        handle = self.handle
+        handle = self.staging.handle
         handle.mark_written()
         try:
             self.commit(out)

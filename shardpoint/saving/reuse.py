@@ -27,7 +27,11 @@ their fingerprints are:
 - the writer choice (``"plan"``): the tensors' names, shapes, dtypes,
   geometry and replica facts (:func:`~shardpoint.planning.writers.plan_signature`);
 - the description (``"described"``): the plan it describes (by identity)
-  and the rank, world and group it is described on.
+  and the rank, world and group it is described on;
+- an asynchronous save's copy order (``"copy order"``, see
+  :mod:`shardpoint.saving.copy_order`): the items this rank writes (by
+  identity), the names it copies lazily, and the live tensors the steps
+  update (by identity, in order).
 
 A save's :attr:`~shardpoint.SaveResult.plan_cached` says one thing: its
 writer choice was reused, from the checked plan or from the writer choice
