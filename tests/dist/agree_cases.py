@@ -2,9 +2,12 @@
 
 One process group runs the cases in turn. Each case first saves a good
 checkpoint, then plants a failure on rank 1 only (an entry whose
-``state_dict()`` raises, a dtype the format refuses, a background write that raises, a tensor changed before a
-lazy save's fence, a misfit load target, an entry whose
-``load_state_dict()`` raises) and runs the call on every rank. A case
+``state_dict()`` raises, a dtype the format refuses, a ``Reduced`` tensor
+of another shape or dtype, a registered adapter whose ``implied_rules``
+raises, a background write that raises, a tensor changed before a lazy
+save's fence, a misfit load target, a ``meta`` module that cannot be given
+storage, an entry whose ``load_state_dict()`` raises) and runs the call on
+every rank. A case
 records, per rank, the error's class, message, where it surfaced (``call``
 or ``wait``) and how long it took, and whether the good checkpoint still
 loads bit-exact afterwards (nothing was committed over it).
@@ -183,7 +186,7 @@ class Implying(Adapter):
 
 @contextlib.contextmanager
 def implying(case: str, world: int, armed: bool):
-    """``Implying`` registered for the ``with`` block (only in ``implied`` cases): the experts' rule, when the case has experts."""
+    """:class:`Implying` registered for the ``with`` block of ``implied`` cases (implying experts where they have some)."""
     if "implied" not in case:
         yield
         return

@@ -1,4 +1,8 @@
-"""Checks shared by the multi-process reshard tests: in the ranks (the saving run's reference, what a load gave), and in the parent."""
+"""Checks shared by the multi-process reshard tests.
+
+In the ranks: the reference a saving run records and what a load gives
+compared with it; in the parent: what the ranks returned.
+"""
 
 from __future__ import annotations
 

@@ -42,7 +42,8 @@ def _causes(case: str) -> tuple[str, ...]:
         return (f"'{name}': checkpoint has {saved}, target has {target}",)
     if case.endswith(("_shape", "_dtype")):  # the tensor, both ranks with what each holds, and the fix
         other = "float32[4]" if case.endswith("_shape") else "float64[3]"
-        return ("Reduced tensor 'extra.ema'", "rank(s) [0] hold float32[3]", f"rank(s) [1] hold {other}", "same shape and dtype on every rank")
+        held = ("rank(s) [0] hold float32[3]", f"rank(s) [1] hold {other}")
+        return ("Reduced tensor 'extra.ema'", *held, "same shape and dtype on every rank")
     return (CAUSE,)
 
 

@@ -32,7 +32,8 @@ def step(m: nn.Sequential, opt: torch.optim.Optimizer, batch: int = 4) -> None:
 def flat(m: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Copies of the model's state (``m.<name>``) and of the optimizer's tensors (``o.<param>.<name>``)."""
     out = {f"m.{k}": v.clone() for k, v in m.state_dict().items()}
-    out.update({f"o.{k}.{n}": v.clone() for k, s in opt.state_dict()["state"].items() for n, v in s.items() if torch.is_tensor(v)})
+    state = opt.state_dict()["state"]
+    out.update({f"o.{k}.{n}": v.clone() for k, s in state.items() for n, v in s.items() if torch.is_tensor(v)})
     return out
 
 
