@@ -20,7 +20,7 @@ Example (``CounterAdapter`` as in :class:`Adapter`'s example)::
 from __future__ import annotations
 
 from .base import Adapter, AdapterContext, ContextFacts, LoadPart, LoadTarget, ParamShard, ParamView, Replicas, SavePart, SaveTensor
-from .context import build_context, implied_rules, resolve_replicas
+from .context import build_context, implied_rules, may_imply_rules, resolve_replicas
 from .deepspeed.moe import deepspeed_expert_rules
 from .module import unwrap_module
 from .registry import adapter_for, default_adapters, register_adapter, registered_adapters, unregister_adapter
@@ -39,6 +39,7 @@ __all__ = [
     "Replicas",
     "build_context",
     "implied_rules",
+    "may_imply_rules",
     "resolve_replicas",
     "register_adapter",
     "unregister_adapter",

@@ -292,7 +292,7 @@ class Adapter(abc.ABC):
     save to save), :meth:`context_facts` (parameter names, packed-parameter
     views, per-parameter shards and live param-group keys that other
     adapters need), :meth:`implied_rules` (layout rules the framework implies
-    for the state), and :meth:`is_stepped`, :meth:`step_updates` and
+    for the state, asked where :meth:`may_imply_rules` says so), and :meth:`is_stepped`, :meth:`step_updates` and
     :meth:`add_step_pre_hook` (what an optimizer's step updates, which a
     lazy asynchronous save copies in the background, fenced before the next
     step).
@@ -396,10 +396,24 @@ class Adapter(abc.ABC):
         """
         return None
 
+    def may_imply_rules(self, state: Mapping[str, Any]) -> bool:
+        """Whether :meth:`implied_rules` may give rules for ``state``; only then is it asked.
+
+        A yes makes the save's ranks agree before the write, also the rank
+        whose :meth:`implied_rules` then fails, so the answer must be cheap,
+        never fail, and be the same on every rank: read only what all share
+        (imported frameworks, the state's entry types). By default: whether
+        :meth:`implied_rules` is overridden. Example::
+
+            def may_imply_rules(self, state):
+                return any(isinstance(m, MyMoE) for m in state.values())
+        """
+        return type(self).implied_rules is not Adapter.implied_rules
+
     def implied_rules(self, state: Mapping[str, Any]) -> list[Any]:
         """The layout rules this adapter's framework implies for ``state``, applied with the user's.
 
-        Every registered adapter is asked on save and on load
+        Asked on save and load where :meth:`may_imply_rules` says yes
         (:func:`~shardpoint.adapters.implied_rules`). The DeepSpeed adapter
         returns an :class:`~shardpoint.layouts.Experts` rule for each MoE
         layer, so that local experts are stored at their global index. By

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from .base import AdapterContext, ParamShard, ParamView, Replicas
 from .registry import default_adapters
 
-__all__ = ["build_context", "implied_rules", "resolve_replicas", "resolve_patterns", "is_name_pattern"]
+__all__ = ["build_context", "may_imply_rules", "implied_rules", "resolve_replicas", "resolve_patterns", "is_name_pattern"]
 
 
 def _global_rank() -> int:
@@ -141,8 +141,21 @@ def build_context(
     )
 
 
+def may_imply_rules(state: Mapping[str, Any]) -> bool:
+    """Whether a registered adapter may imply layout rules for ``state``: the same answer on every rank.
+
+    A save asks it before :func:`implied_rules` to decide whether its ranks
+    agree before the write (:meth:`~shardpoint.adapters.Adapter.may_imply_rules`).
+
+    Example::
+
+        declared = bool(user_rules) or may_imply_rules(state)
+    """
+    return any(adapter.may_imply_rules(state) for adapter in default_adapters())
+
+
 def implied_rules(state: Mapping[str, Any]) -> list[Any]:
-    """The layout rules the frameworks in ``state`` imply, from every registered adapter in order.
+    """The layout rules the frameworks in ``state`` imply, from every registered adapter that may imply some, in order.
 
     A save and a load apply them after the user's own rules
     (:meth:`~shardpoint.adapters.Adapter.implied_rules`; experts of a MoE
@@ -152,4 +165,4 @@ def implied_rules(state: Mapping[str, Any]) -> list[Any]:
 
         rules = [*user_rules, *implied_rules(state)]
     """
-    return [rule for adapter in default_adapters() for rule in adapter.implied_rules(state)]
+    return [rule for adapter in default_adapters() if adapter.may_imply_rules(state) for rule in adapter.implied_rules(state)]

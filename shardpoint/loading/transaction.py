@@ -117,15 +117,20 @@ class LoadTransaction:
 
     def plan(self) -> None:
         """Targets for every entry on this rank, checked collectively: the read starts on every rank or on none."""
-        if self.selected is not None:
-            check_patterns(self.where, self.selected, self.manifest, self.strict)
-        materialize_meta(self.state)
         tp = time.monotonic()
         self.parts = self.comm.check(run_guarded(self.plan_local), f"load of {self.where}")
         mark_phase(self.result, "prepare", tp)
 
     def plan_local(self) -> dict:
-        """This rank's part of :meth:`plan`; a missing name fails a strict load here."""
+        """This rank's part of :meth:`plan`; a missing name fails a strict load here.
+
+        Everything here may fail on one rank only (the patterns of ``keys=``,
+        a ``meta`` module given storage, an adapter's rules or targets), so
+        all of it runs under the plan's check.
+        """
+        if self.selected is not None:
+            check_patterns(self.where, self.selected, self.manifest, self.strict)
+        materialize_meta(self.state)
         # Names saved as one copy per replica group; DeepSpeed MoE experts at their global index.
         layouts = with_copies([*self.layouts, *implied_rules(self.state)], self.manifest.tensors)
         plan = plan_entries(

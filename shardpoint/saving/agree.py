@@ -10,7 +10,9 @@ one phase, after this rank's local preparation (adapters, rules, checks:
 no collective) and before the write:
 
 1. the first exchange carries each rank's status with what the later
-   steps need (the experts' keys, else the replica rows);
+   steps need (the experts' keys, else the replica rows), and a row per
+   ``Reduced`` tensor (:mod:`shardpoint.saving.reduced`): ranks that hold
+   them with other shapes or dtypes all raise the same error here;
 2. only when every rank is known healthy: the reductions, the experts'
    placement, then the replica rows (when experts came first);
 3. the names, only when the rows show a name held by several groups.
@@ -26,8 +28,9 @@ without writing or committing anything. A collective outside the
 agreement would instead leave the healthy ranks waiting in it for a rank
 that never comes.
 
-A plain save (no groups declared, no rules) makes no collective before
-the write at all: its failures surface at the commit.
+A plain save (no groups declared, no rules, no adapter that may imply
+rules) makes no collective before the write at all: its failures surface
+at the commit.
 
 Example::
 
@@ -49,6 +52,7 @@ from ..items import SaveTensor
 from ..layouts import Reduced, apply_save
 from ..planning.replicas import copied_names, copy_name, encode_rows, suspicious
 from ..runtime.handshake import Ticket
+from .reduced import ReducedFact, fact_keys, fact_rows, facts_of, mismatch_error
 from .replicas import PendingTable, pending_table, rows_of
 
 __all__ = ["FAILED", "COLUMNS", "Rows", "Gate", "AgreedFailure", "unwrap", "Proposal", "Agreed", "agree_save", "reduce_values"]
@@ -96,6 +100,10 @@ class Rows:
     def first_column(self) -> list[int]:
         """The keys of :meth:`keys`."""
         return self.table[:, 0].tolist()
+
+    def plus(self, rows: torch.Tensor) -> "Rows":
+        """This message with more rows (an int64 ``[m, 6]`` table) after its own."""
+        return self if not len(rows) else Rows(torch.cat([self.table, rows]))
 
 
 class AgreedFailure(Exception):
@@ -293,8 +301,9 @@ def _agree(proposal: Proposal, comm: Comm, gate: Gate) -> Agreed:
     else:
         rows = rows_of(logical, digests=False)  # which piece in which group: the same before and after reducing
         first = Rows(encode_rows(rows))
-    got = gate.exchange(first)
-    # Every rank is healthy: the reductions may run.
+    facts = facts_of(proposal.physical, proposal.reduced)  # reduced only where every rank holds the same
+    got = _checked_facts(gate.exchange(first.plus(fact_rows(facts))), facts, comm, gate)
+    # Every rank is healthy and holds the same Reduced tensors: the reductions may run.
     pieces = list(proposal.pieces)
     if proposal.reduced:
         physical = reduce_values(proposal.physical, proposal.reduced, comm)
@@ -318,6 +327,19 @@ def _agree(proposal: Proposal, comm: Comm, gate: Gate) -> Agreed:
     return Agreed(tuple(tensors), frozenset(lazy), pending_table(tensors, comm))
 
 
+def _checked_facts(got: dict[int, Rows], facts: list[ReducedFact], comm: Comm, gate: Gate) -> dict[int, Rows]:
+    """The first exchange's messages without their Reduced rows, once every rank sent the same ones.
+
+    Every rank sees the same tables, so every rank refuses alike: the ranks
+    gather their facts by name once and each raises the same error.
+    """
+    split = {r: fact_keys(m.table) for r, m in got.items()}
+    if len({tuple(keys) for _, keys in split.values()}) > 1:
+        gate.close()  # the last exchange: the failure is known to every rank
+        raise AgreedFailure(mismatch_error(gate.where, comm.all_gather(facts)))
+    return {r: Rows(table) for r, (table, _) in split.items()}
+
+
 def _global(comm: Comm, gate: Gate, rank: int) -> int:
     """Replica groups name global ranks; a stand-in without a process group is its own rank."""
     return comm.global_rank(rank) if gate.active else rank
@@ -338,16 +360,17 @@ def _renamed(tensors: list[SaveTensor], rows: list, tables: list[torch.Tensor], 
 
 
 def reduce_values(tensors: Sequence[SaveTensor], reduced: Mapping[int, Reduced], comm: Comm) -> list[SaveTensor]:
-    """``tensors`` with those at the positions of ``reduced`` reduced across the group, in position order.
+    """``tensors`` with those at the positions of ``reduced`` reduced across the group, in the order of their names.
 
-    Runs only inside the agreement, once every rank is known healthy.
+    Runs only inside the agreement, once every rank is known healthy and
+    to hold the same Reduced tensors (:mod:`shardpoint.saving.reduced`).
 
     Example::
 
         tensors = reduce_values(tensors, {3: Reduced("extra.ema")}, comm)
     """
     out = list(tensors)
-    for i in sorted(reduced):
+    for i in sorted(reduced, key=lambda i: out[i].fqn):  # by name: the ranks reduce the same tensors in the same order
         t, rule = out[i], reduced[i]
         data = t.data.detach().clone()
         if comm.active and comm.world > 1:

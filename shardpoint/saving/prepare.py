@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters, implied_rules
+from ..adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters, implied_rules, may_imply_rules
 from ..adapters.stepped import step_updates
 from ..dist import Comm
 from ..engine.commit import write_index
@@ -117,13 +117,16 @@ def prepare_save(
     where = result.path
     gate = Gate(comm, where, entry)  # a rank that fails still joins the agreement's exchanges, so none waits on it
     try:
-        rules = [*options.layouts, *implied_rules(state)]  # what the frameworks imply (MoE experts: at their global index)
-        if options.replicated_over is None and not rules:
+        # Whether the ranks agree before the write, from what every rank shares: all decide alike, also a
+        # rank whose implied rules then fail (it joins the agreement with the failed marker).
+        declared = options.replicated_over is not None or bool(options.layouts) or may_imply_rules(state)
+        if not declared:
             gate.close()  # no exchange before the write: a rank that fails reports at the commit
+        rules = [*options.layouts, *implied_rules(state)]  # what the frameworks imply (MoE experts: at their global index)
         ta = time.monotonic()
         ctx = build_context(state, comm.rank, comm.world, options.allow_pickle, options.replicated_over)
         tensors, values, frameworks = _parts(state, ctx, rules, cache := cache or SaveCache())
-        job = _Job(state, ctx, rules, comm, gate, where, rank_local, options.replicated_over is not None or bool(rules))
+        job = _Job(state, ctx, rules, comm, gate, where, rank_local, declared)
         plan, table, result.plan_cached = _checked_plan(job, tensors, cache)
         mark_phase(result, "plan", ta)
         return plan.for_save(values, frameworks, replicas=table, context=ctx)
@@ -173,7 +176,7 @@ class _Job:
     gate: Gate
     where: str
     rank_local: bool
-    declared: bool  # groups or rules: the ranks agree before the write
+    declared: bool  # groups, rules, or an adapter that may imply rules: the ranks agree before the write
 
 
 def _checked_plan(job: _Job, tensors: list[SaveTensor], cache: SaveCache) -> tuple[SavePlan, PendingTable | None, bool]:

@@ -2,9 +2,12 @@
 
 One process group runs the cases in turn. Each case first saves a good
 checkpoint, then plants a failure on rank 1 only (an entry whose
-``state_dict()`` raises, a dtype the format refuses, a background write that raises, a tensor changed before a
-lazy save's fence, a misfit load target, an entry whose
-``load_state_dict()`` raises) and runs the call on every rank. A case
+``state_dict()`` raises, a dtype the format refuses, a ``Reduced`` tensor
+of another shape or dtype, a registered adapter whose ``implied_rules``
+raises, a background write that raises, a tensor changed before a lazy
+save's fence, a misfit load target, a ``meta`` module that cannot be given
+storage, an entry whose ``load_state_dict()`` raises) and runs the call on
+every rank. A case
 records, per rank, the error's class, message, where it surfaced (``call``
 or ``wait``) and how long it took, and whether the good checkpoint still
 loads bit-exact afterwards (nothing was committed over it).
@@ -15,6 +18,7 @@ thread's stack on stderr, after the line naming the case.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardpoint as sp
+from shardpoint.adapters import Adapter, register_adapter, unregister_adapter
 
 LIMIT = 20.0  # seconds a failing case may take before it counts as a hang
 CAUSE = "planted failure on rank 1"
@@ -59,15 +64,26 @@ class Net(nn.Module):
         self.experts = nn.ModuleList([nn.Linear(4, 4, bias=False)])
 
 
+class Ema(nn.Module):
+    """A running value as a module's buffer, the live state a load fills in place."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(n))
+
+
 def _per_rank(case: str) -> tuple[bool, bool]:
     """Whether the case's state differs per rank in its reduced value, and in its experts (else ranks hold copies)."""
-    return case.endswith(("reduced", "experts")), case.endswith("experts")
+    return "reduced" in case or "experts" in case, "experts" in case
+
+
+def _experts(world: int) -> list:
+    return [sp.Experts("model.experts", num_experts=world, group=list(range(world)))]
 
 
 def _layouts(case: str, world: int) -> list:
     reduced = [sp.Reduced("extra.ema")]
-    experts = [sp.Experts("model.experts", num_experts=world, group=list(range(world)))]
-    return reduced + experts if case.endswith("experts") else reduced if case.endswith("reduced") else []
+    return reduced + _experts(world) if "experts" in case else reduced if "reduced" in case else []
 
 
 def _state(case: str, seed: int, rank: int, flaky: Flaky | None = None, width: int = 4) -> dict:
@@ -91,7 +107,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _error(fn: Callable[[], Any]) -> dict:
+def error_of(fn: Callable[[], Any]) -> dict:
     """The error ``fn`` raises (at the call, or at ``wait()`` of the handle it returns) and how long it took."""
     t0 = time.monotonic()
     where = "call"
@@ -126,13 +142,59 @@ class _Broken:
 
 
 def _failing(case: str, rank: int) -> dict:
-    """The state of a save that fails on rank 1: a dtype the format refuses (``check`` cases), else a ``state_dict()`` that raises."""
-    if "_check_" not in case:
+    """The state of a save that fails on rank 1.
+
+    ``check`` cases: a dtype the format refuses; ``shape``/``dtype`` cases: a
+    ``Reduced`` tensor of another shape or dtype than rank 0's; ``implied``
+    cases: a healthy state (the failure is the adapter's, see :class:`Implying`);
+    else a ``state_dict()`` that raises.
+    """
+    if "_check_" not in case and not case.endswith(("_shape", "_dtype", "implied", "implied_experts")):
         return _state(case, 1, rank, Flaky(save=rank == 1))
     state = _state(case, 1, rank)
-    if rank == 1:
+    if rank == 1 and "_check_" in case:
         state["extra"]["odd"] = torch.zeros(2, dtype=torch.uint32)
+    if rank == 1 and case.endswith("_shape"):
+        state["extra"]["ema"] = torch.full((4,), 2.0)
+    if rank == 1 and case.endswith("_dtype"):
+        state["extra"]["ema"] = torch.full((3,), 2.0, dtype=torch.float64)
     return state
+
+
+class Implying(Adapter):
+    """A registered adapter that claims no object and implies ``rules`` for every state, or raises when ``armed``."""
+
+    name = "implying"
+
+    def __init__(self, rules: list, armed: bool):
+        self.rules, self.armed = rules, armed
+
+    def claims(self, obj: Any) -> bool:
+        return False
+
+    def save(self, key, obj, ctx):  # pragma: no cover - claims nothing
+        raise NotImplementedError
+
+    def load(self, key, obj, doc, tensors, ctx, where="<checkpoint>"):  # pragma: no cover - claims nothing
+        raise NotImplementedError
+
+    def implied_rules(self, state) -> list:
+        if self.armed:
+            raise RuntimeError(f"{CAUSE}: implied_rules")
+        return list(self.rules)
+
+
+@contextlib.contextmanager
+def implying(case: str, world: int, armed: bool):
+    """:class:`Implying` registered for the ``with`` block of ``implied`` cases (implying experts where they have some)."""
+    if "implied" not in case:
+        yield
+        return
+    register_adapter(Implying(_experts(world) if "experts" in case else [], armed))
+    try:
+        yield
+    finally:
+        unregister_adapter(Implying.name)
 
 
 def _manager(case: str, folder: str, layouts: list, kw: dict) -> Any:
@@ -144,20 +206,24 @@ def _save_case(case: str, rank: int, world: int, path: str) -> dict:
     """Plant the failure of ``case`` on rank 1 and run the save; the error record."""
     fail = rank == 1
     layouts = _layouts(case, world)
+    if "implied" in case:  # the adapter implies the experts' rule
+        layouts = [r for r in layouts if not isinstance(r, sp.Experts)]
     kw: dict = {"replicated_over": list(range(world))} if case.endswith("replicated") else {}
     if case.startswith("sync_"):
         state = _failing(case, rank)
-        return _error(lambda: sp.save(path, state, layouts=layouts, **kw))
+        with implying(case, world, fail):
+            return error_of(lambda: sp.save(path, state, layouts=layouts, **kw))
     if case.startswith("async_call_"):  # eager or lazy: the state fails at the call
-        mode = case.split("_")[-2]
+        mode = "lazy" if "_lazy" in case else "eager"
         state = _failing(case, rank)
-        return _error(lambda: sp.async_save(path, state, mode=mode, layouts=layouts, **kw))
+        with implying(case, world, fail):
+            return error_of(lambda: sp.async_save(path, state, mode=mode, layouts=layouts, **kw))
     if case.startswith("async_wait_eager"):  # the end of the background write fails (every rank runs it)
         from shardpoint.saving.transaction import SaveTransaction
 
         state = _state(case, 1, rank)
         with _Broken(SaveTransaction, "summarize", fail):
-            return _error(lambda: sp.async_save(path, state, mode="eager", layouts=layouts, **kw))
+            return error_of(lambda: sp.async_save(path, state, mode="eager", layouts=layouts, **kw))
     if case.startswith("async_wait_lazy"):  # a parameter changes before the fence on rank 1
         state = _state(case, 1, rank)
         state["optimizer"] = torch.optim.SGD(state["model"].parameters(), lr=0.1)
@@ -165,7 +231,7 @@ def _save_case(case: str, rank: int, world: int, path: str) -> dict:
         if fail:
             with torch.no_grad():
                 state["model"].dense.weight.add_(1.0)
-        return _error(lambda: h)
+        return error_of(lambda: h)
     if case.startswith("manager_"):  # the next step fails: it must not be committed
         mgr = _manager(case, os.path.dirname(path), layouts, kw)
         state = _failing(case, rank)
@@ -174,7 +240,7 @@ def _save_case(case: str, rank: int, world: int, path: str) -> dict:
             mgr.wait()
 
         try:
-            return _error(save_and_wait)
+            return error_of(save_and_wait)
         finally:
             mgr.close()
     raise ValueError(f"unknown case {case!r}")
@@ -183,19 +249,27 @@ def _save_case(case: str, rank: int, world: int, path: str) -> dict:
 STEP = 7  # the manager's committed step; the failing save is the next one
 
 
-def _load_case(case: str, rank: int, path: str) -> dict:
+def _load_case(case: str, rank: int, world: int, path: str) -> dict:
+    """Plant the failure of ``case`` on rank 1 and run the load; the error record."""
     fail = rank == 1
-    if case == "load_misfit":
-        state = _state(case, 2, rank, width=5 if fail else 4)
-    elif case == "load_index":  # this rank's index files cannot be read
+    layouts = _layouts(case, world)
+    state = _state(case, 2, rank, Flaky(load=fail and case == "load_failing"), width=5 if fail and case == "load_misfit" else 4)
+    if fail and case == "load_reduced_misfit":  # live state (a plain dict's value would be replaced, not filled)
+        state["extra"] = Ema(4)
+    if fail and case == "load_experts_misfit":
+        state["model"].experts[0] = nn.Linear(5, 4, bias=False)
+    if case == "load_index":  # this rank's index files cannot be read
         from shardpoint.loading import transaction
 
-        state = _state(case, 2, rank)
         with _Broken(transaction, "resolve", fail):
-            return _error(lambda: sp.load(path, state))
-    else:
-        state = _state(case, 2, rank, Flaky(load=fail))
-    return _error(lambda: sp.load(path, state))
+            return error_of(lambda: sp.load(path, state))
+    if case == "load_meta":  # a module built on the meta device cannot be given storage on rank 1
+        with torch.device("meta"):
+            state["model"] = Net(2, 0)
+        with _Broken(nn.Module, "to_empty", fail):
+            return error_of(lambda: sp.load(path, state))
+    with implying(case, world, fail):
+        return error_of(lambda: sp.load(path, state, layouts=layouts))
 
 
 def _good_save(case: str, rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
@@ -235,7 +309,7 @@ def failures_job(rank: int, world: int, root: str, cases: list[str]) -> dict:
         print(f"rank {rank}: case {case} starts", file=sys.stderr, flush=True)
         faulthandler.dump_traceback_later(LIMIT + 10, exit=True)  # a hang ends the rank, naming the case above
         try:
-            rec = _load_case(case, rank, path) if case.startswith("load_") else _save_case(case, rank, world, path)
+            rec = _load_case(case, rank, world, path) if case.startswith("load_") else _save_case(case, rank, world, path)
         finally:
             faulthandler.cancel_dump_traceback_later()
         dist.barrier()

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import shardpoint as sp
 from shardpoint.testing import GPTConfig, build, full_state, train_step
-from tests.dist.checks import check_continued_losses
+from tests.dist.checks import check_continued_losses, check_reference, load_record, write_reference
 
 CFG = GPTConfig(vocab=96, dim=32, heads=4, layers=2, seq=16)
 TRAIN_STEPS = 3
@@ -29,9 +28,7 @@ def save_job(rank: int, world: int, root: str, layouts: list[str]) -> dict:
         ref = full_state(model, opt)
         losses = [train_step(model, opt, TRAIN_STEPS + i, CFG) for i in range(2)]
         if rank == 0:
-            save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(root, f"{name}.ref.safetensors"))
-            with open(os.path.join(root, f"{name}.losses.json"), "w") as f:
-                json.dump(losses, f)
+            write_reference(root, name, ref, losses)
         out[name] = res.bytes_written
     return out
 
@@ -46,13 +43,10 @@ def load_job(rank: int, world: int, root: str, cases: list[list[str]]) -> dict:
         sp.load(os.path.join(root, src), state, report=report)
         assert state["extra"] == {"step": TRAIN_STEPS, "layout": src[:-1]}, state["extra"]
         got = full_state(model, opt)
-        ref = load_file(os.path.join(root, f"{src}.ref.safetensors"))
-        assert sorted(got) == sorted(ref), (sorted(set(got) ^ set(ref)))
-        bad = [k for k in ref if not torch.equal(got[k], ref[k])]
-        assert not bad, f"{src} -> {layout}{world}: not bit-exact: {bad[:5]}"
+        check_reference(root, src, got, f"{src} -> {layout}{world}")
         losses = [train_step(model, opt, TRAIN_STEPS + i, CFG) for i in range(2)]
         check_continued_losses(root, src, losses, f"{src} -> {layout}{world}")
-        out[f"{src}->{layout}{world}"] = {"losses": losses, "bytes_read": report.bytes_read, "bytes_needed": report.bytes_needed}
+        out[f"{src}->{layout}{world}"] = load_record(losses, report)
     return out
 
 

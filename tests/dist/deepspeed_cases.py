@@ -14,7 +14,6 @@ sources are DeepSpeed's own ``engine.save_checkpoint`` folders, converted with
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -22,7 +21,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported a
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
 import shardpoint as sp
 from shardpoint.testing import (
@@ -34,7 +32,7 @@ from shardpoint.testing import (
     loss_of,
     train_step,
 )
-from tests.dist.checks import check_continued_losses
+from tests.dist.checks import check_continued_losses, check_reference, load_record, write_reference
 
 # Odd sizes, so that ZeRO partitions cut parameters in the middle of rows.
 CFG = GPTConfig(vocab=61, dim=24, heads=4, layers=4, seq=8)
@@ -176,9 +174,7 @@ def save_job(rank: int, world: int, root: str, layouts: list[str], native: list[
         ref = reference(layout, model, opt)
         losses = [step(layout, model, opt, TRAIN_STEPS + i) for i in range(NEXT_STEPS)]
         if rank == 0:
-            save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(root, f"{name}.ref.safetensors"))
-            with open(os.path.join(root, f"{name}.losses.json"), "w") as f:
-                json.dump(losses, f)
+            write_reference(root, name, ref, losses)
         m = sp.read_manifest(os.path.join(root, name))
         flat = sum(1 for t in m.tensors.values() for c in t.chunks if c.flat is not None)
         out[name] = {
@@ -220,17 +216,10 @@ def load_job(rank: int, world: int, root: str, cases: list[list[str]]) -> dict:
             if native or base.startswith("zero"):
                 assert model.global_steps == TRAIN_STEPS, model.global_steps
         got = reference(layout, model, opt)
-        ref = load_file(os.path.join(root, f"{base}.ref.safetensors"))
-        assert sorted(got) == sorted(ref), sorted(set(got) ^ set(ref))
-        bad = [k for k in ref if got[k].dtype != ref[k].dtype or got[k].shape != ref[k].shape or not torch.equal(got[k], ref[k])]
-        assert not bad, f"{src} -> {layout}{world}: not bit-exact: {bad[:5]}"
+        check_reference(root, base, got, f"{src} -> {layout}{world}")
         losses = [step(layout, model, opt, TRAIN_STEPS + i) for i in range(NEXT_STEPS)]
         check_continued_losses(root, base, losses, f"{src} -> {layout}{world}")
-        out[f"{src}->{layout}{world}"] = {
-            "losses": losses,
-            "bytes_read": report.bytes_read,
-            "bytes_needed": report.bytes_needed,
-        }
+        out[f"{src}->{layout}{world}"] = load_record(losses, report)
     return out
 
 

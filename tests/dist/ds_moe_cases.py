@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import shardpoint as sp
+from tests.dist.agree_cases import CAUSE, error_of
 
 HIDDEN, EXPERTS = 8, 4
 
@@ -89,4 +90,31 @@ def load_job(rank: int, world: int, root: str, saved_world: int = 2) -> dict:
     return {"checked": len(got), "bad": [k for k, v in got.items() if not torch.equal(v, ref[k])]}
 
 
-__all__ = ["build", "save_job", "load_job"]
+def failing_job(rank: int, world: int, root: str) -> dict:
+    """Expert detection fails on rank 1: a save and a load of the MoE layer, each timed with its error.
+
+    DeepSpeed's table of expert-parallel groups raises on rank 1 while
+    its experts are detected; the save must leave nothing committed.
+    """
+    from deepspeed.utils import groups
+
+    moe, _ = build(world, seed=100)
+    state = {"model": moe, "optimizer": torch.optim.AdamW(moe.parameters(), lr=0.1)}
+    path = os.path.join(root, "failing")
+    real = groups._get_expert_parallel_group_dict
+
+    def broken():
+        raise RuntimeError(f"{CAUSE}: expert-parallel groups")
+
+    if rank == 1:
+        groups._get_expert_parallel_group_dict = broken
+    try:
+        out = {"save": error_of(lambda: sp.save(path, state)), "load": error_of(lambda: sp.load(os.path.join(root, "ds"), state))}
+    finally:
+        groups._get_expert_parallel_group_dict = real
+    dist.barrier()
+    out["committed"] = os.path.exists(os.path.join(path, "manifest.json"))
+    return out
+
+
+__all__ = ["build", "save_job", "load_job", "failing_job"]

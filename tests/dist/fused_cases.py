@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
-from safetensors.torch import load_file, save_file
 
 import shardpoint as sp
 from shardpoint.layouts import Padded
-from tests.dist.checks import check_continued_losses
+from tests.dist.checks import check_continued_losses, check_reference, write_reference
 from shardpoint.testing import GPTConfig, build, full_state, train_step
 
 BASE = dict(vocab=62, dim=64, heads=8, kv_heads=4, layers=2, seq=16)
@@ -55,9 +53,7 @@ def save_job(rank: int, world: int, root: str, kind: str) -> dict:
     ref = _logical(full_state(model, opt), c)
     losses = [train_step(model, opt, 2 + i, c) for i in range(2)]
     if rank == 0:
-        save_file(ref, os.path.join(root, f"{name}.ref.safetensors"))
-        with open(os.path.join(root, f"{name}.losses.json"), "w") as f:
-            json.dump(losses, f)
+        write_reference(root, name, ref, losses)
     return {}
 
 
@@ -69,10 +65,7 @@ def load_job(rank: int, world: int, root: str, cases: list[list[str]]) -> dict:
         model, opt = build(layout, c, seed=77)
         sp.load(os.path.join(root, src), {"model": model, "optimizer": opt}, layouts=_rules(c))
         got = _logical(full_state(model, opt), c)
-        ref = load_file(os.path.join(root, f"{src}.ref.safetensors"))
-        assert sorted(got) == sorted(ref), sorted(set(got) ^ set(ref))
-        bad = [k for k in ref if not torch.equal(got[k], ref[k])]
-        assert not bad, f"{src} -> {target}{world}: {bad[:4]}"
+        check_reference(root, src, got, f"{src} -> {target}{world}")
         if c.vocab_pad:  # padding rows come back zeroed
             tok = full_state(model, opt)["model.tok.weight"]
             assert torch.count_nonzero(tok[c.vocab:]) == 0

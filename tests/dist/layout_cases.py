@@ -7,15 +7,13 @@ the next training steps must give the source's losses.
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
-from safetensors.torch import load_file, save_file
 
 import shardpoint as sp
 from shardpoint.testing import PP_LAYOUTS, GPTConfig, build, full_state, replica_ranks, train_step
-from tests.dist.checks import check_continued_losses
+from tests.dist.checks import check_continued_losses, check_reference, load_record, write_reference
 
 # Odd sizes, so that FSDP1 slices cut parameters in the middle of rows.
 CFG = GPTConfig(vocab=61, dim=24, heads=4, layers=4, seq=8)
@@ -55,9 +53,7 @@ def save_job(rank: int, world: int, root: str, layouts: list[str]) -> dict:
         ref = full_state(model, opt)
         losses = [train_step(model, opt, TRAIN_STEPS + i, CFG) for i in range(NEXT_STEPS)]
         if rank == 0:
-            save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(root, f"{name}.ref.safetensors"))
-            with open(os.path.join(root, f"{name}.losses.json"), "w") as f:
-                json.dump(losses, f)
+            write_reference(root, name, ref, losses)
         m = sp.read_manifest(os.path.join(root, name))
         flat = sum(1 for t in m.tensors.values() for c in t.chunks if c.flat is not None)
         out[name] = {"bytes": res.bytes_written, "flat_chunks": flat, "total": m.total_bytes}
@@ -79,17 +75,10 @@ def load_job(rank: int, world: int, root: str, cases: list[list[str]]) -> dict:
         if "shared" in extra:
             assert torch.equal(extra["shared"], want_extra["shared"])
         got = full_state(model, opt)
-        ref = load_file(os.path.join(root, f"{src}.ref.safetensors"))
-        assert sorted(got) == sorted(ref), sorted(set(got) ^ set(ref))
-        bad = [k for k in ref if got[k].dtype != ref[k].dtype or not torch.equal(got[k], ref[k])]
-        assert not bad, f"{src} -> {layout}{world}: not bit-exact: {bad[:5]}"
+        check_reference(root, src, got, f"{src} -> {layout}{world}")
         losses = [train_step(model, opt, TRAIN_STEPS + i, CFG) for i in range(NEXT_STEPS)]
         check_continued_losses(root, src, losses, f"{src} -> {layout}{world}")
-        out[f"{src}->{layout}{world}"] = {
-            "losses": losses,
-            "bytes_read": report.bytes_read,
-            "bytes_needed": report.bytes_needed,
-        }
+        out[f"{src}->{layout}{world}"] = load_record(losses, report)
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from shardpoint.testing import launch
+from tests.dist.agree_cases import CAUSE, LIMIT
 
 pytest.importorskip("deepspeed")
 
@@ -33,3 +34,15 @@ def test_each_expert_and_its_moments_load_bit_exact(saved, world):
     for r in launch(world, "tests.dist.ds_moe_cases:load_job", {"root": root}):
         # per expert: weight and bias, each with exp_avg, exp_avg_sq and step; and the gate
         assert r["bad"] == [] and r["checked"] == 2 * 4 * (4 // world) + 1, r
+
+
+def test_expert_detection_failing_on_one_rank_fails_every_rank_in_time(saved):
+    root, _ = saved
+    results = launch(2, "tests.dist.ds_moe_cases:failing_job", {"root": root})
+    for what in ("save", "load"):
+        recs = [r[what] for r in results]
+        assert len({(rec["type"], rec["message"]) for rec in recs}) == 1, recs
+        for rec in recs:
+            assert rec["type"] == "DistributedError" and rec["seconds"] < LIMIT, rec
+            assert f"{CAUSE}: expert-parallel groups" in rec["message"] and "rank(s) [1]" in rec["message"], rec
+    assert [r["committed"] for r in results] == [False, False]

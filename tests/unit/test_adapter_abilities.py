@@ -26,6 +26,7 @@ from shardpoint.device import SimulatedDevice
 from shardpoint.dist import Comm
 from shardpoint.saving import SaveOptions, SaveTransaction
 from shardpoint.saving.reuse import SaveCache
+from tests.unit.models import differing
 
 
 class SignSGD:
@@ -122,11 +123,6 @@ def _loaded(path) -> dict[str, torch.Tensor]:
     return _snapshot(model, opt)
 
 
-def _differ(a: dict, b: dict) -> list[str]:
-    assert a.keys() == b.keys()
-    return [k for k in a if not torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))]
-
-
 def test_a_registered_optimizer_declares_what_its_step_updates(signsgd):
     model, opt = _setup()
     state = {"model": model, "optimizer": opt}
@@ -156,8 +152,8 @@ def test_lazy_save_of_a_registered_optimizer_orders_its_step_after_the_copy(tmp_
             h = saver.save(str(tmp_path / f"l{k}"), {"model": model, "optimizer": opt}, mode="lazy")
             _step(model, opt)  # right away: the adapter's pre-hook holds the update back until the copy ran
             h.wait()
-            assert _differ(_loaded(str(tmp_path / f"l{k}")), expect) == []
-            assert _differ(_snapshot(model, opt), expect)  # the step did run
+            assert differing(_loaded(str(tmp_path / f"l{k}")), expect) == []
+            assert differing(_snapshot(model, opt), expect)  # the step did run
     finally:
         saver.close()
 
@@ -174,7 +170,7 @@ def test_a_change_to_its_state_before_the_fence_fails_the_lazy_save(tmp_path, si
         opt.momentum[1].mul_(0.5)  # outside the step: only the lazy copy's guard can see it
         with pytest.raises(sp.TornSnapshotError, match=r"optimizer\.momentum\.model\.0\.bias"):
             handle.wait()
-        assert _differ(_loaded(path), before) == []  # the previous checkpoint, bit for bit
+        assert differing(_loaded(path), before) == []  # the previous checkpoint, bit for bit
     finally:
         saver.close()
 

@@ -6,17 +6,15 @@ import torch
 from torch import nn
 
 import shardpoint as sp
+from tests.unit.models import stack, step
 
 
 def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    return stack(16, 16, 4)
 
 
 def _step(m, opt):
-    m(torch.randn(8, 16)).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
+    step(m, opt, batch=8)
 
 
 def _reused(saver) -> int:

@@ -16,10 +16,10 @@ import time
 
 import pytest
 import torch
-from torch import nn
 
 import shardpoint as sp
 from shardpoint.device import CaptureModel, SimulatedCaptureError, SimulatedDevice, ThreadLocalCapture
+from tests.unit.models import flat, reloaded, stack, step, stepped_adamw
 
 
 def _in_thread(fn):
@@ -114,20 +114,7 @@ def test_the_cuda_switch_restores_each_threads_previous_mode():
 
 
 def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 512), nn.LayerNorm(512), nn.Linear(512, 16))
-
-
-def _step(m, opt):
-    m(torch.randn(4, 256)).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def _flat(m, opt):
-    out = {f"m.{k}": v.clone() for k, v in m.state_dict().items()}
-    out.update({f"o.{k}.{n}": v.clone() for k, s in opt.state_dict()["state"].items() for n, v in s.items() if torch.is_tensor(v)})
-    return out
+    return stack(256, 512, 16)
 
 
 def _capture_while_in_flight(sim, handle):
@@ -149,10 +136,9 @@ def test_a_capture_during_an_in_flight_save_succeeds_and_the_save_is_exact(tmp_p
     if not guarded:
         sim.capture_guard = contextlib.nullcontext  # the engine's calls as they would be without the device's guard
     m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    opt = stepped_adamw(m)
     saver = sp.AsyncSaver(staging_bytes=4 << 20, piece_bytes=16 << 10, device=sim)  # all of it: the writer starts after the call
-    expect = _flat(m, opt)
+    expect = flat(m, opt)
     h = saver.save(str(tmp_path / "c"), {"model": m, "optimizer": opt}, mode=mode)
     broken = _capture_while_in_flight(sim, h)
     if not guarded:
@@ -163,12 +149,7 @@ def test_a_capture_during_an_in_flight_save_succeeds_and_the_save_is_exact(tmp_p
         return
     assert broken is None and sim.captures.violations == 0
     h.wait()
-    m2 = _model()
-    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
-    _step(m2, opt2)
-    _step(m2, opt2)
-    sp.load(str(tmp_path / "c"), {"model": m2, "optimizer": opt2})
-    got = _flat(m2, opt2)
+    got = reloaded(str(tmp_path / "c"), _model())
     assert got.keys() == expect.keys()
     for k in expect:
         assert torch.equal(got[k], expect[k]), k
@@ -188,12 +169,11 @@ def _replay_step(m, opt):
 def test_a_capturable_optimizer_makes_a_lazy_save_eager_and_exact(tmp_path, delay, caplog):
     sim = SimulatedDevice(delay=delay)
     m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    opt = stepped_adamw(m)
     for g in opt.param_groups:
         g["capturable"] = True  # its step is captured in a graph and replayed
     saver = sp.AsyncSaver(staging_bytes=4 << 20, piece_bytes=16 << 10, device=sim)
-    expect = _flat(m, opt)
+    expect = flat(m, opt)
     with caplog.at_level("WARNING", logger="shardpoint"):
         h = saver.save(str(tmp_path / "g"), {"model": m, "optimizer": opt}, mode="lazy")
     _replay_step(m, opt)  # right after the call: a replay calls no step pre-hook
@@ -201,12 +181,7 @@ def test_a_capturable_optimizer_makes_a_lazy_save_eager_and_exact(tmp_path, dela
     assert "taken eagerly" in caplog.text and "'optimizer' is capturable" in caplog.text
     for g in opt.param_groups:
         g["capturable"] = False
-    m2 = _model()
-    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
-    _step(m2, opt2)
-    _step(m2, opt2)
-    sp.load(str(tmp_path / "g"), {"model": m2, "optimizer": opt2})
-    got = _flat(m2, opt2)
+    got = reloaded(str(tmp_path / "g"), _model())
     for k in expect:
         assert torch.equal(got[k], expect[k]), k
     saver.close()
@@ -215,19 +190,18 @@ def test_a_capturable_optimizer_makes_a_lazy_save_eager_and_exact(tmp_path, dela
 def test_a_save_called_inside_a_capture_is_refused_with_a_typed_error(tmp_path):
     sim = SimulatedDevice(delay=0.0)
     m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    opt = stepped_adamw(m)
     saver = sp.AsyncSaver(staging_bytes=4 << 20, piece_bytes=16 << 10, device=sim)
     with sim.capture():
         with pytest.raises(sp.GraphCaptureError, match="while the calling thread captures a graph.*outside the captured region"):
             saver.save(str(tmp_path / "x"), {"model": m, "optimizer": opt})
     assert sim.captures.violations == 0  # the refusal itself allocated and waited on nothing
     assert not (tmp_path / "x").exists()  # refused before the path was claimed
-    expect = _flat(m, opt)
+    expect = flat(m, opt)
     saver.save(str(tmp_path / "y"), {"model": m, "optimizer": opt}).wait()  # outside the capture: fine
     m2 = _model()
     opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
-    _step(m2, opt2)
+    step(m2, opt2)
     sp.load(str(tmp_path / "y"), {"model": m2, "optimizer": opt2})
-    assert all(torch.equal(_flat(m2, opt2)[k], expect[k]) for k in expect)
+    assert all(torch.equal(flat(m2, opt2)[k], expect[k]) for k in expect)
     saver.close()

@@ -11,7 +11,6 @@ a load.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 import shardpoint as sp
 from shardpoint.device import HostCache, SimulatedDevice
@@ -21,6 +20,7 @@ from shardpoint.engine.staging import PINNED_SLACK, pinned_capacity
 from shardpoint.geometry import Box
 from shardpoint.items import LoadTarget, SaveTensor, torch_dtype
 from shardpoint.storage import storage_for
+from tests.unit.models import flat, reloaded, stack, step, stepped_adamw
 
 
 def test_the_host_cache_rounds_keeps_and_reuses_blocks_until_emptied():
@@ -62,8 +62,7 @@ def test_the_automatic_ring_stays_within_slack_of_the_state_and_the_host_limit()
 
 
 def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(200, 300), nn.LayerNorm(300), nn.Linear(300, 30))
+    return stack(200, 300, 30)
 
 
 def _state_bytes(m, opt):
@@ -72,40 +71,22 @@ def _state_bytes(m, opt):
     )
 
 
-def _step(m, opt):
-    m(torch.randn(4, 200)).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def _flat(m, opt):
-    out = {f"m.{k}": v.clone() for k, v in m.state_dict().items()}
-    out.update({f"o.{k}.{n}": v.clone() for k, s in opt.state_dict()["state"].items() for n, v in s.items()})
-    return out
-
-
 def _check_loads(path, expect):
-    m2 = _model()
-    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
-    _step(m2, opt2)
-    _step(m2, opt2)
-    sp.load(path, {"model": m2, "optimizer": opt2})
-    got = _flat(m2, opt2)
+    got = reloaded(path, _model())
     assert got.keys() == expect.keys() and all(torch.equal(got[k], expect[k]) for k in expect)
 
 
 def test_saving_pins_at_most_slack_times_the_state_and_close_gives_it_all_back(tmp_path):
     sim = SimulatedDevice(delay=0.0)
     m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    opt = stepped_adamw(m)
     need = _state_bytes(m, opt)
     saver = sp.AsyncSaver(piece_bytes=64 << 10, device=sim)  # automatic budget
     for k, mode in enumerate(["eager", "lazy", "eager"]):
-        expect = _flat(m, opt)
+        expect = flat(m, opt)
         saver.save(str(tmp_path / f"s{k}"), {"model": m, "optimizer": opt}, mode=mode).wait()
         _check_loads(str(tmp_path / f"s{k}"), expect)
-        _step(m, opt)
+        step(m, opt)
     assert 0 < sim.host.peak_held <= PINNED_SLACK * need
     assert sim.host_allocations == 1  # one ring for the three saves
     saver.close()
@@ -115,11 +96,10 @@ def test_saving_pins_at_most_slack_times_the_state_and_close_gives_it_all_back(t
 def test_a_state_larger_than_the_host_limit_streams_through_it(tmp_path):
     sim = SimulatedDevice(delay=0.0)
     m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    opt = stepped_adamw(m)
     saver = sp.AsyncSaver(piece_bytes=16 << 10, device=sim, prewarm=False)
     saver.staging.host_limit = 200 << 10  # this rank's share of the host: less than the state
-    expect = _flat(m, opt)
+    expect = flat(m, opt)
     saver.save(str(tmp_path / "big"), {"model": m, "optimizer": opt}).wait()
     _check_loads(str(tmp_path / "big"), expect)
     assert sim.host.peak_held == 128 << 10 and saver.staging_bytes == 128 << 10  # the largest block within the limit

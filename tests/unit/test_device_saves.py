@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import shardpoint as sp
 from shardpoint.device import SimulatedDevice
@@ -21,17 +20,11 @@ from shardpoint.engine.staging import StagingRing
 from shardpoint.geometry import Box
 from shardpoint.items import LoadTarget, SaveTensor, torch_dtype
 from shardpoint.storage import storage_for
+from tests.unit.models import stack, step, stepped_adamw
 
 
 def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 8))
-
-
-def _step(m, opt):
-    m(torch.randn(4, 32)).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
+    return stack(32, 64, 8)
 
 
 def _snapshot(m, opt):
@@ -43,7 +36,7 @@ def _snapshot(m, opt):
 def _loaded(path):
     m2 = _model()
     opt2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
-    _step(m2, opt2)  # state entries exist, with other values
+    step(m2, opt2)  # state entries exist, with other values
     sp.load(path, {"model": m2, "optimizer": opt2})
     return _snapshot(m2, opt2)
 
@@ -57,8 +50,7 @@ def _same(a, b):
 def test_eager_save_returns_only_when_the_copies_completed(tmp_path):
     sim = SimulatedDevice(delay=0.005)
     m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    opt = stepped_adamw(m)
     saver = sp.AsyncSaver(staging_bytes=1 << 20, piece_bytes=4 << 10, device=sim)
     expect = _snapshot(m, opt)
     h = saver.save(str(tmp_path / "a"), {"model": m, "optimizer": opt})
@@ -75,13 +67,12 @@ def test_eager_save_returns_only_when_the_copies_completed(tmp_path):
 def test_lazy_save_orders_the_step_after_the_copy(tmp_path, staging):
     sim = SimulatedDevice(delay=0.005)
     m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    opt = stepped_adamw(m)
     saver = sp.AsyncSaver(staging_bytes=staging, piece_bytes=4 << 10, device=sim)
     for k in range(2):
         expect = _snapshot(m, opt)
         h = saver.save(str(tmp_path / f"l{k}"), {"model": m, "optimizer": opt}, mode="lazy")
-        _step(m, opt)  # right away: the step pre-hook must hold the updates back until the copy ran
+        step(m, opt)  # right away: the step pre-hook must hold the updates back until the copy ran
         h.wait()
         _same(_loaded(str(tmp_path / f"l{k}")), expect)
     saver.close()
@@ -90,8 +81,7 @@ def test_lazy_save_orders_the_step_after_the_copy(tmp_path, staging):
 def test_pinned_bytes_stay_the_same_from_save_to_save(tmp_path):
     sim = SimulatedDevice(delay=0.0)
     m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    opt = stepped_adamw(m)
     saver = sp.AsyncSaver(piece_bytes=8 << 10, device=sim, prewarm=False)
     held = []
     for k in range(4):
@@ -230,8 +220,7 @@ def test_sync_save_with_parallel_writes_loads_back_exact(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "WRITE_THREADS", 4)
     monkeypatch.setattr(pipeline, "SPLIT_BYTES", 4 << 10)  # the layers (32 KiB) split in parts
     m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    opt = stepped_adamw(m)
     expect = _snapshot(m, opt)
     sp.save(str(tmp_path / "par"), {"model": m, "optimizer": opt})
     _same(_loaded(str(tmp_path / "par")), expect)
@@ -247,12 +236,11 @@ def test_async_save_with_parallel_writes_loads_back_exact(tmp_path, monkeypatch)
     monkeypatch.setattr(pipeline, "WRITE_THREADS", 3)
     monkeypatch.setattr(pipeline, "SPLIT_BYTES", 4 << 10)
     m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    opt = stepped_adamw(m)
     saver = sp.AsyncSaver(staging_bytes=64 << 10, piece_bytes=16 << 10)  # smaller than the state: the ring wraps
     for mode in ("eager", "lazy"):
         expect = _snapshot(m, opt)
         saver.save(str(tmp_path / mode), {"model": m, "optimizer": opt}, mode=mode).wait()
         _same(_loaded(str(tmp_path / mode)), expect)
-        _step(m, opt)
+        step(m, opt)
     saver.close()

@@ -142,6 +142,10 @@ class DeepSpeedAdapter(Adapter):
         names, views = found or ({}, {})
         return ContextFacts(names=names, views=views, live_group_keys=live)
 
+    def may_imply_rules(self, state: Mapping[str, Any]) -> bool:
+        """With DeepSpeed imported, a state holding a module may hold MoE layers (every rank answers alike)."""
+        return "deepspeed" in sys.modules and any(isinstance(obj, nn.Module) for obj in state.values())
+
     def implied_rules(self, state: Mapping[str, Any]) -> list[Any]:
         """An :class:`~shardpoint.layouts.Experts` rule per DeepSpeed MoE expert list (stored at global indices)."""
         return deepspeed_expert_rules(state) if "deepspeed" in sys.modules else []
