@@ -14,7 +14,7 @@ from torch import nn
 from ...errors import UnsupportedStateError
 from ...geometry import Box
 from ..base import Adapter, AdapterContext, ContextFacts, LoadPart, LoadTarget, SavePart, SaveTensor
-from .moe import deepspeed_expert_rules
+from .moe import deepspeed_expert_rules, expert_groups_made
 from ..landing import live_storages, module_tensors, storage_of, unlanded
 from ..optimizer import OptimizerAdapter
 from ..tensors import load_target, save_tensor
@@ -143,8 +143,8 @@ class DeepSpeedAdapter(Adapter):
         return ContextFacts(names=names, views=views, live_group_keys=live)
 
     def may_imply_rules(self, state: Mapping[str, Any]) -> bool:
-        """With DeepSpeed imported, a state holding a module may hold MoE layers (every rank answers alike)."""
-        return "deepspeed" in sys.modules and any(isinstance(obj, nn.Module) for obj in state.values())
+        """A state holding a module once DeepSpeed made expert-parallel groups (every rank answers alike)."""
+        return "deepspeed" in sys.modules and expert_groups_made() and any(isinstance(obj, nn.Module) for obj in state.values())
 
     def implied_rules(self, state: Mapping[str, Any]) -> list[Any]:
         """An :class:`~shardpoint.layouts.Experts` rule per DeepSpeed MoE expert list (stored at global indices)."""

@@ -20,7 +20,23 @@ from ..experts import Experts
 from ..module import unwrap_module
 from .detect import is_deepspeed_engine
 
-__all__ = ["deepspeed_expert_rules"]
+__all__ = ["deepspeed_expert_rules", "expert_groups_made"]
+
+
+def expert_groups_made() -> bool:
+    """Whether DeepSpeed made any expert-parallel group in this process (every rank makes them together).
+
+    Without one no expert list can be found, so a save need not look for them.
+
+    Example::
+
+        expert_groups_made()  # False before the first MoE layer is built
+    """
+    try:
+        from deepspeed.utils import groups
+    except ImportError:
+        return False
+    return bool(groups._get_expert_parallel_group_dict())
 
 
 def deepspeed_expert_rules(state: Mapping[str, Any]) -> list[Experts]:
