@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 from ..errors import CorruptCheckpointError, ShapeMismatchError, UnsupportedStateError
 from ..format.index import fqn_key
 from ..format.manifest import FORMAT_VERSION, Manifest, RankFiles, TensorMeta, rank_runs
+from ..format.refs import REF_VERSION
 from ..geometry.grid import Grid
 from .describe import GridEntry, RankStatus, TensorsDoc, ValuesDoc
 
@@ -85,9 +86,11 @@ def assemble_manifest(
     files: dict[str, int] = {}
     ranks: list[RankFiles | None] = []
     by_tdig: dict[str, list[int]] = {}
+    refs: list = []
     for r, st in enumerate(statuses):
         files.update(st.files)
         ranks.append(st.index)
+        refs.extend(st.refs)
         by_tdig.setdefault(st.tensors_digest, []).append(r)
     meta: dict[str, tuple] = {}
     grids: dict[str, set] = {}
@@ -143,8 +146,9 @@ def assemble_manifest(
         files=files,
         layout={"world_size": world, "entries": frameworks, "placements": placements},
         created=created,
-        format_version=FORMAT_VERSION,
+        format_version=REF_VERSION if refs else FORMAT_VERSION,
         ranks=tuple(ranks),
+        refs=tuple(refs),
     )
 
 
