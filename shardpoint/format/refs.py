@@ -50,11 +50,16 @@ def check_base(base: str, where: str = "") -> str:
     (it starts with ``..``); it never has ``.`` or empty parts, and no
     ``..`` after a folder name, so it names a sibling or cousin folder only.
 
+    The one other base is ``.``: the checkpoint's own folder, where
+    :func:`shardpoint.consolidate` copies what it referenced.
+
     Example::
 
         >>> check_base("../step_100")
         '../step_100'
     """
+    if base == ".":
+        return base
     parts = base.split("/") if isinstance(base, str) else []
     ups = 0
     while ups < len(parts) and parts[ups] == "..":
