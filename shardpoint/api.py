@@ -97,14 +97,10 @@ def save(
     ``progress=True`` shows the bytes written and the rate on stderr, on
     rank 0 (see :mod:`shardpoint.runtime.progress`).
 
-    ``base`` (a committed checkpoint beside ``path``, e.g. the previous step)
-    makes the save incremental: each chunk whose bytes equal the chunk at
-    the same place in ``base`` is not written again, the new checkpoint
-    references it (see :mod:`shardpoint.saving.incremental`); whatever
-    differs, or lies elsewhere after a reshard, is written in full. Keep
-    ``base`` while the new checkpoint is kept (the manager's retention does,
-    see :class:`~shardpoint.CheckpointManager`'s ``incremental``), or make a
-    self-contained copy with :func:`~shardpoint.consolidate`.
+    ``base`` (a committed checkpoint beside ``path``) makes the save incremental:
+    chunks whose bytes equal ``base``'s at the same place are referenced, not
+    written (:mod:`shardpoint.saving.incremental`); keep ``base`` as long, or
+    copy with :func:`~shardpoint.consolidate`.
 
     Example::
 

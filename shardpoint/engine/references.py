@@ -22,6 +22,7 @@ from typing import Any, Iterable
 from ..errors import CorruptCheckpointError, MissingBaseError, StorageError
 from ..format.manifest import Manifest
 from ..storage.base import Storage, Writer
+from ..storage.locations import locate
 
 __all__ = ["ReferencingStorage", "open_references", "base_storages"]
 
@@ -37,7 +38,7 @@ def base_storages(storage: Storage, manifest: Manifest, where: str) -> dict[str,
     for ref in manifest.refs:
         if ref.base not in out:
             try:
-                out[ref.base] = storage.locate(ref.base)
+                out[ref.base] = locate(storage, ref.base)
             except StorageError as e:
                 raise MissingBaseError(
                     f"{where}: the checkpoint references data in {ref.base}, which this storage cannot open ({e}); "

@@ -86,11 +86,9 @@ def assemble_manifest(
     files: dict[str, int] = {}
     ranks: list[RankFiles | None] = []
     by_tdig: dict[str, list[int]] = {}
-    refs: list = []
     for r, st in enumerate(statuses):
         files.update(st.files)
         ranks.append(st.index)
-        refs.extend(st.refs)
         by_tdig.setdefault(st.tensors_digest, []).append(r)
     meta: dict[str, tuple] = {}
     grids: dict[str, set] = {}
@@ -146,9 +144,8 @@ def assemble_manifest(
         files=files,
         layout={"world_size": world, "entries": frameworks, "placements": placements},
         created=created,
-        format_version=REF_VERSION if refs else FORMAT_VERSION,
-        ranks=tuple(ranks),
-        refs=tuple(refs),
+        format_version=REF_VERSION if any(st.refs for st in statuses) else FORMAT_VERSION,
+        ranks=tuple(ranks), refs=tuple(ref for st in statuses for ref in st.refs),
     )
 
 

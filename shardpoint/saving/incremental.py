@@ -36,12 +36,14 @@ from typing import Any, Mapping, Sequence
 from ..engine.commit import write_index
 from ..engine.indexes import IndexReader, wanted_box
 from ..engine.io import tensor_bytes
-from ..errors import CheckpointError, UnsupportedStateError
+from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedStateError
 from ..format.datafile import block_checksums
-from ..format.manifest import ChunkMeta, Manifest
+from ..format.manifest import MANIFEST_NAME, ChunkMeta, Manifest
+from ..format.strict import Limits
 from ..format.refs import RefFiles, check_base, join_base, ref_index_name
 from ..items import SaveTensor, dtype_name
 from ..storage import Storage, storage_for
+from ..storage.locations import relative_location
 
 __all__ = ["BaseCheckpoint", "Reused", "open_base", "split_reused", "write_references", "reference_base"]
 
@@ -92,11 +94,14 @@ def open_base(base: Any, storage: Storage, where: str) -> BaseCheckpoint:
 
         base = open_base("ckpt/step_100", storage_for("ckpt/step_200"), "ckpt/step_200")
     """
-    from ..loading.transaction import manifest_bytes  # the loading side imports the saving side's options
-
     prev = storage_for(base).primary
-    manifest = Manifest.from_json(manifest_bytes(prev), prev.url)
-    rel = storage.primary.relative_location(prev)
+    try:
+        manifest = Manifest.from_json(prev.get_limited(MANIFEST_NAME, Limits.from_env().manifest_bytes), prev.url)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{where}: base={prev.url} holds no committed checkpoint; give a committed one, or save without base="
+        ) from None
+    rel = relative_location(storage.primary, prev)
     try:
         if rel is None:
             raise CheckpointError("not on the same storage")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import posixpath
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -345,52 +344,17 @@ class Storage(abc.ABC):
         """
         raise NotImplementedError(f"{self.url} is not tiered storage; wait(tier=...) needs a TieredStorage")
 
-    # --- locations (incremental checkpoints reference their base by a relative location) ---
+    # --- locations (incremental checkpoints name their base relative to themselves) ---
     def place(self) -> tuple[Any, str] | None:
-        """Where this storage lies: (namespace, absolute POSIX path), or ``None`` when it cannot say.
+        """(namespace, absolute POSIX path) of this location, or ``None`` (then no base can be referenced).
 
-        Two storages with equal namespaces lie in one tree, so one can name
-        the other relatively (:meth:`relative_location`). This default
-        answers ``None``: such a storage saves no references to a base.
-
-        Example::
-
-            LocalStorage("/ckpt/step_1").place()   # ('file', '/ckpt/step_1')
+        Example: ``LocalStorage("/ckpt/step_1").place()`` is ``('file', '/ckpt/step_1')``.
         """
         return None
 
     def at(self, path: str) -> "Storage":
-        """A storage of the same kind and namespace at absolute POSIX ``path`` (see :meth:`place`).
-
-        Example::
-
-            st.at("/ckpt/step_1")
-        """
+        """A storage of this kind and namespace at absolute POSIX ``path``. Example: ``st.at("/ckpt/step_1")``."""
         raise StorageError(f"{self.url}: {type(self).__name__} cannot open another location of its tree")
-
-    def relative_location(self, other: "Storage") -> str | None:
-        """``other``'s location relative to this one (``../step_1``), or ``None`` when they lie in different trees.
-
-        Example::
-
-            LocalStorage("/ckpt/step_2").relative_location(LocalStorage("/ckpt/step_1"))   # '../step_1'
-        """
-        a, b = self.place(), other.place()
-        if a is None or b is None or a[0] != b[0]:
-            return None
-        return posixpath.relpath(b[1], a[1])
-
-    def locate(self, rel: str) -> "Storage":
-        """The storage at location ``rel`` relative to this one (what :meth:`relative_location` answered).
-
-        Example::
-
-            LocalStorage("/ckpt/step_2").locate("../step_1").url   # '/ckpt/step_1'
-        """
-        here = self.place()
-        if here is None:
-            raise StorageError(f"{self.url}: {type(self).__name__} cannot locate {rel!r} relative to itself")
-        return self.at(posixpath.normpath(posixpath.join(here[1], rel)))
 
     # --- derived ----------------------------------------------------------
     def read(self, name: str, offset: int, length: int) -> bytes:
