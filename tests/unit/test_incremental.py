@@ -217,3 +217,28 @@ def test_memory_storage_references_siblings():
         run.child("s1").delete(name)
     with pytest.raises(MissingBaseError, match="s1"):
         _load(run.child("s2"))
+
+
+def test_hf_and_dcp_exports_read_through_references(tmp_path):
+    import glob
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from shardpoint.convert import export_dcp, export_hf
+
+    st = _state()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    sp.save(a, st, block_size=BLOCK)
+    st["model"]["adapter"].sub_(1)
+    sp.save(b, st, block_size=BLOCK, base=a)
+    assert sp.references_outside(b)
+    export_hf(b, str(tmp_path / "hf"), prefix="model.")
+    got = {}
+    for f in glob.glob(str(tmp_path / "hf" / "*.safetensors")):
+        got.update(load_file(f))
+    assert torch.equal(got["frozen"], st["model"]["frozen"]) and torch.equal(got["adapter"], st["model"]["adapter"])
+    export_dcp(b, str(tmp_path / "dcp"))
+    back = {"model.frozen": torch.zeros(256, 64), "model.adapter": torch.zeros(8, 8)}
+    dcp.load(back, checkpoint_id=str(tmp_path / "dcp"))
+    assert torch.equal(back["model.frozen"], st["model"]["frozen"]) and torch.equal(back["model.adapter"], st["model"]["adapter"])
