@@ -103,7 +103,7 @@ def open_base(base: Any, storage: Storage, where: str) -> BaseCheckpoint:
         ) from None
     rel = relative_location(storage.primary, prev)
     try:
-        if rel is None:
+        if rel is None or rel == ".":  # another tree, or the path itself (its cleanup would remove the base's data)
             raise CheckpointError("not on the same storage")
         check_base(rel)
     except CheckpointError:

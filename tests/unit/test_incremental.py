@@ -242,3 +242,12 @@ def test_hf_and_dcp_exports_read_through_references(tmp_path):
     back = {"model.frozen": torch.zeros(256, 64), "model.adapter": torch.zeros(8, 8)}
     dcp.load(back, checkpoint_id=str(tmp_path / "dcp"))
     assert torch.equal(back["model.frozen"], st["model"]["frozen"]) and torch.equal(back["model.adapter"], st["model"]["adapter"])
+
+
+def test_a_base_at_the_saved_path_itself_is_refused(tmp_path):
+    st = _state()
+    a = str(tmp_path / "a")
+    sp.save(a, st, block_size=BLOCK)
+    with pytest.raises(UnsupportedStateError, match="cannot be referenced"):
+        sp.save(a, st, block_size=BLOCK, base=a)
+    assert torch.equal(_load(a)["model"]["frozen"], st["model"]["frozen"])
