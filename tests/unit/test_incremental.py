@@ -251,3 +251,19 @@ def test_a_base_at_the_saved_path_itself_is_refused(tmp_path):
     with pytest.raises(UnsupportedStateError, match="cannot be referenced"):
         sp.save(a, st, block_size=BLOCK, base=a)
     assert torch.equal(_load(a)["model"]["frozen"], st["model"]["frozen"])
+
+
+@settings(max_examples=15, deadline=None)
+@given(hst.lists(hst.tuples(hst.integers(1, 40), hst.booleans()), min_size=1, max_size=6), hst.sampled_from([16, 64, 256]))
+def test_exactly_the_unchanged_chunks_are_referenced(specs, block):
+    run = MemoryStorage()
+    g = torch.Generator().manual_seed(len(specs))
+    state = {f"t{i}": torch.randn(n, generator=g) for i, (n, _) in enumerate(specs)}
+    sp.save(run.child("a"), state, block_size=block)
+    for i, (n, change) in enumerate(specs):
+        if change:
+            state[f"t{i}"][n // 2] += 1.0
+    r = sp.save(run.child("b"), state, block_size=block, base=run.child("a"))
+    assert r.bytes_referenced == sum(n * 4 for n, change in specs if not change)
+    out = sp.load(run.child("b"), {}, strict=False)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
