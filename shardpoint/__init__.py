@@ -27,6 +27,7 @@ from .errors import (
     CheckpointTimeoutError,
     ConcurrentSaveError,
     CorruptCheckpointError,
+    MissingBaseError,
     UnsafeCheckpointError,
     DistributedError,
     DtypeMismatchError,
@@ -54,6 +55,7 @@ from .peer import PeerMemory
 from .training.rng import RNGState
 from .storage import LocalStorage, MemoryStorage, Storage
 from .storage.tiers import TieredStorage
+from .convert.consolidate import consolidate, references_outside
 
 __version__ = "0.1.0"
 """The package version; ``pyproject.toml`` reads it from here, so it is written in one place."""
@@ -95,6 +97,9 @@ __all__ = [
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",
     "CorruptCheckpointError",
+    "MissingBaseError",
+    "consolidate",
+    "references_outside",
     "UnsafeCheckpointError",
     "FormatError",
     "KeyMismatchError",

@@ -17,6 +17,7 @@ import torch
 from .engine.claim import CommitPolicy
 from .engine.indexes import resolve, resolve_all
 from .engine.load import execute_reads
+from .engine.references import open_references
 from .errors import KeyMismatchError
 from .format.datafile import DEFAULT_BLOCK_SIZE
 from .format.manifest import Manifest
@@ -50,6 +51,7 @@ def save(
     collective_timeout: float | None = None,
     commit: CommitPolicy | None = None,
     progress: bool = False,
+    base: str | Storage | None = None,
 ) -> SaveResult:
     """Save ``state`` to ``path``; a collective when a process group is initialised.
 
@@ -95,15 +97,21 @@ def save(
     ``progress=True`` shows the bytes written and the rate on stderr, on
     rank 0 (see :mod:`shardpoint.runtime.progress`).
 
+    ``base`` (a committed checkpoint beside ``path``) makes the save incremental:
+    chunks whose bytes equal ``base``'s at the same place are referenced, not
+    written (:mod:`shardpoint.saving.incremental`); keep ``base`` as long, or
+    copy with :func:`~shardpoint.consolidate`.
+
     Example::
 
         sp.save("ckpt/step_100", {"model": model, "optimizer": opt, "extra": {"step": 100}})
+        sp.save("ckpt/step_200", {"model": model}, base="ckpt/step_100")  # writes only what changed
         sp.save("ckpt/pp", {"model": stage, "optimizer": opt}, replicated_over=dp_group)
         sp.save("ckpt/rank0", {"model": ddp.module}, process_group=sp.LOCAL)  # rank 0 only
     """
     options = SaveOptions(
         allow_pickle=allow_pickle, block_size=block_size, layouts=layouts, replicated_over=replicated_over,
-        collective_timeout=collective_timeout, commit=commit, trace_dir=trace_dir, on_metrics=on_metrics,
+        collective_timeout=collective_timeout, commit=commit, trace_dir=trace_dir, on_metrics=on_metrics, base=base,
     )
     tx = SaveTransaction(path, state, options)
     tx.check()
@@ -142,6 +150,7 @@ def read_tensor(path: str | Storage, name: str, index: tuple | None = None, *, v
             offs[d], sizes[d] = lo, max(0, hi - lo)
         box = Box(tuple(offs), tuple(sizes))
     manifest = resolve(storage, manifest, {name: [box]}, storage.url)
+    storage = open_references(storage, manifest, storage.url)
     check_provided(storage, manifest.tensors[name], name, box)
     dest = torch.empty(box.sizes, dtype=torch_dtype(meta.dtype))
     target = LoadTarget(name, dest, tuple(meta.shape), box)

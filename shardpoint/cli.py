@@ -20,6 +20,7 @@ from .api import read_manifest
 from .errors import CheckpointError, ConversionError
 from .runtime.extras import require
 from .convert.verify import verify_checkpoint
+from .convert.consolidate import consolidate_arguments, describe_references
 
 __all__ = ["main", "build_parser", "HELP"]
 
@@ -31,6 +32,7 @@ Commands (each has --help with examples):
   shardpoint inspect ckpt/step_100 --tensor model.tok.weight   # its chunks and writers
   shardpoint inspect ckpt/step_100 --plot shards.png   # shard map picture
   shardpoint verify ckpt/step_100                      # every checksum, in parallel
+  shardpoint consolidate run/step_00000900 archive/step_900   # self-contained copy of an incremental checkpoint
   shardpoint export ckpt/step_100 --to hf hf_out --dtype bf16 --config config.json
   shardpoint export ckpt/step_100 --to dcp dcp_out
   shardpoint export ckpt/step_100 --to torch model.pt
@@ -108,8 +110,10 @@ def _inspect(args) -> int:
     names = sorted(m.tensors)
     if args.keys:
         names = [n for n in names if any(fnmatch.fnmatchcase(n, k) for k in args.keys)]
+    refs = describe_references(m)
     if args.json:
         _dump({
+            "references": refs,
             "format_version": m.format_version,
             "save_id": m.save_id,
             "world_size": m.world_size,
@@ -137,6 +141,8 @@ def _inspect(args) -> int:
     con.print(f"save-time layout: {json.dumps(m.layout.get('entries', {}))}")
     if "offline_layout" in m.layout:
         con.print(f"pre-sharded for: {m.layout['offline_layout']}")
+    for r in refs:  # an incremental checkpoint: what it reads from other checkpoints
+        con.print(f"references {r['files']} data file(s), {_human(r['bytes'])}, in {r['base']} (outside this folder)")
     return 0
 
 
@@ -366,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     pi.add_argument("--keys", action="append", default=[], metavar="GLOB", help="only tensors matching (repeatable)")
     pi.add_argument("--max-tensors", type=int, default=48, help="at most this many panels in --plot (largest first)")
     pi.set_defaults(fn=_inspect)
+    pc = _cmd(sub, "consolidate", "copy a checkpoint with every data file it references: a self-contained copy", (
+        "  shardpoint consolidate run/step_00000900 archive/step_900"))
+    consolidate_arguments(pc)
 
     pv = _cmd(sub, "verify", "check completeness and every chunk's checksum, in parallel", (
         "  shardpoint verify ckpt/step_100 && echo intact\n"

@@ -17,6 +17,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "CorruptCheckpointError",
     "UnsafeCheckpointError",
+    "MissingBaseError",
     "FormatError",
     "KeyMismatchError",
     "ShapeMismatchError",
@@ -70,6 +71,24 @@ class IncompleteCheckpointError(CheckpointError):
 
 class CorruptCheckpointError(CheckpointError):
     """Bytes on storage do not match their recorded checksum or size."""
+
+
+class MissingBaseError(CheckpointError):
+    """An incremental checkpoint references data of another checkpoint (its base) that is gone.
+
+    ``base`` is the missing location as the checkpoint names it (relative,
+    e.g. ``../step_100``) and ``url`` where that resolves. Raised before any
+    byte is loaded. Example::
+
+        try:
+            sp.load("ckpt/step_200", state)
+        except sp.MissingBaseError as e:
+            print("restore", e.url)
+    """
+
+    def __init__(self, message: str, base: str = "", url: str = ""):
+        super().__init__(message)
+        self.base, self.url = base, url
 
 
 class UnsafeCheckpointError(CorruptCheckpointError):

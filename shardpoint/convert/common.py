@@ -40,6 +40,7 @@ from ..engine.claim import CommitPolicy, SaveClaim
 from ..engine.commit import commit_manifest
 from ..engine.io import tensor_bytes
 from ..engine.load import ReadTuning, execute_reads
+from ..engine.references import open_references
 from ..errors import ConversionError, KeyMismatchError, ShapeMismatchError, UnsupportedStateError
 from ..format.datafile import DEFAULT_BLOCK_SIZE, DataFileWriter
 from ..format.index import encode_index, fqn_key, index_digest
@@ -87,6 +88,7 @@ class CheckpointReader:
         self.storage = storage_for(path)
         self.manifest: Manifest = read_manifest(self.storage)
         self.where = self.storage.url
+        self.storage = open_references(self.storage, self.manifest, self.where)  # an incremental checkpoint's bases
         self.verify = verify
 
     def names(self, patterns: Sequence[str] = ()) -> list[str]:

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..api import read_manifest
 from ..engine.indexes import IndexReader
 from ..engine.io import verify_chunk
+from ..engine.references import open_references
 from ..errors import CheckpointError
 from ..storage import storage_for
 from .options import progress
@@ -41,6 +42,10 @@ def verify_checkpoint(path: str, jobs: int = 4, quiet: bool = True) -> tuple[int
             continue
         if real < size:
             problems.append(f"data file {name} is truncated: {real} of {size} bytes")
+    try:  # referenced data files of an incremental checkpoint: in their bases, checked like its own
+        storage = open_references(storage, m, storage.url)
+    except CheckpointError as e:
+        return 0, [*problems, str(e)]
     work = []
     reader = IndexReader(storage, m, storage.url)
     for fqn, t in m.tensors.items():

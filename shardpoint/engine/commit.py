@@ -31,14 +31,16 @@ __all__ = ["write_index", "commit_manifest", "discard_files", "commit_save", "co
 log = logging.getLogger("shardpoint")
 
 
-def write_index(storage: Storage, data: str, records, dtypes: Mapping[str, str]) -> tuple[RankFiles, int]:
+def write_index(storage: Storage, data: str, records, dtypes: Mapping[str, str], index: str | None = None) -> tuple[RankFiles, int]:
     """Write the index file of the data file ``data`` (its chunk ``records``); return its entry and size.
+
+    ``index`` names the index file (default: ``data`` with ``.idx`` for ``.bin``).
 
     Example::
 
         entry, size = write_index(storage, "data/ab-r00000.bin", records, {"w": "float32"})
     """
-    index = data[: -len(".bin")] + ".idx"
+    index = index or data[: -len(".bin")] + ".idx"
     blob = encode_index(records, dtypes)
     try:
         with storage.open_writer(index) as w:

@@ -38,6 +38,10 @@ class IndexReader:
         self._cache: dict[int, ChunkIndex] = {}
         self._grid_cache: dict[tuple, list] = {}
         self.bytes_read = 0
+        self._refs: dict[int, list[ChunkIndex]] = {}
+        self._by_rank: dict[int, list] = {}
+        for ref in manifest.refs:
+            self._by_rank.setdefault(ref.rank, []).append(ref)
 
     def index(self, rank: int) -> ChunkIndex | None:
         """Rank ``rank``'s parsed index, or ``None`` when that rank wrote nothing."""
@@ -47,35 +51,50 @@ class IndexReader:
         entry = self.manifest.ranks[rank]
         if entry is None:
             return None
-        size = self.manifest.files[entry.index]
+        got = self._parse(rank, entry.data, self.manifest.files[entry.data], entry.index, entry.digest)
+        self._cache[rank] = got
+        return got
+
+    def indexes(self, rank: int) -> list[ChunkIndex]:
+        """Every index of rank ``rank``: its own data file's, then those of the data files it references."""
+        own = self.index(rank)
+        refs = self._refs.get(rank)
+        if refs is None:
+            refs = self._refs[rank] = [
+                self._parse(rank, ref.name, ref.size, ref.index, ref.digest) for ref in self._by_rank.get(rank, ())
+            ]
+        return ([own] if own is not None else []) + refs
+
+    def _parse(self, rank: int, data_name: str, data_size: int, index_name: str, digest: str) -> ChunkIndex:
+        """One index file, checked against its size and digest in the manifest, then parsed."""
+        size = self.manifest.files[index_name]
         limit = Limits.from_env().index_bytes
         if size > limit:
             raise CorruptCheckpointError(
-                f"{self.where}: the manifest says index file {entry.index} of rank {rank} is {size} bytes, "
+                f"{self.where}: the manifest says index file {index_name} of rank {rank} is {size} bytes, "
                 f"over the limit of {limit} (SHARDPOINT_MAX_INDEX_BYTES)"
             )
         try:
-            data = self.storage.get_limited(entry.index, limit)
+            data = self.storage.get_limited(index_name, limit)
         except FileNotFoundError:
             raise CorruptCheckpointError(
-                f"{self.where}: index file {entry.index} of rank {rank} is missing; the checkpoint is damaged"
+                f"{self.where}: index file {index_name} of rank {rank} is missing; the checkpoint is damaged"
             ) from None
         self.bytes_read += len(data)
-        if len(data) != size or index_digest(data) != entry.digest:
+        if len(data) != size or index_digest(data) != digest:
             raise CorruptCheckpointError(
-                f"{self.where}: index file {entry.index} of rank {rank} does not match the manifest "
+                f"{self.where}: index file {index_name} of rank {rank} does not match the manifest "
                 f"({len(data)} bytes, expected {size}, or its digest differs); the checkpoint is corrupt"
             )
         got = ChunkIndex.parse(
-            data, file=entry.data, file_size=self.manifest.files[entry.data], rank=rank,
-            block=self.manifest.block_size, where=f"{self.where}: {entry.index}",
+            data, file=data_name, file_size=data_size, rank=rank,
+            block=self.manifest.block_size, where=f"{self.where}: {index_name}",
         )
         if (got.version >= 3) != (self.manifest.format_version >= 3):
             raise CorruptCheckpointError(
-                f"{self.where}: index file {entry.index} of rank {rank} has index version {got.version}, "
+                f"{self.where}: index file {index_name} of rank {rank} has index version {got.version}, "
                 f"which a format-version-{self.manifest.format_version} manifest cannot name; the checkpoint is corrupt"
             )
-        self._cache[rank] = got
         return got
 
     def chunks(self, fqn: str, boxes: Iterable[Box] | None = None) -> tuple[ChunkMeta, ...]:
@@ -86,8 +105,7 @@ class IndexReader:
             out: list[ChunkMeta] = []
             for a, b in meta.holders or ():
                 for r in range(a, b):
-                    idx = self.index(r)
-                    if idx is not None:
+                    for idx in self.indexes(r):
                         out.extend(idx.chunks(fqn, meta.shape, meta.itemsize, what, meta.dtype))
             if boxes is not None:
                 wanted = list(boxes)
@@ -115,11 +133,10 @@ class IndexReader:
         return hit
 
     def _shard_chunk(self, fqn: str, meta: TensorMeta, rank: int, shard: Box, what: str) -> ChunkMeta:
-        idx = self.index(rank)
-        rows = [] if idx is None else idx.chunks(fqn, meta.shape, meta.itemsize, what, meta.dtype)
-        for c in rows:
-            if c.flat is None and (c.box == shard or (c.box.numel == 0 and shard.numel == 0)):
-                return c
+        for idx in self.indexes(rank):
+            for c in idx.chunks(fqn, meta.shape, meta.itemsize, what, meta.dtype):
+                if c.flat is None and (c.box == shard or (c.box.numel == 0 and shard.numel == 0)):
+                    return c
         raise CorruptCheckpointError(
             f"{what}: rank {rank}'s index has no chunk at offsets {list(shard.offsets)} sizes "
             f"{list(shard.sizes)}, where the manifest's grid puts one; the checkpoint is corrupt"

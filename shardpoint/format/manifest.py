@@ -39,6 +39,7 @@ from .records import (
     DIGEST_VERSION, DTYPE_SIZES, FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, MAX_ELEMENTS, MAX_NDIM, READ_VERSIONS,
     ChunkMeta, RankFiles, TensorMeta, check_file_name,
 )
+from .refs import RefFiles
 from .strict import Limits, strict_loads
 
 __all__ = [
@@ -110,7 +111,9 @@ class Manifest:
     """The whole checkpoint description. Frozen: derive variants with ``dataclasses.replace``.
 
     ``ranks`` (version 2) has one entry per saving rank: its files, or
-    ``None`` for a rank that wrote nothing.
+    ``None`` for a rank that wrote nothing. ``refs`` (version 4) lists the
+    data files of other checkpoints whose chunks this one uses
+    (:mod:`shardpoint.format.refs`).
     """
 
     save_id: str
@@ -124,6 +127,7 @@ class Manifest:
     checksum_algorithm: str = "xxh3_64"
     format_version: int = 1
     ranks: tuple[RankFiles | None, ...] = ()
+    refs: tuple[RefFiles, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -150,6 +154,8 @@ class Manifest:
         else:
             doc["ranks"] = [None if r is None else [r.data, r.index, r.digest] for r in self.ranks]
             doc["meshes"], doc["tensors"] = _tensors_v2(self.tensors)
+        if self.refs:  # version 4 only: a manifest without references is unchanged
+            doc["refs"] = [r.to_json() for r in self.refs]
         doc["values"] = dict(self.values)
         doc["layout"] = dict(self.layout)
         body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")

@@ -24,6 +24,7 @@ from ..errors import FormatError
 from ..geometry import Box
 from ..geometry.grid import Grid
 from .blocks import block_count
+from .refs import RefFiles, parse_refs
 from .records import (
     DTYPE_SIZES,
     FORMAT_NAME,
@@ -79,10 +80,13 @@ def manifest_fields(doc: Any, where: str) -> dict[str, Any]:
     if not isinstance(tdoc, dict):
         raise FormatError(f"{where}: 'tensors' must be an object")
     ranks: tuple[RankFiles | None, ...] = ()
+    refs: tuple[RefFiles, ...] = ()
     if version == 1:
         tensors = {fqn: _parse_tensor(fqn, t, files, block, world, where) for fqn, t in tdoc.items()}
-    else:  # versions 2 and 3
+    else:  # versions 2 to 4
         ranks = _parse_ranks(doc["ranks"], files, world, where)
+        if version >= 4:
+            refs = parse_refs(doc["refs"], files, world, where)
         grids = _GridParser(doc["meshes"], world, where)
         tensors = {fqn: _parse_tensor_v2(fqn, t, grids, world, where) for fqn, t in tdoc.items()}
     values = doc.get("values", {})
@@ -95,7 +99,7 @@ def manifest_fields(doc: Any, where: str) -> dict[str, Any]:
     created = doc.get("created", 0.0)
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < 1e13:
         raise FormatError(f"{where}: malformed 'created' (seconds since the epoch): {created!r}")
-    stored = sum(files.values())
+    stored = sum(files.values()) + sum(r.size for r in refs)
     for fqn, t in tensors.items():
         if t.nbytes > stored:
             raise FormatError(
@@ -114,6 +118,7 @@ def manifest_fields(doc: Any, where: str) -> dict[str, Any]:
         checksum_algorithm=algo,
         format_version=version,
         ranks=ranks,
+        refs=refs,
     )
 
 

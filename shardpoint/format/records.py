@@ -28,7 +28,7 @@ __all__ = [
 
 FORMAT_NAME = "shardpoint"
 FORMAT_VERSION = 3  # what save writes
-READ_VERSIONS = (1, 2, 3)
+READ_VERSIONS = (1, 2, 3, 4)  # 4: a version-3 manifest with references (shardpoint.format.refs)
 # The first version whose manifest carries its own digest and whose index keys bind the dtype.
 DIGEST_VERSION = 3
 MANIFEST_NAME = "manifest.json"

@@ -25,6 +25,7 @@ from ..dist import Comm, raise_if_failed, run_guarded
 from ..engine.inflight import wait_for_saves
 from ..engine.indexes import IndexReader, resolve, wanted_box
 from ..engine.load import ReadTuning, execute_reads
+from ..engine.references import open_references
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.strict import Limits
 from ..geometry import Box
@@ -151,6 +152,8 @@ class LoadTransaction:
         for t in targets:
             wants.setdefault(t.fqn, []).append(wanted_box(t.box, t.flat))
         ti = time.monotonic()
+        # A checkpoint with references reads them from its bases: all there, or the load fails now.
+        self.storage = open_references(self.storage, self.manifest, self.where)
         reader = IndexReader(self.storage, self.manifest, self.where)
         resolved = resolve(self.storage, self.manifest, wants, self.where, reader)
         result.index_bytes = reader.bytes_read

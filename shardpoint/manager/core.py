@@ -9,8 +9,7 @@ from typing import Any, Callable, MutableMapping, Sequence
 
 import torch
 
-from ..api import read_manifest
-from ..api import save as save_checkpoint
+from ..api import read_manifest, save as save_checkpoint
 from ..saving.async_save import AsyncSaver
 from ..dist import Comm, close_at_exit
 from ..errors import CheckpointError, CheckpointTimeoutError, ConcurrentSaveError, StorageError
@@ -19,6 +18,7 @@ from ..storage import Storage, storage_for
 from .collectives import Collectives
 from .faults import FaultHook, fault_from_env
 from .folders import HINT_NAME, committed_steps, step_folder
+from .incremental import base_keywords, check_incremental
 from .options import UNSET, check_arguments, resolve_mode, save_policies
 from .pending import DoneHandle, PendingSave, stalled_error, wait_judging_progress
 from .policies import OnDemand, SavePolicy
@@ -66,6 +66,7 @@ class CheckpointManager:
         staging_bytes: host staging budget of the asynchronous saver.
         process_group: the ranks taking part (default: the whole world).
         storage_options: passed to :func:`~shardpoint.storage.storage_for`.
+        incremental: each save writes only what changed since the newest step (blocking saves, see :mod:`~shardpoint.manager.incremental`).
         save_options / load_options: extra keyword arguments for every save
             (``block_size``, ``layouts``, ``trace_dir``...) and load (``strict``...).
         stale_lock_s: age after which a step lock whose owner cannot be checked
@@ -112,7 +113,7 @@ class CheckpointManager:
         fault_hook: FaultHook | None = None,
         memory: Any = None,
         prewarm: bool = True,
-        prewarm_state: MutableMapping[str, Any] | None = None,
+        prewarm_state: MutableMapping[str, Any] | None = None, incremental: bool = False,
     ):
         check_arguments(keep_last, keep_every, timeout, on_hang)
         self.mode = resolve_mode(mode, async_mode)
@@ -135,7 +136,7 @@ class CheckpointManager:
         self._coll = Collectives(process_group, timeout, self.hang_grace, on_hang, fault_hook or fault_from_env())
         self._locks = StepLock(owner=uuid.uuid4().hex, stale_lock_s=stale_lock_s)  # this instance, in lock files
         self._in_use = StepsInUse()  # steps being restored or saved: never deleted
-        self._retention = Retention(self.storage, self.keep_last, self.keep_every, self._in_use, self._locks, self._coll.hook)
+        self._retention = Retention(self.storage, self.keep_last, self.keep_every, self._in_use, self._locks, self._coll.hook, check_incremental(incremental, self.mode))
         self.retention_errors: list[str] = self._retention.errors
         self._saver: AsyncSaver | None = None
         self._pending: PendingSave | None = None
@@ -272,7 +273,7 @@ class CheckpointManager:
             if self.mode is None:
                 with self._coll.watch("save", step):
                     res = self._coll.run(
-                        "save", step, lambda: save_checkpoint(st, state, process_group=self._coll.group(), **self.save_options)
+                        "save", step, lambda: save_checkpoint(st, state, process_group=self._coll.group(), **self.save_options, **base_keywords(self.storage, step, self._retention.incremental))
                     )
                 handle: Any = DoneHandle(res)
             else:

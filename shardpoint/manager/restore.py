@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, MutableMapping
 
 from ..api import load as load_checkpoint
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatError, IncompleteCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatError, IncompleteCheckpointError, MissingBaseError
 from ..peer import RestoreReport
 from ..storage import Storage
 from .collectives import Collectives
@@ -25,7 +25,7 @@ __all__ = ["LOAD_FALLBACK", "restore_newest"]
 
 log = logging.getLogger("shardpoint")
 
-LOAD_FALLBACK = (CorruptCheckpointError, IncompleteCheckpointError, FormatError, CheckpointNotFoundError)
+LOAD_FALLBACK = (CorruptCheckpointError, IncompleteCheckpointError, FormatError, CheckpointNotFoundError, MissingBaseError)
 """Errors of a step's own checkpoint after which ``restore`` tries the next older step."""
 
 

@@ -8,6 +8,12 @@ crashed saves older than the newest complete step, unless a live save of
 another job holds them. A step is deleted manifest first, made durable,
 then its data, so a crash in the middle leaves a folder that is never taken
 for complete.
+
+In an incremental run (:mod:`shardpoint.manager.incremental`) a deleted
+step's data files that a kept step references stay, in its folder, which
+then holds nothing else; each pass removes those no kept step references
+any more. A pass reads the kept steps' manifests before it deletes
+anything, and deletes no data when one cannot be read.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from ..engine.claim import claim_is_live
 from ..format.manifest import MANIFEST_NAME
 from ..storage import Storage
 from .folders import LOCK_NAME, scan_steps, step_folder
+from .incremental import referenced_by
 from .steplock import StepLock
 
 __all__ = ["StepsInUse", "Retention"]
@@ -105,6 +112,7 @@ class Retention:
         in_use: StepsInUse,
         locks: StepLock,
         hook: Callable[[str, int | None], None] = lambda phase, step: None,
+        incremental: bool = False,
     ):
         self.storage = storage
         self.keep_last = keep_last
@@ -112,6 +120,7 @@ class Retention:
         self.in_use = in_use
         self.locks = locks
         self.hook = hook  # called with ("retention", step) before each deletion (fault injection)
+        self.incremental = incremental  # kept steps may reference data in the folders of deleted ones
         self.errors: list[str] = []
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -175,13 +184,26 @@ class Retention:
 
     def run_pass(self) -> None:
         """One pass, in the calling thread: delete every doomed step that is not in use."""
-        for s in self.doomed():
-            self.in_use.delete_unless_used(s, self.delete_step)
+        doomed = self.doomed()
+        spare: dict[str, set[str]] = {}
+        if self.incremental and doomed:
+            kept = [s for s, f in scan_steps(self.storage).items() if f.committed and s not in doomed]
+            found = referenced_by(self.storage, kept)
+            if found is None:
+                return  # what the kept steps reference is unknown: delete nothing
+            spare = found
+        for s in doomed:
+            keep = spare.get(step_folder(s), set())
+            self.in_use.delete_unless_used(s, lambda step: self.delete_step(step, keep))
 
-    def delete_step(self, step: int) -> None:
-        """Delete one step folder, manifest first, so it is never seen half-deleted as complete."""
+    def delete_step(self, step: int, spare: set[str] | frozenset[str] = frozenset()) -> None:
+        """Delete one step folder, manifest first, so it is never seen half-deleted as complete.
+
+        ``spare``: data files that kept steps reference; they stay (the
+        folder then holds only them, and never counts as a step).
+        """
         st = self.storage.child(step_folder(step))
-        names = st.list("")
+        names = [n for n in st.list("") if n not in spare]
         if MANIFEST_NAME in names:
             self.hook("retention", step)
             st.delete(MANIFEST_NAME)
@@ -192,4 +214,4 @@ class Retention:
                 st.delete(n)
         st.delete(LOCK_NAME)
         st.remove_empty_folders()
-        log.info("deleted %s", st.url)
+        log.info("deleted %s%s", st.url, f" (kept {len(spare)} data file(s) that kept steps reference)" if spare else "")

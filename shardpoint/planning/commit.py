@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 from ..errors import CorruptCheckpointError, ShapeMismatchError, UnsupportedStateError
 from ..format.index import fqn_key
 from ..format.manifest import FORMAT_VERSION, Manifest, RankFiles, TensorMeta, rank_runs
+from ..format.refs import REF_VERSION
 from ..geometry.grid import Grid
 from .describe import GridEntry, RankStatus, TensorsDoc, ValuesDoc
 
@@ -143,8 +144,8 @@ def assemble_manifest(
         files=files,
         layout={"world_size": world, "entries": frameworks, "placements": placements},
         created=created,
-        format_version=FORMAT_VERSION,
-        ranks=tuple(ranks),
+        format_version=REF_VERSION if any(st.refs for st in statuses) else FORMAT_VERSION,
+        ranks=tuple(ranks), refs=tuple(ref for st in statuses for ref in st.refs),
     )
 
 

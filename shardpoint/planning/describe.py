@@ -117,7 +117,9 @@ class RankStatus:
     documents; ``cover``: elements it wrote of each listed tensor;
     ``replicas``: the digest of its replica table for the comparison at
     the commit (:meth:`~shardpoint.planning.replicas.ReplicaTable.digest`;
-    empty when the ranks compared before writing).
+    empty when the ranks compared before writing); ``refs``: the data files
+    of a base checkpoint whose chunks it references (an incremental save,
+    :mod:`shardpoint.format.refs`).
     """
 
     files: Mapping[str, int]
@@ -126,6 +128,7 @@ class RankStatus:
     values_digest: str
     cover: Mapping[str, int]
     replicas: str = ""
+    refs: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -46,12 +46,17 @@ __all__ = ["prepare_save", "plan_of", "describe_on", "summarize"]
 log = logging.getLogger("shardpoint")
 
 
-def summarize(plan: SavePlan, storage: Storage, written: tuple[list, dict], comm: Comm, cache: SaveCache | None = None) -> RankReport:
+def summarize(
+    plan: SavePlan, storage: Storage, written: tuple[list, dict], comm: Comm, cache: SaveCache | None = None,
+    refs: tuple[tuple, dict] = ((), {}),
+) -> RankReport:
     """Write this rank's index file next to its data file; return what the commit needs.
 
     ``written`` is the data file's chunk records and ``{name: size}``. Runs
     after the data file is written (in the background for async saves); the
     description is reused from ``cache`` while the plan is the same.
+    ``refs``: an incremental save's references and their index files
+    (:func:`~shardpoint.saving.incremental.write_references`).
 
     Example::
 
@@ -66,7 +71,8 @@ def summarize(plan: SavePlan, storage: Storage, written: tuple[list, dict], comm
     d = describe_on(plan, comm, cache)
     vdoc, vdig = values_doc(plan.values, plan.frameworks)
     table = plan.replicas.table() if plan.replicas is not None else None
-    status = RankStatus(files, index, d.digest, vdig, cover_of(plan.mine, d.listed), table.digest() if table else "")
+    files = {**files, **refs[1]}
+    status = RankStatus(files, index, d.digest, vdig, cover_of(plan.mine, d.listed), table.digest() if table else "", refs[0])
     return RankReport(status, d.doc, vdoc, table)
 
 

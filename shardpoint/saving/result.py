@@ -22,7 +22,8 @@ class SaveResult:
     an earlier save of the same saver (its tensors had the same names,
     shapes, dtypes and geometry), so no writers were chosen again. It is
     ``False`` for the first save and for :func:`shardpoint.save`, which
-    keeps nothing between calls.
+    keeps nothing between calls. ``bytes_referenced`` counts the chunk
+    bytes an incremental save (``base=``) referenced instead of writing.
 
     Example::
 
@@ -35,3 +36,4 @@ class SaveResult:
     timings: dict[str, float] = field(default_factory=dict)
     recorder: Recorder | None = field(default=None, repr=False)
     plan_cached: bool = False
+    bytes_referenced: int = 0

@@ -39,6 +39,7 @@ from ..runtime.monitor import Recorder, format_summary
 from ..planning.describe import RankReport
 from ..planning.save_plan import SavePlan
 from .reuse import SaveCache
+from .incremental import reference_base
 from .agree import AgreedFailure, unwrap
 from .options import SaveOptions
 from .prepare import prepare_save, summarize
@@ -130,6 +131,7 @@ class SaveTransaction:
         self.cache: SaveCache | None = None  # what repeated saves reuse (the saver's); the summary's description too
         self.claim: SaveClaim | None = None
         self.bar: Any = None
+        self.refs: tuple[tuple, dict] = ((), {})  # an incremental save's references and their index files
 
     # The enter phase's values, by name.
     base = property(lambda self: self.call.base, doc="The caller's ranks.")
@@ -151,6 +153,11 @@ class SaveTransaction:
         """The enter phase's local part: refuse bad arguments before any collective."""
         check_state(self.state, self.op)
         check_block_size(self.options.block_size)
+        if self.options.base is not None and self.background:
+            raise UnsupportedStateError(
+                f"{self.op}: base= (an incremental save) is taken by sp.save and CheckpointManager's synchronous "
+                "saves; save without base=, or save with sp.save(path, state, base=prev)"
+            )
 
     def enter(self, process_group: Any, coordinate: Any = None) -> SaveCall:
         """The enter phase: every rank agrees it entered this save of this path; return what the later phases read.
@@ -219,6 +226,8 @@ class SaveTransaction:
         tb = time.monotonic()
         records, files = [], {}
         mine = self.plan.mine
+        if self.options.base is not None:  # reference what equals the base; write the rest
+            mine = reference_base(self, mine)
         if self.bar is not None:
             self.bar.set_total(sum(it.nbytes for it in mine))
         if mine:
@@ -231,7 +240,7 @@ class SaveTransaction:
     def summarize(self, records: list, files: dict, started: float) -> RankReport:
         """The write phase's end: the index file, then the summary this rank's commit needs."""
         mark_phase(self.result, "data_file", started)  # whole file incl. fsync; per-chunk spans are "write"
-        report = summarize(self.plan, self.storage, (records, files), self.comm, self.cache)
+        report = summarize(self.plan, self.storage, (records, files), self.comm, self.cache, self.refs)
         self.result.bytes_written = sum(report.status.files.values())
         return report
 

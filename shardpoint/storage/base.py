@@ -344,6 +344,18 @@ class Storage(abc.ABC):
         """
         raise NotImplementedError(f"{self.url} is not tiered storage; wait(tier=...) needs a TieredStorage")
 
+    # --- locations (incremental checkpoints name their base relative to themselves) ---
+    def place(self) -> tuple[Any, str] | None:
+        """(namespace, absolute POSIX path) of this location, or ``None`` (then no base can be referenced).
+
+        Example: ``LocalStorage("/ckpt/step_1").place()`` is ``('file', '/ckpt/step_1')``.
+        """
+        return None
+
+    def at(self, path: str) -> "Storage":
+        """A storage of this kind and namespace at absolute POSIX ``path``. Example: ``st.at("/ckpt/step_1")``."""
+        raise StorageError(f"{self.url}: {type(self).__name__} cannot open another location of its tree")
+
     # --- derived ----------------------------------------------------------
     def read(self, name: str, offset: int, length: int) -> bytes:
         """``length`` bytes of ``name`` from ``offset``."""

@@ -355,6 +355,15 @@ class LocalStorage(Storage):
         child._share_direct(self._direct)
         return child
 
+    def place(self) -> tuple[Any, str]:
+        return ("file", self.root.replace(os.sep, "/"))
+
+    def at(self, path: str) -> "LocalStorage":
+        other = LocalStorage(path, self.options)
+        other.stats = self.stats
+        other._share_direct(self._direct)
+        return other
+
     def _share_direct(self, direct: Any) -> None:
         """Use the parent's direct-I/O state, so a child learns what the parent learned."""
         self._direct = direct

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 from ..errors import StorageError
 from .base import Storage, Writer
@@ -135,6 +136,15 @@ class MemoryStorage(Storage):
 
     def location_exists(self) -> bool:
         return any(k.startswith(self._prefix) for k in list(self._objects))
+
+    def place(self) -> tuple[Any, str]:
+        return (("memory", id(self._objects)), "/" + self._prefix.rstrip("/"))
+
+    def at(self, path: str) -> "MemoryStorage":
+        inner = path.strip("/")
+        other = MemoryStorage(self._objects, f"{inner}/" if inner else "", self._times, self._lock)
+        other.stats = self.stats
+        return other
 
     def child(self, sub: str) -> "MemoryStorage":
         if ".." in sub.split("/"):

@@ -29,7 +29,7 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
 
 
-@pytest.mark.parametrize("page", ["getting-started.md", "manager.md", "guides/resharding.md", "guides/configuration.md", "guides/async.md", "guides/conversion.md", "guides/migrating-from-dcp.md"])
+@pytest.mark.parametrize("page", ["getting-started.md", "manager.md", "guides/resharding.md", "guides/configuration.md", "guides/async.md", "guides/conversion.md", "guides/migrating-from-dcp.md", "guides/incremental.md"])
 def test_page_examples_run(page, tmp_path):
     code = blocks(page)
     assert code, f"{page} has no runnable example"

@@ -144,15 +144,22 @@ def _write_ref(refs: str, step: int, state: dict) -> str:
     return ""
 
 
-def crash_job(rank: int, world: int, root: str, refs: str, checks: str, it: int, mode: str | None, fault: dict | None) -> dict:
+def crash_job(
+    rank: int, world: int, root: str, refs: str, checks: str, it: int, mode: str | None, fault: dict | None,
+    incremental: bool = False,
+) -> dict:
     marker = os.path.join(checks, f"fired_{it:04d}.json")
     hook = Fault(fault, rank, marker)
     storage = FaultStorage(root, hook)
     model, opt = build("fsdp2", CFG, seed=0)
+    if incremental:  # a frozen part that incremental saves reference instead of writing
+        for name, p in model.named_parameters():
+            if name.startswith(("tok.", "pos.")):
+                p.requires_grad_(False)
     state = {"model": model, "optimizer": opt}
     mgr = CheckpointManager(
         storage, interval=INTERVAL, keep_last=KEEP_LAST, mode=mode, timeout=60, on_hang="log",
-        fault_hook=hook, write_hint=True,
+        fault_hook=hook, write_hint=True, incremental=incremental,
     )
     newest = mgr.steps()[-1] if mgr.steps() else None  # listed before the restore (rank-local)
     step = mgr.restore(state)

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 import shardpoint as sp
 from shardpoint.manager import step_folder
+from shardpoint.manager.incremental import referenced_by
 from shardpoint.storage import LocalStorage
 from shardpoint.testing import build, full_state
 
@@ -43,9 +44,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RANK0_ONLY = {"manifest", "commit", "commit_done", "retention"}
 
 
-def plan(rng: random.Random, i: int) -> tuple[str | None, dict]:
+def plan(rng: random.Random, i: int, incremental: bool = False) -> tuple[str | None, dict]:
     phase = PHASES[i] if i < len(PHASES) else rng.choice(PHASES)
-    mode = rng.choice(["eager", "lazy", None])
+    mode = None if incremental else rng.choice(["eager", "lazy", None])
     spec = {"phase": phase, "rank": 0 if phase in RANK0_ONLY else rng.randrange(2)}
     if phase == "snapshot":
         spec.update(nth=rng.randint(1, 3), delay=rng.uniform(0, 0.03))
@@ -62,15 +63,17 @@ def plan(rng: random.Random, i: int) -> tuple[str | None, dict]:
     return mode, spec
 
 
-def test_sigkill_during_saves_never_loses_or_tears(tmp_path):
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_sigkill_during_saves_never_loses_or_tears(tmp_path, incremental):
     root, refs, checks = (str(tmp_path / d) for d in ("run", "refs", "checks"))
     for d in (refs, checks):
         os.makedirs(d)
     rng = random.Random(SEED)
     launches = []
     for i in range(ITERS + 1):
-        mode, spec = plan(rng, i) if i < ITERS else ("eager", None)  # the last launch runs clean
-        launches.append({"root": root, "refs": refs, "checks": checks, "it": i, "mode": mode, "fault": spec})
+        mode, spec = plan(rng, i, incremental) if i < ITERS else (None if incremental else "eager", None)  # the last runs clean
+        launches.append({"root": root, "refs": refs, "checks": checks, "it": i, "mode": mode, "fault": spec,
+                         "incremental": incremental})
     plan_path = os.path.join(str(tmp_path), "plan.json")
     with open(plan_path, "w") as f:
         json.dump({"launches": launches}, f)
@@ -116,4 +119,8 @@ def test_sigkill_during_saves_never_loses_or_tears(tmp_path):
         assert [k for k in ref if not torch.equal(ref[k], got[k])] == [], f"step {s}"
     folders = {n.split("/")[0] for n in st.list("") if n.startswith("step_")}
     leftovers = {f for f in folders if int(f[5:]) < committed[-1]} - {step_folder(s) for s in committed}
+    if incremental:  # a removed step's data files stay while a kept step references them, and only those
+        kept = referenced_by(st, committed) or {}
+        assert any(kept.values()), "incremental saves referenced nothing"
+        leftovers = {f for f in leftovers if not set(st.child(f).list("")) <= kept.get(f, set())}
     assert not leftovers, f"incomplete folders older than the newest checkpoint remain: {sorted(leftovers)}"

@@ -16,7 +16,7 @@ from shardpoint.cli import build_parser, main
 from shardpoint.convert import CheckpointWriter
 from shardpoint.geometry import Box
 
-COMMANDS = ("inspect", "verify", "export", "import", "reshard", "diff", "trace")
+COMMANDS = ("inspect", "verify", "consolidate", "export", "import", "reshard", "diff", "trace")
 
 
 @pytest.fixture
@@ -239,3 +239,27 @@ def test_help_documents_the_exit_codes(capsys):
     out = capsys.readouterr().out
     assert "Exit status:" in out and "1  verify found damage" in out and "``" not in out and "2  any error" in out
     assert "renamed into place only on success" in out
+
+
+def test_inspect_shows_references_and_consolidate_makes_a_self_contained_copy(tmp_path, capsys):
+    import json as _json
+
+    import torch
+
+    import shardpoint as sp
+
+    st = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.zeros(3)}
+    a, b, out = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out")
+    sp.save(a, st, block_size=1024)
+    st["b"] += 1
+    sp.save(b, st, block_size=1024, base=a)
+    capsys.readouterr()
+    assert main(["inspect", b, "--json"]) == 0
+    refs = _json.loads(capsys.readouterr().out)["references"]
+    assert [(r["base"], r["files"]) for r in refs] == [("../a", 1)] and refs[0]["bytes"] >= 4096 * 4
+    assert main(["inspect", b]) == 0
+    assert "in ../a (outside this folder)" in capsys.readouterr().out
+    assert main(["consolidate", b, out, "-q"]) == 0
+    assert main(["inspect", out, "--json"]) == 0
+    assert _json.loads(capsys.readouterr().out)["references"] == []
+    assert main(["verify", out]) == 0

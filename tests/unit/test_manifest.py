@@ -116,7 +116,7 @@ CASES = {
     "too many dims": (lambda d: d["tensors"]["model.w"].update(shape=[1] * 17), r"shape must be a list of at most 16 ints"),
     "negative dim": (lambda d: d["tensors"]["model.w"].update(shape=[-4, 6]), r"shape must be an integer"),
     "bool as int": (lambda d: _chunk(d).update(offset=False), r"chunk byte offset must be an integer.*got False"),
-    "format version": (lambda d: d.update(format_version=4), r"format_version 4 is not supported.*reads versions 1, 2, 3.*upgrade"),
+    "format version": (lambda d: d.update(format_version=5), r"format_version 5 is not supported.*reads versions 1, 2, 3, 4.*upgrade"),
     "format version missing": (lambda d: d.pop("format_version"), r"format_version None is not supported"),
     "not shardpoint": (lambda d: d.update(format="other"), r"not a shardpoint manifest"),
     "checksum algo": (lambda d: d.update(checksum_algorithm="md5"), r"unknown checksum algorithm 'md5'"),

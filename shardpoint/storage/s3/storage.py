@@ -450,6 +450,14 @@ class S3Storage(Storage):
         c._place(f"{self._root}{sub}")
         return c
 
+    def place(self) -> tuple[Any, str]:
+        return (("s3", self.bucket), "/" + self.prefix)
+
+    def at(self, path: str) -> "S3Storage":
+        c = self.child("x")  # shares the client, pool and counters
+        c._place(path.strip("/"))
+        return c
+
     def _place(self, prefix: str) -> None:
         """Set the key prefix this storage reads and writes under (its ``url`` follows)."""
         self.prefix = prefix

@@ -1,0 +1,201 @@
+"""Incremental saves: chunks whose bytes equal the base checkpoint's are referenced, not written.
+
+``sp.save(path, state, base=prev)`` runs the ordinary save with one step
+added before the write: each rank takes the chunks it would write
+(:attr:`~shardpoint.planning.save_plan.SavePlan.mine`) and, for each, looks
+for the chunk at the same place in ``prev``: the same tensor name, dtype
+and global shape, the same box and flat range, the same byte count and
+``prev`` saved with the same checksum block size. It hashes its bytes
+(xxh3_64 per block, what the writer computes anyway) and compares them with
+``prev``'s recorded checksums. Every block equal: the chunk is referenced
+(its record names ``prev``'s data file, or the file ``prev`` itself
+referenced: references are flat). Otherwise, or with nothing at the same
+place (a resharded layout, another block size): it is written in full.
+
+Each rank reads ``prev``'s manifest and the index files its own chunks need
+(:class:`~shardpoint.engine.indexes.IndexReader`): no collective is added.
+
+Why checksums and no byte comparison: a 64-bit hash per 4 MiB block gives
+an accidental false match a chance of 2**-64 per block, the same odds every
+load already accepts to detect damage, and comparing bytes would read the
+whole base at every save. xxh3 is not a cryptographic hash, so a state made
+on purpose to collide is out of scope (whoever controls the state controls
+what is saved anyway).
+
+Example::
+
+    base = open_base("ckpt/step_100", storage_for("ckpt/step_200"), "ckpt/step_200")
+    write, reused = split_reused(base, plan.mine, rank=0, block=DEFAULT_BLOCK_SIZE)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from ..engine.commit import write_index
+from ..engine.indexes import IndexReader, wanted_box
+from ..engine.io import tensor_bytes
+from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedStateError
+from ..format.datafile import block_checksums
+from ..format.manifest import MANIFEST_NAME, ChunkMeta, Manifest
+from ..format.strict import Limits
+from ..format.refs import RefFiles, check_base, join_base, ref_index_name
+from ..items import SaveTensor, dtype_name
+from ..storage import Storage, storage_for
+from ..storage.locations import relative_location
+
+__all__ = ["BaseCheckpoint", "Reused", "open_base", "split_reused", "write_references", "reference_base"]
+
+
+@dataclass(frozen=True)
+class BaseCheckpoint:
+    """The committed checkpoint a save references: its storage, manifest, and location from the new one.
+
+    ``to_base`` is the base's location relative to the checkpoint being
+    saved (``../step_100``). Build it with :func:`open_base`.
+
+    Example::
+
+        base = open_base("ckpt/step_100", storage_for("ckpt/step_200"), "ckpt/step_200")
+        base.to_base   # '../step_100'
+    """
+
+    storage: Storage
+    manifest: Manifest
+    to_base: str
+    reader: IndexReader
+
+
+@dataclass(frozen=True)
+class Reused:
+    """One chunk a save references: its tensor, its record (naming the data file as the new checkpoint does), and where that file lies.
+
+    Example::
+
+        Reused("model.w", chunk, "../step_100", "data/ab12-r00000.bin", 4096)
+    """
+
+    fqn: str
+    chunk: ChunkMeta
+    base: str
+    data: str
+    size: int
+
+
+def open_base(base: Any, storage: Storage, where: str) -> BaseCheckpoint:
+    """Open ``base`` (a path, URL or storage holding a committed checkpoint) for a save to ``storage``.
+
+    Raises :class:`~shardpoint.errors.UnsupportedStateError` when ``base``
+    does not lie beside the new checkpoint on the same storage (a reference
+    is a relative location), or is the new checkpoint itself.
+
+    Example::
+
+        base = open_base("ckpt/step_100", storage_for("ckpt/step_200"), "ckpt/step_200")
+    """
+    prev = storage_for(base).primary
+    try:
+        manifest = Manifest.from_json(prev.get_limited(MANIFEST_NAME, Limits.from_env().manifest_bytes), prev.url)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{where}: base={prev.url} holds no committed checkpoint; give a committed one, or save without base="
+        ) from None
+    rel = relative_location(storage.primary, prev)
+    try:
+        if rel is None or rel == ".":  # another tree, or the path itself (its cleanup would remove the base's data)
+            raise CheckpointError("not on the same storage")
+        check_base(rel)
+    except CheckpointError:
+        raise UnsupportedStateError(
+            f"{where}: base={prev.url} cannot be referenced from here: an incremental save references a committed "
+            "checkpoint beside it on the same storage (e.g. ckpt/step_100 for ckpt/step_200); save without base= "
+            "or choose a base in the same run folder"
+        ) from None
+    return BaseCheckpoint(prev, manifest, rel, IndexReader(prev, manifest, prev.url))
+
+
+def _candidate(base: BaseCheckpoint, item: SaveTensor, block: int) -> ChunkMeta | None:
+    """The chunk of ``base`` at the same place as ``item``, or ``None``."""
+    m = base.manifest
+    meta = m.tensors.get(item.fqn)
+    if m.block_size != block or meta is None or meta.dtype != dtype_name(item.data.dtype):
+        return None
+    if tuple(meta.shape) != tuple(item.shape):
+        return None
+    chunks = meta.chunks if meta.chunks is not None else base.reader.chunks(item.fqn, [wanted_box(item.box, item.flat)])
+    for c in chunks:
+        if c.box == item.box and c.flat == item.flat and c.nbytes == item.nbytes:
+            return c
+    return None
+
+
+def _reuse(base: BaseCheckpoint, fqn: str, c: ChunkMeta, rank: int) -> Reused:
+    """``c`` (a chunk of the base) as the new checkpoint references it: at the checkpoint that holds its bytes."""
+    m = base.manifest
+    held = next((r for r in m.refs if r.name == c.file), None)
+    if held is None:
+        where, data, size = base.to_base, c.file, m.files[c.file]
+    else:  # the base references it in turn: point at the holder itself
+        where, data, size = join_base(base.to_base, held.base), held.data, held.size
+    rec = ChunkMeta(c.box, f"{where}/{data}", c.offset, c.nbytes, c.checksums, c.flat, rank)
+    return Reused(fqn, rec, where, data, size)
+
+
+def split_reused(base: BaseCheckpoint, items: Sequence[SaveTensor], rank: int, block: int) -> tuple[list[SaveTensor], list[Reused]]:
+    """``items`` split into those to write and the chunks referenced from ``base`` (equal bytes at the same place).
+
+    Example::
+
+        write, reused = split_reused(base, plan.mine, rank=0, block=1 << 22)
+    """
+    write: list[SaveTensor] = []
+    reused: list[Reused] = []
+    for it in items:
+        c = _candidate(base, it, block)
+        if c is not None and tuple(block_checksums(tensor_bytes(it.data), block)) == tuple(c.checksums):
+            reused.append(_reuse(base, it.fqn, c, rank))
+        else:
+            write.append(it)
+    return write, reused
+
+
+def write_references(
+    storage: Storage, save_id: str, rank: int, reused: Sequence[Reused], dtypes: Mapping[str, str]
+) -> tuple[tuple[RefFiles, ...], dict[str, int]]:
+    """Write one index file per referenced data file; return their manifest entries and ``{index: size}``.
+
+    Example::
+
+        refs, files = write_references(storage, save_id, 0, reused, {"model.w": "float32"})
+    """
+    by_file: dict[str, list[Reused]] = {}
+    for r in reused:
+        by_file.setdefault(r.chunk.file, []).append(r)
+    refs, files = [], {}
+    for k, (name, group) in enumerate(sorted(by_file.items())):
+        index = ref_index_name(save_id, rank, k)
+        first = group[0]
+        entry, size = write_index(storage, name, [(r.fqn, r.chunk) for r in group], dtypes, index=index)
+        refs.append(RefFiles(rank, first.base, first.data, first.size, index, entry.digest))
+        files[index] = size
+    return tuple(refs), files
+
+
+def reference_base(tx: Any, mine: Sequence[SaveTensor]) -> list[SaveTensor]:
+    """A save transaction's write step for ``base=``: reference what equals the base, return what to write.
+
+    The references' index files are written now and kept on ``tx.refs``
+    for the rank's summary.
+
+    Example::
+
+        mine = reference_base(tx, tx.plan.mine)
+    """
+    base = open_base(tx.options.base, tx.storage, tx.where)
+    write, reused = split_reused(base, mine, tx.comm.rank, tx.options.block_size)
+    if reused:
+        dtypes = {it.fqn: dtype_name(it.data.dtype) for it in mine}
+        tx.refs = write_references(tx.storage, tx.save_id, tx.comm.rank, reused, dtypes)
+        tx.result.bytes_referenced = sum(r.chunk.nbytes for r in reused)
+    return write

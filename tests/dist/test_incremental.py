@@ -1,0 +1,39 @@
+"""Incremental saves on two gloo ranks: each rank reuses from its base's indexes; a resharded save writes in full."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import shardpoint as sp
+from shardpoint.testing import build, full_state, launch
+from tests.dist.incremental_cases import CFG, _data_sizes, manifest_refs
+
+pytestmark = pytest.mark.dist
+
+
+def test_each_rank_references_its_own_unchanged_chunks_and_a_reshard_writes_in_full(tmp_path):
+    root = str(tmp_path)
+    r0, r1 = launch(2, "tests.dist.incremental_cases:save_job", {"root": root})
+    b, c = os.path.join(root, "b"), os.path.join(root, "c")
+    # Rank 0 changed nothing: it wrote no data file; rank 1 wrote its changed shard only.
+    sizes = _data_sizes(b)
+    assert 0 not in sizes and sizes[1] == r1["changed"] > 0
+    assert r0["referenced_b"] > 0 and r1["referenced_b"] > 0
+    refs = manifest_refs(b)
+    assert {e[0] for e in refs} == {0, 1} and {e[1] for e in refs} == {"../a"}
+    # DDP after FSDP2: only whole tensors (scalars, unsharded ones) lie at the same place; every shard is written.
+    m = sp.read_manifest(c)
+    shared = [(k, ch) for k, t in m.tensors.items() for ch in t.chunks if ch.file.startswith("../")]
+    assert all(ch.box.sizes == tuple(m.tensors[k].shape) for k, ch in shared), shared
+    assert r0["referenced_c"] + r1["referenced_c"] == sum(ch.nbytes for _, ch in shared)
+    assert sum(ch.nbytes for _, ch in shared) < 0.05 * m.total_bytes
+    want = torch.load(os.path.join(root, "want_b.pt"))
+    for path in (b, c):
+        model, opt = build("single", CFG, seed=7)
+        sp.load(path, {"model": model, "optimizer": opt})
+        got = full_state(model, opt)
+        assert sorted(got) == sorted(want)
+        assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
