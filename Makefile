@@ -88,9 +88,9 @@ $(COMPAT_VENV)/.installed: $(MIN_VENV)/.installed constraints-frameworks-min.txt
 	touch $@
 
 # The framework tests on torch 2.6, the slow cases included: tests/clients (Lightning, Accelerate and the HF
-# Trainer, each on one and two processes and under FSDP; torchtitan's check that it names the torch it
-# needs) and the DeepSpeed ZeRO and Megatron-Core TP x PP multi-process tests. Their MoE variants were
-# measured once (docs/compatibility.md) and stay out, to keep CI short.
+# Trainer on one and two processes, Lightning and the Trainer under FSDP too; torchtitan's check that it
+# names the torch it needs) and the DeepSpeed ZeRO and Megatron-Core TP x PP multi-process tests. Their MoE
+# variants were measured once (docs/compatibility.md) and stay out, to keep CI short.
 COMPAT_TESTS := tests/clients tests/dist/test_deepspeed.py tests/dist/test_megatron.py
 
 test-compat: $(COMPAT_VENV)/.installed
