@@ -7,7 +7,7 @@ PIP := $(BIN)/pip install -q -c constraints.txt
 # its model package imports triton even on a machine without a GPU.
 TORCHTITAN_DEPS := spmd_types tyro docstring_parser tensorboard torchdata einops triton
 
-.PHONY: install test test-slow demo docs package-check test-min bench bench-quick unit clean
+.PHONY: install test test-slow demo docs package-check test-min test-compat bench bench-quick unit clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -68,6 +68,33 @@ test-min: $(MIN_VENV)/.installed
 	$(MIN_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/storage tests/golden \
 	  --ignore=tests/unit/test_deepspeed_geometry.py --ignore=tests/unit/test_export_hf_config.py
 	$(MIN_VENV)/bin/python -m pytest -q -p no:cacheprovider -m 'slow or not slow' $(MIN_DIST)
+
+# The framework integrations on the lowest tested torch: Lightning, Accelerate, transformers, DeepSpeed,
+# Megatron-Core and torchtitan at constraints-frameworks-min.txt's versions, in a venv layered over
+# test-min's. It reads test-min's torch 2.6 through a .pth file instead of installing it again (5.7 GB), so
+# its own packages come first on the path and test-min's are left as they are.
+COMPAT_VENV := build/test-compat
+PURELIB := -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
+$(COMPAT_VENV)/.installed: $(MIN_VENV)/.installed constraints-frameworks-min.txt
+	rm -rf $(COMPAT_VENV) && $(PY) -m venv $(COMPAT_VENV)
+	echo "import site; site.addsitedir('$$($(MIN_VENV)/bin/python $(PURELIB))')" \
+	  > "$$($(COMPAT_VENV)/bin/python $(PURELIB))/test-min.pth"
+	DS_BUILD_OPS=0 $(COMPAT_VENV)/bin/pip install -q -c constraints-frameworks-min.txt lightning accelerate \
+	  transformers deepspeed
+	$(COMPAT_VENV)/bin/pip install -q -c constraints-frameworks-min.txt --no-deps megatron-core torchtitan
+	$(COMPAT_VENV)/bin/pip install -q -c constraints-frameworks-min.txt $(filter-out triton,$(TORCHTITAN_DEPS))
+	# torch must come from test-min's venv, not a second copy here
+	$(COMPAT_VENV)/bin/python -c 'import sys, torch; assert sys.prefix not in torch.__file__, torch.__file__'
+	touch $@
+
+# The framework tests on torch 2.6, the slow cases included: tests/clients (Lightning, Accelerate and the HF
+# Trainer on one and two processes, Lightning and the Trainer under FSDP too; torchtitan's check that it
+# names the torch it needs) and the DeepSpeed ZeRO and Megatron-Core TP x PP multi-process tests. Their MoE
+# variants were measured once (docs/compatibility.md) and stay out, to keep CI short.
+COMPAT_TESTS := tests/clients tests/dist/test_deepspeed.py tests/dist/test_megatron.py
+
+test-compat: $(COMPAT_VENV)/.installed
+	DS_ACCELERATOR=cpu $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider -m 'slow or not slow' $(COMPAT_TESTS)
 
 # The benchmarks' own extra: matplotlib for the plots, and ByteCheckpoint 0.0.2 as a peer. ByteCheckpoint
 # goes in with --no-deps (its metadata pins torch<=2.5); its runtime dependencies are the 'bench' extra plus

@@ -44,11 +44,14 @@ from ..convert.dcp import import_dcp as _convert_dcp
 from ..errors import CheckpointNotFoundError, UnsupportedStateError
 from ..format.manifest import MANIFEST_NAME
 from ..storage import storage_for
+from ..runtime import torchcompat
 from ..runtime.extras import require
 from .common import remove_path
 
 require("torchtitan", "", "shardpoint.integrations.torchtitan",
         "pip install --no-deps torchtitan, then its requirements (see the torchtitan integration guide)")
+# On an older torch torchtitan itself fails to import; say which torch it needs instead.
+torchcompat.require("torchtitan 0.3.0", torchcompat.torchtitan_runs(), "2.11")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torchtitan.components.checkpointer import (  # noqa: E402

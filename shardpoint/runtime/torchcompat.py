@@ -47,6 +47,7 @@ __all__ = [
     "compute_local_shape_and_global_offset",
     "dcp_save_local",
     "dcp_load_local",
+    "torchtitan_runs",
 ]
 
 
@@ -376,6 +377,27 @@ def dcp_load_local(state: dict, reader: Any, planner: Any = None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         dcp.load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+
+
+# --- torchtitan -------------------------------------------------------------------------------------
+
+# torchtitan 0.3.0, which shardpoint.integrations.torchtitan is written for, imports torch's local tensors
+# and DCP's Hugging Face storage writer, which torch 2.6 lacks ("cannot import name
+# 'HuggingFaceStorageWriter'"); through its torch_checkpointing requirement it asks for torch 2.11. No
+# earlier torchtitan has the checkpointer interface the integration uses.
+def torchtitan_runs() -> bool:
+    """Whether this torch has what torchtitan 0.3.0 imports (torch 2.11 and later, as its requirements ask).
+
+    Example::
+
+        require("torchtitan 0.3.0", torchtitan_runs(), "2.11")
+    """
+    import importlib.util
+
+    import torch.distributed.checkpoint as dcp
+
+    local_tensors = importlib.util.find_spec("torch.distributed._local_tensor") is not None
+    return local_tensors and hasattr(dcp, "HuggingFaceStorageWriter")
 
 
 def describe_placements(placements: Any) -> tuple[DimPlacement, ...]:

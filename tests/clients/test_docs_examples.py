@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from shardpoint.runtime import torchcompat
+
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs")
 
 
@@ -42,7 +44,9 @@ def test_page_examples_run(page, tmp_path):
 def test_torchrun_recipe_resumes_on_another_number_of_ranks(tmp_path):
     script = [b for b in blocks("getting-started.md", "py") if b.startswith("# train.py")]
     assert len(script) == 1
-    (tmp_path / "train.py").write_text(script[0])
+    # On CPU, torch 2.6's FSDP2 needs the test aid that shardpoint's own launcher applies (a no-op from 2.7).
+    aid = "" if torchcompat.HAS_CPU_FSDP2 else "from shardpoint.runtime import torchcompat\ntorchcompat.enable_cpu_fsdp2()\n"
+    (tmp_path / "train.py").write_text(aid + script[0])
     manifest = tmp_path / "ckpt" / "run" / "step_00000030" / "manifest.json"
     saved = None
     for nproc, start in ((2, 0), (1, 30)):

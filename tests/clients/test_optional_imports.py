@@ -43,3 +43,32 @@ def test_missing_framework_raises_a_typed_error(module, hint):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"typed {hint}"
+
+
+def test_torchtitan_runs_says_whether_torchtitan_imports_on_this_torch():
+    pytest.importorskip("torchtitan")
+    from shardpoint.runtime import torchcompat
+
+    try:
+        import torchtitan.components.checkpointer  # noqa: F401
+        imports = True
+    except ImportError:  # torchtitan 0.3.0 on a torch older than it needs
+        imports = False
+    assert torchcompat.torchtitan_runs() is imports
+
+
+def test_torchtitan_on_an_older_torch_names_the_torch_it_needs():
+    pytest.importorskip("torchtitan")
+    # The detection is forced, so the error path runs on whichever torch the suite has.
+    done = _python(
+        "from shardpoint.runtime import torchcompat\n"
+        "torchcompat.torchtitan_runs = lambda: False\n"
+        "import shardpoint as sp\n"
+        "try:\n"
+        "    import shardpoint.integrations.torchtitan\n"
+        "except sp.UnsupportedStateError as e:\n"
+        "    print('typed', e)\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("typed torchtitan 0.3.0 needs torch 2.11 or later, and this is torch ")
+    assert "pip install 'torch>=2.11'" in done.stdout

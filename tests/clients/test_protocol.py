@@ -141,7 +141,8 @@ def test_optimizer_container_goes_through_its_protocol(tmp_path):
 
 
 def test_torchtitan_optimizers_container(tmp_path):
-    tt = pytest.importorskip("torchtitan.components.optimizer")
+    # torchtitan 0.3.0 fails to import (ImportError) on a torch older than it needs, as it does when absent
+    tt = pytest.importorskip("torchtitan.components.optimizer", exc_type=ImportError)
 
     def make(seed: int):
         torch.manual_seed(seed)
