@@ -67,6 +67,7 @@ from ..runtime.monitor import mark_phase
 from .steps import SaveResult
 from . import SaveOptions, SaveTransaction, check_state
 from .options import save_options, take_keywords
+from .agree import AgreedFailure
 from .background import BackgroundSave
 from ..engine.inflight import track_save
 from ..dist import Comm, close_at_exit, destroy_private_group, private_group
@@ -199,8 +200,8 @@ class AsyncSaver:
                 plan = SaveTransaction("prewarm", state, SaveOptions()).rehearse(base, comm, self._cache(base, process_group))
                 need = sum(t.nbytes for t in plan.mine)
                 self.staging.adopt(plan.mine)
-            except CheckpointError as e:  # the save itself will raise it, with its path
-                log.debug("pre-warming could not plan the state: %s", e)
+            except (CheckpointError, AgreedFailure) as e:  # the save itself will raise it, with its path
+                log.debug("pre-warming could not plan the state: %s", e)  # an agreed failure: on every rank alike
         ring = self.staging.ring_for(need)
         ring.warm(need)
         self.prewarmed = Prewarmed(comm is not base, 2, ring.warm_bytes, need, time.monotonic() - t0)

@@ -218,6 +218,15 @@ def _save_case(case: str, rank: int, world: int, path: str) -> dict:
         state = _failing(case, rank)
         with implying(case, world, fail):
             return error_of(lambda: sp.async_save(path, state, mode=mode, layouts=layouts, **kw))
+    if case.startswith("prewarm_"):  # pre-warming meets the failure first and keeps quiet; the save raises it
+        state = _failing(case, rank)
+        with implying(case, world, fail):
+            saver = sp.AsyncSaver(prewarm=False)
+            try:
+                saver.prewarm(state)
+                return error_of(lambda: saver.save(path, state, layouts=layouts, **kw))
+            finally:
+                saver.close()
     if case.startswith("async_wait_eager"):  # the end of the background write fails (every rank runs it)
         from shardpoint.saving.transaction import SaveTransaction
 

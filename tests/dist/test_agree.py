@@ -21,7 +21,7 @@ ASYNC = [
 # A Reduced tensor of another shape or dtype on rank 1; an adapter's implied rules that raise on rank 1.
 RULES = [
     "sync_reduced_shape", "sync_reduced_dtype", "async_call_eager_reduced_shape", "async_call_lazy_reduced_shape",
-    "sync_implied", "sync_implied_experts", "async_call_lazy_implied_experts",
+    "sync_implied", "sync_implied_experts", "async_call_lazy_implied_experts", "prewarm_implied",
 ]
 LOADS = ["load_misfit", "load_index", "load_failing", "load_meta", "load_implied", "load_reduced_misfit", "load_experts_misfit"]
 MISFIT = {
@@ -58,7 +58,7 @@ def _check(results: list[dict], cases: list[str]) -> None:
             assert rec["seconds"] < LIMIT, (case, rank, rec)
             assert all(cause in rec["message"] for cause in _causes(case)), (case, rank, rec)
             assert "rank(s) [1]" in rec["message"], (case, rank, rec)
-            if case.startswith("async_call_"):  # declared: the agreement raises it on every rank at the call
+            if case.startswith(("async_call_", "prewarm_")):  # declared: the agreement raises it on every rank at the call
                 assert rec["where"] == "call", (case, rank, rec)
             if case.startswith("async_wait_"):
                 assert rec["where"] == "wait", (case, rank, rec)
