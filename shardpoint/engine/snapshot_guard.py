@@ -22,15 +22,25 @@ Two witnesses tell that a tensor changed:
   save. A change that touches only unsampled elements is seen by the
   version counter alone. On an accelerator the sample is gathered on the
   device, queued after the work before the call (the call does not wait
-  for it), and compared at the fence, inside the device's capture guard
-  (:meth:`~shardpoint.device.Device.capture_guard`), since the fence may be
-  checked on a worker thread while the training thread captures a graph.
+  for it).
+
+At the fence the guard gives a :class:`Verdict` (:meth:`SnapshotGuard.judge`)
+without waiting for the device: version counters are compared on the host;
+a fresh sample of each fingerprinted tensor on an asynchronous device is
+taken on the fencing thread's queue, so it holds the values as of the
+fence, and compared with the call's on the device, its flags copied to host
+memory without waiting. Whoever reads the verdict (:meth:`Verdict.error`,
+the thread that commits) waits for them, inside the device's capture guard
+(:meth:`~shardpoint.device.Device.capture_guard`), since it may run on a
+worker while the training thread captures a graph. A synchronous device
+compares everything at the fence.
 
 Example::
 
     guard = SnapshotGuard.record(step_updates(state).live(ctx))
     ...  # the copy runs; the loop reaches the fence
-    err = guard.check("ckpt/step_100")   # None, or a TornSnapshotError to raise
+    verdict = guard.judge("ckpt/step_100")   # at the fence: no wait for the device
+    err = verdict.error()                    # before the commit: None, or a TornSnapshotError to raise
 """
 
 from __future__ import annotations
