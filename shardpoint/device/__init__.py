@@ -23,7 +23,7 @@ from .base import Completed, CopyEvent, Device
 from .cpu import CpuDevice
 from .capture import ThreadLocalCapture
 from .host_memory import HOST_SHARE, empty_host_cache, host_budget, host_stats
-from .sim_models import CaptureModel, HostCache, SimulatedCaptureError
+from .sim_models import CaptureModel, HostCache, HostWaits, SimulatedCaptureError, SimulatedHostWaitError
 from .simulated import POISON, SimEvent, SimulatedDevice
 from .tensors import byte_view, device_for, device_of, host_copy, on_host
 
@@ -31,5 +31,5 @@ __all__ = [
     "Device", "CopyEvent", "Completed", "CpuDevice", "AcceleratorDevice", "StreamEvent", "SimulatedDevice",
     "SimEvent", "POISON", "byte_view", "host_copy", "on_host", "device_of", "device_for",
     "ThreadLocalCapture", "CaptureModel", "HostCache", "SimulatedCaptureError", "empty_host_cache", "host_stats",
-    "host_budget", "HOST_SHARE",
+    "host_budget", "HOST_SHARE", "HostWaits", "SimulatedHostWaitError",
 ]

@@ -8,6 +8,9 @@
   block freed (its last reference dropped) goes to the next temporary at
   once, so a copy still queued from a dropped temporary reads another
   tensor's bytes, unless the temporary was kept alive for it;
+- :class:`HostWaits`: the host's waits for the device (an event
+  synchronize), counted per thread, and refused on a thread that must never
+  wait, such as the training thread at a lazy save's fence;
 - :class:`HostCache`: a caching allocator of page-locked host memory that
   rounds each block up to a power of two, hands a freed block to the next
   allocation of its size, and gives memory back only when emptied, as
@@ -31,7 +34,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["CaptureModel", "SimulatedCaptureError", "HostCache", "DevicePool"]
+__all__ = ["CaptureModel", "SimulatedCaptureError", "HostCache", "DevicePool", "HostWaits", "SimulatedHostWaitError"]
 
 
 class SimulatedCaptureError(RuntimeError):
@@ -41,6 +44,75 @@ class SimulatedCaptureError(RuntimeError):
 
         with pytest.raises(SimulatedCaptureError): model.unsafe("event synchronize")
     """
+
+
+class SimulatedHostWaitError(RuntimeError):
+    """A thread waited for the simulated device inside :meth:`HostWaits.refused`.
+
+    Example::
+
+        with sim.waits.refused():
+            event.synchronize()   # raises
+    """
+
+
+class HostWaits:
+    """How often each thread made the host wait for the device, and the threads that may not.
+
+    A wait is an event's ``synchronize`` (reading a value the device
+    computes needs one). Ordering later work after an event
+    (:meth:`~shardpoint.device.Device.order_after`) is no host wait: a
+    stream waits there on a real device, and the simulation only stands the
+    host still for it.
+
+    Example::
+
+        waits = HostWaits()
+        waits.record("an event synchronize")
+        waits.count()   # 1, on the calling thread
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[int, int] = {}
+        self._refused: set[int] = set()
+
+    def record(self, what: str) -> None:
+        """Count a host wait on the calling thread; raise :class:`SimulatedHostWaitError` where it is refused."""
+        me = threading.get_ident()
+        with self._lock:
+            self._counts[me] = self._counts.get(me, 0) + 1
+            refused = me in self._refused
+        if refused:
+            raise SimulatedHostWaitError(
+                f"{what} on thread {threading.current_thread().name!r} made the host wait for the device "
+                f"where it must not (the thread is in HostWaits.refused)")
+
+    def count(self, thread: threading.Thread | None = None) -> int:
+        """The host waits made on ``thread`` (default: the calling thread)."""
+        ident = threading.get_ident() if thread is None else thread.ident
+        with self._lock:
+            return self._counts.get(ident, 0)
+
+    @property
+    def total(self) -> int:
+        """The host waits made on every thread."""
+        with self._lock:
+            return sum(self._counts.values())
+
+    @contextlib.contextmanager
+    def refused(self) -> Iterator[None]:
+        """Refuse host waits on the calling thread for the body (they raise :class:`SimulatedHostWaitError`)."""
+        me = threading.get_ident()
+        with self._lock:
+            nested = me in self._refused
+            self._refused.add(me)
+        try:
+            yield
+        finally:
+            if not nested:
+                with self._lock:
+                    self._refused.discard(me)
 
 
 @dataclass

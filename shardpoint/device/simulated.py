@@ -22,7 +22,13 @@ accelerator punishes show up on a CPU:
   (pageable memory) runs at once, in the call, as a "non-blocking" copy
   from pageable memory does; :attr:`SimulatedDevice.pageable_copies` counts them;
 - host buffers come from a caching allocator that keeps freed blocks until
-  :meth:`empty_host_cache` (:class:`~shardpoint.device.sim_models.HostCache`).
+  :meth:`empty_host_cache` (:class:`~shardpoint.device.sim_models.HostCache`);
+- every host wait for the device (an event synchronize) is counted per
+  thread, and a thread may refuse them (:attr:`SimulatedDevice.waits`,
+  :class:`~shardpoint.device.sim_models.HostWaits`): a test proves that the
+  training thread never waits where a real device would stall it. Ordering
+  work after an event (:meth:`SimulatedDevice.order_after`) stands the host
+  still but counts as no wait: on a device a stream waits there.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from typing import Any, Iterator
 import torch
 
 from .base import CopyEvent, Device, flat_bytes
-from .sim_models import CaptureModel, DevicePool, HostCache
+from .sim_models import CaptureModel, DevicePool, HostCache, HostWaits
 
 __all__ = ["SimulatedDevice", "SimEvent", "POISON"]
 
@@ -64,6 +70,12 @@ class SimEvent(CopyEvent):
 
     def synchronize(self) -> None:
         self._unsafe("an event synchronize")
+        if self.device is not None:
+            self.device.waits.record("an event synchronize")
+        self._done.wait()
+
+    def stream_wait(self) -> None:
+        """What a stream waiting on this event models: the host stands still until it completes, counted as no wait."""
         self._done.wait()
 
     def query(self) -> bool:
@@ -94,7 +106,8 @@ class SimulatedDevice(Device):
     ``delay`` is how long each copy waits before it runs (seconds).
     ``copies`` counts the copies run. Buffers from :meth:`host_buffer`
     count as pinned, so budgets can be tested; ``host`` is the caching
-    allocator they come from, ``captures`` the graph captures running.
+    allocator they come from, ``captures`` the graph captures running,
+    ``waits`` the host's waits for the device per thread.
 
     Example::
 
@@ -121,6 +134,7 @@ class SimulatedDevice(Device):
         self.host = HostCache()
         self.pool = DevicePool()
         self.pageable_copies = 0
+        self.waits = HostWaits()
 
     # --- what the stand-in models beyond the copy engine -----------------------------------------
 
@@ -247,7 +261,11 @@ class SimulatedDevice(Device):
         return self._submit(dst, src, src)
 
     def order_after(self, event: CopyEvent) -> None:
-        event.synchronize()  # no streams to order: the host waits
+        # No streams to order: the host stands still, as the training stream would wait on a device.
+        if isinstance(event, SimEvent):
+            event.stream_wait()
+        else:
+            event.synchronize()
 
     def keep_alive(self, t: torch.Tensor, event: CopyEvent) -> None:
         if isinstance(event, SimEvent) and not event.query():

@@ -22,15 +22,25 @@ Two witnesses tell that a tensor changed:
   save. A change that touches only unsampled elements is seen by the
   version counter alone. On an accelerator the sample is gathered on the
   device, queued after the work before the call (the call does not wait
-  for it), and compared at the fence, inside the device's capture guard
-  (:meth:`~shardpoint.device.Device.capture_guard`), since the fence may be
-  checked on a worker thread while the training thread captures a graph.
+  for it).
+
+At the fence the guard gives a :class:`Verdict` (:meth:`SnapshotGuard.judge`)
+without waiting for the device: version counters are compared on the host;
+a fresh sample of each fingerprinted tensor on an asynchronous device is
+taken on the fencing thread's queue, so it holds the values as of the
+fence, and compared with the call's on the device, its flags copied to host
+memory without waiting. Whoever reads the verdict (:meth:`Verdict.error`,
+the thread that commits) waits for them, inside the device's capture guard
+(:meth:`~shardpoint.device.Device.capture_guard`), since it may run on a
+worker while the training thread captures a graph. A synchronous device
+compares everything at the fence.
 
 Example::
 
     guard = SnapshotGuard.record(step_updates(state).live(ctx))
     ...  # the copy runs; the loop reaches the fence
-    err = guard.check("ckpt/step_100")   # None, or a TornSnapshotError to raise
+    verdict = guard.judge("ckpt/step_100")   # at the fence: no wait for the device
+    err = verdict.error()                    # before the commit: None, or a TornSnapshotError to raise
 """
 
 from __future__ import annotations
@@ -41,10 +51,13 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from ..device import CpuDevice, Device
+from ..device import CopyEvent, CpuDevice, Device, device_for
 from ..errors import TornSnapshotError
 
-__all__ = ["SnapshotGuard", "GuardedTensor", "SAMPLE_ELEMENTS", "FINGERPRINTED", "largest"]
+__all__ = [
+    "SnapshotGuard", "GuardedTensor", "Verdict", "QueuedComparison", "torn_error", "SAMPLE_ELEMENTS", "FINGERPRINTED",
+    "largest",
+]
 
 SAMPLE_ELEMENTS = 1024
 """The most elements one tensor's fingerprint samples."""
@@ -152,43 +165,172 @@ class SnapshotGuard:
     def __len__(self) -> int:
         return len(self.tensors)
 
+    def judge(self, path: str) -> "Verdict":
+        """The fence's check, queued where it can be: what changed since :meth:`record`, read later with :meth:`Verdict.error`.
+
+        Version counters are compared now, on the host, at no cost. A
+        sample of a tensor on an asynchronous device is taken now, on the
+        calling thread's queue (so it holds the values as of the fence), and
+        compared with the call's on the device, its flags copied to host
+        memory without waiting: the calling thread never waits for the
+        device here; whoever reads the verdict does. Anything else is
+        compared now.
+
+        Example::
+
+            verdict = guard.judge("ckpt/step_100")   # at the fence: no wait for the device
+            err = verdict.error()                    # before the commit: waits for the flags
+        """
+        seen: list[tuple[int, str]] = []
+        on_device: dict[int, tuple[Device, list[tuple[int, str]], list]] = {}
+        with self.device.capture_guard():
+            for i, (t, v) in enumerate(zip(self.tensors, self.versions)):
+                if t._version != v:
+                    seen.append((i, self.names[i]))
+                elif i in self.fingerprints:
+                    then, now = self.fingerprints[i], _fingerprint(t)
+                    if now is None or now.shape != then.shape:
+                        seen.append((i, self.names[i]))
+                        continue
+                    dev = self._device_of(now)
+                    if not dev.asynchronous:
+                        if not torch.equal(now, then):
+                            seen.append((i, self.names[i]))
+                        continue
+                    group = on_device.setdefault(id(dev), (dev, [], []))
+                    group[1].append((i, self.names[i]))
+                    group[2].append((now, then))
+            queued = tuple(_queue_compare(dev, names, pairs) for dev, names, pairs in on_device.values())
+        return Verdict(path, tuple(seen), queued)
+
+    def _device_of(self, sample: torch.Tensor) -> Device:
+        # The guard's device for its own tensors; another accelerator's (one per process) for a tensor elsewhere.
+        return self.device if self.device.owns(sample) else device_for(sample.device)
+
     def changed(self) -> list[str]:
-        """The names of the watched tensors changed in place since :meth:`record`.
+        """The names of the watched tensors changed in place since :meth:`record` (waits for the device).
 
         Example::
 
             if guard.changed(): ...
         """
-        out = []
-        with self.device.capture_guard():  # comparing a device sample waits for the device
-            for i, (t, v) in enumerate(zip(self.tensors, self.versions)):
-                if t._version != v:
-                    out.append(self.names[i])
-                elif i in self.fingerprints:
-                    now = _fingerprint(t)
-                    if now is None or not torch.equal(now, self.fingerprints[i]):
-                        out.append(self.names[i])
-        return out
+        return self.judge("").changed()
 
     def check(self, path: str) -> TornSnapshotError | None:
-        """A :class:`TornSnapshotError` naming what changed since :meth:`record`, or None.
+        """A :class:`TornSnapshotError` naming what changed since :meth:`record`, or None (waits for the device).
+
+        The fence on an asynchronous device uses :meth:`judge` instead, and
+        leaves the wait to the writer.
 
         Example::
 
             err = guard.check("ckpt/step_100")
             if err is not None: raise err
         """
-        names = self.changed()
-        if not names:
-            return None
-        shown = ", ".join(repr(n) for n in names[:_NAMES_SHOWN])
-        more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
-        return TornSnapshotError(
-            f"the lazy save to {path} was abandoned: {shown}{more} changed in place after async_save() returned "
-            f"and before the snapshot's fence, so the checkpoint would hold a state that never existed. "
-            f"Nothing was committed; the previous checkpoint at the path is intact. Lazy mode copies parameters "
-            f"and optimizer state in the background until the next optimizer.step(): call handle.fence() before "
-            f"changing them anywhere else (an EMA, a clamp, manual weight decay, touching optimizer moments), "
-            f"or save with mode='eager'.",
-            names,
-        )
+        return self.judge(path).error()
+
+
+def _queue_compare(dev: Device, names: list[tuple[int, str]], pairs: list) -> "QueuedComparison":
+    """Compare the samples ``pairs`` on ``dev``, after the caller's work so far; one flag per pair lands in host memory."""
+
+    def compute() -> torch.Tensor:
+        return torch.stack([(now != then).any() for now, then in pairs])
+
+    flags, event = dev.queue_to_host(compute, dev.snapshot_point())
+    for now, then in pairs:  # read on the device's queue: not reused before the comparison ran
+        dev.keep_alive(now, event)
+        dev.keep_alive(then, event)
+    return QueuedComparison(tuple(names), flags, event)
+
+
+@dataclass(frozen=True, eq=False)
+class QueuedComparison:
+    """Samples being compared on a device: ``flags`` (host memory) holds one nonzero flag per changed tensor once ``event`` completed.
+
+    Example::
+
+        QueuedComparison(((0, "model.w"),), flags, event)
+    """
+
+    names: tuple[tuple[int, str], ...]
+    flags: torch.Tensor
+    event: CopyEvent
+
+    def changed(self) -> list[tuple[int, str]]:
+        """The positions and names whose samples differ; waits for the device's comparison."""
+        self.event.synchronize()  # in the device's capture guard: legal while another thread captures
+        return [n for n, f in zip(self.names, self.flags.tolist()) if f]
+
+
+@dataclass(frozen=True, eq=False)
+class Verdict:
+    """The guard's verdict on one save, taken at the fence and read before the commit.
+
+    ``seen``: the positions and names found changed at the fence itself;
+    ``queued``: comparisons still running on a device. :meth:`error` waits
+    for them (the writer calls it, never the training thread) and names
+    every changed tensor in the order they are watched. ``failure``: the
+    check itself failed, so the state cannot be proven and the save fails.
+
+    Example::
+
+        verdict = guard.judge("ckpt/step_100")
+        if (err := verdict.error()) is not None: raise err
+    """
+
+    path: str
+    seen: tuple[tuple[int, str], ...] = ()
+    queued: tuple[QueuedComparison, ...] = ()
+    failure: BaseException | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether part of the verdict is still computed on a device (reading it would wait)."""
+        return bool(self.queued)
+
+    def changed(self) -> list[str]:
+        """The names of the tensors changed before the fence, in the guard's order; waits for the device."""
+        hits = list(self.seen)
+        for q in self.queued:
+            hits.extend(q.changed())
+        return [n for _, n in sorted(hits)]
+
+    def error(self) -> TornSnapshotError | None:
+        """A :class:`TornSnapshotError` naming what changed, or None; never raises.
+
+        Example::
+
+            torn = verdict.error()
+        """
+        try:
+            if self.failure is not None:
+                raise self.failure
+            names = self.changed()
+        except Exception as e:  # noqa: BLE001 - an unproven snapshot must not commit
+            err = TornSnapshotError(
+                f"the lazy save to {self.path} was abandoned: its snapshot could not be checked at the fence "
+                f"({type(e).__name__}: {e}). Nothing was committed; the previous checkpoint at the path is intact. "
+                f"Save again, or save with mode='eager' if it persists.", [])
+            err.__cause__ = e
+            return err
+        return torn_error(self.path, names) if names else None
+
+
+def torn_error(path: str, names: Sequence[str]) -> TornSnapshotError:
+    """The error of a lazy save to ``path`` whose tensors ``names`` changed before the fence.
+
+    Example::
+
+        torn_error("ckpt/step_100", ["model.w"])
+    """
+    shown = ", ".join(repr(n) for n in names[:_NAMES_SHOWN])
+    more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
+    return TornSnapshotError(
+        f"the lazy save to {path} was abandoned: {shown}{more} changed in place after async_save() returned "
+        f"and before the snapshot's fence, so the checkpoint would hold a state that never existed. "
+        f"Nothing was committed; the previous checkpoint at the path is intact. Lazy mode copies parameters "
+        f"and optimizer state in the background until the next optimizer.step(): call handle.fence() before "
+        f"changing them anywhere else (an EMA, a clamp, manual weight decay, touching optimizer moments), "
+        f"or save with mode='eager'.",
+        list(names),
+    )

@@ -11,9 +11,12 @@ mutating the state, or polls it.
 
 The *fence* is the first of ``fence()``, an optimizer step pre-hook,
 ``done()`` once the copy is complete, and ``wait()``. A lazy save's guard
-(:class:`~shardpoint.engine.snapshot_guard.SnapshotGuard`) is checked there,
-and the writer's commit runs only after it: a tensor changed before the
-fence fails the save with :class:`~shardpoint.errors.TornSnapshotError`.
+(:class:`~shardpoint.engine.snapshot_guard.SnapshotGuard`) gives its
+verdict there, and the writer's commit runs only after it: a tensor changed
+before the fence fails the save with :class:`~shardpoint.errors.TornSnapshotError`.
+On an asynchronous device the verdict's sampled comparisons are queued on
+the device at the fence and read by the thread that commits, just before
+the commit, so the training thread never waits for the device at the fence.
 The writer does not wait for the fence on a worker: it leaves its commit
 with the handle (:meth:`~AsyncSaveHandle.commit_after_fence`), which hands
 it to the saver's pool when the fence passes. A save left waiting for a
@@ -33,7 +36,7 @@ from typing import Any, Callable
 
 from .phases import SavePhase, advance
 from .steps import SaveResult
-from ..engine.snapshot_guard import SnapshotGuard
+from ..engine.snapshot_guard import SnapshotGuard, Verdict
 from ..errors import DistributedError, TornSnapshotError
 from ..runtime.progress import follow
 
@@ -96,9 +99,9 @@ class AsyncSaveHandle:
         self._error: BaseException | None = None
         self._jobs = 0  # background work that may still report: running futures, an announced writer, a waiting commit
         self._copy_event: Any = None  # completes every lazy copy (on an asynchronous device)
-        self._guard: SnapshotGuard | None = None  # checked at the fence; None once checked
+        self._guard: SnapshotGuard | None = None  # judged at the fence; None once judged
         self._guarded = False
-        self._torn: TornSnapshotError | None = None  # the guard's verdict
+        self._verdict: Verdict | None = None  # the guard's verdict, taken at the fence; read by the commit
         self._rest: Callable[[TornSnapshotError | None], None] | None = None  # the commit waiting for the fence
 
     # --- what the save transaction tells the handle -----------------------------------------------
@@ -199,11 +202,12 @@ class AsyncSaveHandle:
         self._resume(rest)
 
     def _enter_fenced(self) -> Callable[[], None] | None:
-        """FENCED, once the copies are complete and the guard's verdict is in; returns the commit to run.
+        """FENCED, once the copies are complete and the guard's verdict is taken; returns the commit to run.
 
         Called with the condition held, by whichever of the two came last.
+        The verdict may still be computed on the device: the commit reads it.
         """
-        if not (self._guarded and self._guard is None and self._phase is SavePhase.COPIED):
+        if not (self._guarded and self._verdict is not None and self._phase is SavePhase.COPIED):
             return None
         self._move(SavePhase.FENCED)
         return self._take_rest()
@@ -248,12 +252,15 @@ class AsyncSaveHandle:
     # --- the fence ----------------------------------------------------------------------------------
 
     def commit_after_fence(self, commit: Callable[[TornSnapshotError | None], None]) -> None:
-        """Run ``commit(torn)`` once the fence has passed (``torn``: the guard's verdict); the writer calls this.
+        """Run ``commit(torn)`` once the fence has passed (``torn``: the guard's verdict, read); the writer calls this.
 
         Runs it now, on the calling thread, when the save has no fence or it
         has passed; otherwise the thread that passes the fence hands it to
         the pool of :meth:`use_pool` (or runs it, once the pool takes no more
         work: the interpreter is exiting). No worker waits for the fence.
+        The verdict is read right before ``commit``, on the thread that runs
+        it: there the wait for a comparison queued on the device happens,
+        never on the thread that passed the fence.
 
         Example::
 
@@ -266,8 +273,8 @@ class AsyncSaveHandle:
                 with _awaiting_lock:
                     _awaiting.add(self)
                 return
-            torn = self._torn
-        commit(torn)
+            verdict = self._verdict
+        commit(_read(verdict))
 
     def _take_rest(self) -> Callable[[], None] | None:
         rest, self._rest = self._rest, None
@@ -275,11 +282,11 @@ class AsyncSaveHandle:
             return None
         with _awaiting_lock:
             _awaiting.discard(self)
-        torn = self._torn
+        verdict = self._verdict
 
         def run() -> None:
             try:
-                rest(torn)
+                rest(_read(verdict))
             finally:
                 self._job_done()
 
@@ -297,12 +304,20 @@ class AsyncSaveHandle:
         run()
 
     def _check_fence(self) -> None:
-        """The fence: check the guard (once) and, if the copies are complete, enter FENCED."""
+        """The fence: take the guard's verdict (once) and, if the copies are complete, enter FENCED.
+
+        The verdict is taken, not read: on an asynchronous device its sampled
+        comparisons are queued there, and the thread passing the fence never
+        waits for the device (see :meth:`SnapshotGuard.judge`).
+        """
         with self._cond:
             guard, self._guard = self._guard, None
             if guard is None:
                 return
-            self._torn = guard.check(self.path)
+            try:
+                self._verdict = guard.judge(self.path)
+            except Exception as e:  # noqa: BLE001 - the save fails at its commit; the loop goes on
+                self._verdict = Verdict(self.path, failure=e)
             rest = self._enter_fenced()
         self._resume(rest)
 
@@ -341,8 +356,10 @@ class AsyncSaveHandle:
 
         On an asynchronous device the step's work waits for the copy's event
         on the device: the host waits only until every copy is queued (not
-        run), then goes on, and the guard is checked there; the save is
-        FENCED once the copies complete. Elsewhere this is :meth:`fence`.
+        run), then goes on, and the guard's verdict is taken there without
+        waiting for the device (its comparisons are queued on it and read by
+        the writer before the commit); the save is FENCED once the copies
+        complete. Elsewhere this is :meth:`fence`.
 
         Example::
 
@@ -446,6 +463,11 @@ class AsyncSaveHandle:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _read(verdict: Verdict | None) -> TornSnapshotError | None:
+    # On the committing thread: waits for comparisons still on the device, and never raises.
+    return None if verdict is None else verdict.error()
 
 
 _PHASE_NAMES = {

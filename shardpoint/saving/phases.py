@@ -10,7 +10,9 @@ A save only moves forward, through each phase at most once::
 
 ``QUEUED`` is a lazy save's: every copy is queued on the device, so an
 optimizer step can be ordered after them. ``FENCED`` is a lazy save's too:
-its guard was checked at the fence, after the copies were complete. The
+its guard's verdict was taken at the fence, after the copies were complete
+(on an asynchronous device its comparisons may still run there; the commit
+reads the verdict first). The
 copies' reports come from other threads than the writer's, so a copy report
 may arrive after the writer has moved on (its write failed, or an eager
 save's writer finished the streamed copy before the training thread reported
@@ -43,7 +45,7 @@ class SavePhase(enum.Enum):
     COPYING = "copying"  # the snapshot's copies run
     QUEUED = "queued"  # lazy: every copy is queued; a step can be ordered after them on the device
     COPIED = "copied"  # every copy is complete (or failed): the fence may pass
-    FENCED = "fenced"  # lazy: the guard was checked at the fence; the commit may follow
+    FENCED = "fenced"  # lazy: the guard's verdict was taken at the fence; the commit, reading it first, may follow
     WRITTEN = "written"  # this rank's write phase ended (written or failed); the commit runs
     COMMITTED = "committed"
     FAILED = "failed"
