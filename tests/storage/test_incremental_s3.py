@@ -11,6 +11,8 @@ import shardpoint as sp
 from shardpoint.errors import MissingBaseError
 from shardpoint.storage import S3Storage
 
+from tests.unit.incremental_runs import four_steps_keep_last_one
+
 from .s3_helpers import FaultProxy, s3_options
 
 pytest.importorskip("moto")
@@ -46,22 +48,9 @@ def test_incremental_save_on_s3_uploads_only_what_changed(s3_endpoint, bucket):
 
 
 def test_incremental_manager_on_s3_keeps_referenced_data_only(s3_endpoint, bucket):
-    from shardpoint.manager.incremental import referenced_by
-
     run = S3Storage(f"s3://{bucket}/{uuid.uuid4().hex}", s3_options(s3_endpoint))
     g = torch.Generator().manual_seed(1)
     st = {"model": {"frozen": torch.randn(1 << 16, generator=g), "adapter": torch.randn(16, 16, generator=g)}}
     mgr = sp.CheckpointManager(run, interval=1, keep_last=1, mode=None, incremental=True, prewarm=False,
                                save_options={"block_size": BLOCK})
-    try:
-        for step in range(1, 5):
-            st["model"]["adapter"].add_(1)
-            mgr.save(step, st)
-            mgr.wait()
-    finally:
-        mgr.close()
-    folders = sorted({n.split("/")[0] for n in run.list("") if n.startswith("step_")})
-    assert folders == ["step_00000001", "step_00000004"]
-    assert run.child("step_00000001").list("") == sorted(referenced_by(run, [4])["step_00000001"])
-    out = sp.load(run.child("step_00000004"), {}, strict=False)
-    assert torch.equal(out["model"]["frozen"], st["model"]["frozen"]) and torch.equal(out["model"]["adapter"], st["model"]["adapter"])
+    four_steps_keep_last_one(run, st, mgr)

@@ -9,6 +9,7 @@ import torch
 
 import shardpoint as sp
 from shardpoint.manager.incremental import referenced_by
+from tests.unit.incremental_runs import four_steps_keep_last_one
 
 BLOCK = 1 << 12
 
@@ -121,16 +122,4 @@ def test_a_fault_in_save_or_retention_leaves_every_kept_step_loadable(tmp_path, 
 def test_memory_storage_run_keeps_referenced_data_only():
     run = sp.MemoryStorage()
     st = _state()
-    mgr = _manager(run, keep_last=1)
-    try:
-        for step in range(1, 5):
-            st["model"]["adapter"].add_(1)
-            mgr.save(step, st)
-            mgr.wait()
-    finally:
-        mgr.close()
-    folders = sorted({n.split("/")[0] for n in run.list("") if n.startswith("step_")})
-    assert folders == ["step_00000001", "step_00000004"]
-    assert [n for n in run.child("step_00000001").list("")] == sorted(referenced_by(run, [4])["step_00000001"])
-    out = sp.load(run.child("step_00000004"), {}, strict=False)
-    assert torch.equal(out["model"]["adapter"], st["model"]["adapter"]) and torch.equal(out["model"]["frozen"], st["model"]["frozen"])
+    four_steps_keep_last_one(run, st, _manager(run, keep_last=1))
