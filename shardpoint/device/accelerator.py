@@ -27,8 +27,9 @@ Rules this module keeps:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -39,15 +40,26 @@ from .host_memory import empty_host_cache, host_stats
 __all__ = ["AcceleratorDevice", "StreamEvent", "with_index"]
 
 
-def with_index(dev: torch.device) -> torch.device:
-    """``dev`` with its index: the current device's when it names none.
+def with_index(dev: torch.device, environ: Mapping[str, str] | None = None) -> torch.device:
+    """``dev`` with its index: this rank's device when it names none.
+
+    A launcher such as torchrun starts one process per device and sets
+    ``LOCAL_RANK``; with several devices visible, that is the rank's device
+    (modulo their number), whether or not the training script made it the
+    current one. Otherwise the current device.
 
     Example::
 
-        with_index(torch.device("cuda"))  # device(type='cuda', index=0)
+        with_index(torch.device("cuda"), {"LOCAL_RANK": "3"})  # device(type='cuda', index=3) on an 8-GPU host
     """
     if dev.index is not None:
         return dev
+    env = os.environ if environ is None else environ
+    module = torch.cuda if dev.type == "cuda" else getattr(torch, dev.type, None)
+    count = module.device_count() if module is not None and hasattr(module, "device_count") else 0
+    local = env.get("LOCAL_RANK", "")
+    if count > 1 and local.isdigit():
+        return torch.device(dev.type, int(local) % count)
     if dev.type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(dev.type, torch.accelerator.current_device_index())

@@ -154,3 +154,16 @@ def test_accelerator_accounting_counts_what_the_pinned_allocator_hands_out():
     # Only the size rule: no accelerator is needed to check it.
     rule = AcceleratorDevice.held_size
     assert [rule(None, n) for n in (0, 1, 4096, 4097, 2_420_000_000)] == [0, 1, 4096, 8192, 1 << 32]
+
+
+def test_a_device_without_an_index_is_the_local_ranks_when_several_are_visible(monkeypatch):
+    from shardpoint.device.accelerator import with_index
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert with_index(torch.device("cuda"), {"LOCAL_RANK": "2"}) == torch.device("cuda", 2)
+    assert with_index(torch.device("cuda"), {"LOCAL_RANK": "6"}) == torch.device("cuda", 2)  # modulo the devices seen
+    assert with_index(torch.device("cuda"), {}) == torch.device("cuda", 0)  # no launcher: the current device
+    assert with_index(torch.device("cuda", 3), {"LOCAL_RANK": "2"}) == torch.device("cuda", 3)  # named: kept
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one visible device per process
+    assert with_index(torch.device("cuda"), {"LOCAL_RANK": "5"}) == torch.device("cuda", 0)
