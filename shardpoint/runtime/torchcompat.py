@@ -26,7 +26,9 @@ import contextlib
 import functools
 import inspect
 import re
+import threading
 import warnings
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -48,6 +50,7 @@ __all__ = [
     "dcp_save_local",
     "dcp_load_local",
     "torchtitan_runs",
+    "mesh_grid",
 ]
 
 
@@ -331,6 +334,36 @@ def root_mesh(mesh: Any) -> Any:
     from torch.distributed.device_mesh import _mesh_resources  # torch 2.6 to 2.9
 
     return _mesh_resources.get_root_mesh(mesh)
+
+
+# A mesh's ranks, read once per mesh while it lives: torch 2.14 rebuilds ``DeviceMesh.mesh`` from its layout
+# on every access (about 0.2 ms), and a save or load asks it for every DTensor. A mesh never changes.
+_mesh_grids: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
+_mesh_grids_lock = threading.Lock()
+
+
+def mesh_grid(mesh: Any) -> torch.Tensor:
+    """``mesh.mesh`` (the ranks of ``mesh`` in its shape), read once per mesh; do not modify it.
+
+    Before torch 2.14 the attribute was a stored tensor; from 2.14 it is
+    rebuilt at every access.
+
+    Example::
+
+        mesh_grid(init_device_mesh("cpu", (2, 2))).tolist()   # [[0, 1], [2, 3]]
+    """
+    with _mesh_grids_lock:
+        try:
+            return _mesh_grids[mesh]
+        except (KeyError, TypeError):
+            pass
+    grid = mesh.mesh
+    with _mesh_grids_lock:
+        try:
+            _mesh_grids[mesh] = grid
+        except TypeError:  # a mesh that cannot be weakly referenced: asked again next time
+            pass
+    return grid
 
 
 # --- single-process DCP -----------------------------------------------------------------------------

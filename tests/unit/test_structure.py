@@ -854,6 +854,8 @@ MUTATORS = frozenset({
 CACHE_DECORATORS = frozenset({"lru_cache", "cache", "cached_property"})
 # The process-wide registries that must stay, each state of the process rather than a memo:
 PROCESS_REGISTRIES = {
+    # Each live DeviceMesh's shard geometries, weakly held: pure functions of a mesh that never changes.
+    "adapters/tensors.py": {"_geometries"},
     # Adapters registered by users apply to every save and load in the process.
     "adapters/registry.py": {"_order"},
     # Saves in flight per path: a load or save of a path in this process waits for them, whoever started them.
@@ -866,8 +868,9 @@ PROCESS_REGISTRIES = {
     "saving/handle.py": {"_awaiting"},
     # The saver behind ``shardpoint.async_save``: one per process, like the saves it tracks.
     "saving/async_save.py": {"_default"},
-    # Probes of the installed torch's abilities, run once when first needed: torch cannot change under a process.
-    "runtime/torchcompat.py": {"_at_coordinate", "torch_places_uneven_strided_shards", "_dcp_takes_no_dist"},
+    # Probes of the installed torch's abilities, run once when first needed: torch cannot change under a process;
+    # and the ranks of each live DeviceMesh, weakly held: a mesh never changes, and torch 2.14 rebuilds them per access.
+    "runtime/torchcompat.py": {"_at_coordinate", "torch_places_uneven_strided_shards", "_dcp_takes_no_dist", "_mesh_grids"},
 }
 
 
