@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from ..errors import CorruptCheckpointError, UnsupportedStateError
 from ..geometry import Box
 from ..geometry.grid import grid_of_placements
-from ..runtime.torchcompat import compute_local_shape_and_global_offset, describe_placements, mesh_grid, root_mesh
+from ..runtime.torchcompat import compute_local_shape_and_global_offset, describe_placements, mesh_grid, per_mesh, root_mesh
 from .base import AdapterContext, LoadTarget, SaveTensor, global_cost
 
 __all__ = ["is_dtensor", "describe_placements", "save_tensor", "load_target", "empty_like_target"]
@@ -72,7 +71,7 @@ def _replication_outside(mesh, allowed: frozenset[int] | None = None) -> tuple[i
 # Each live mesh's shard geometries, weakly held by the mesh: a geometry is a pure function of the mesh (which
 # never changes), the placements, the global shape and the replica ranks, and torch's mesh arithmetic costs about
 # 0.3 ms a tensor (torch 2.14), so a model's many tensors of one shape share one computation.
-_geometries: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_geometries: dict[int, tuple] = {}
 _geometries_lock = threading.Lock()
 
 
@@ -81,10 +80,7 @@ def _dtensor_geometry(dt, allowed: frozenset[int] | None = None) -> tuple | None
     mesh = dt.device_mesh
     key = (tuple(dt.placements), tuple(int(x) for x in dt.shape), allowed)
     with _geometries_lock:
-        try:
-            known = _geometries.setdefault(mesh, {})
-        except TypeError:  # a mesh that cannot be weakly referenced
-            known = {}
+        known = per_mesh(_geometries, mesh)  # by identity: equal meshes may be sliced from different roots
         if key in known:
             return known[key]
     geo = _compute_dtensor_geometry(dt, mesh, allowed)

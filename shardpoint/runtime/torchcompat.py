@@ -51,6 +51,7 @@ __all__ = [
     "dcp_load_local",
     "torchtitan_runs",
     "mesh_grid",
+    "per_mesh",
 ]
 
 
@@ -338,8 +339,29 @@ def root_mesh(mesh: Any) -> Any:
 
 # A mesh's ranks, read once per mesh while it lives: torch 2.14 rebuilds ``DeviceMesh.mesh`` from its layout
 # on every access (about 0.2 ms), and a save or load asks it for every DTensor. A mesh never changes.
-_mesh_grids: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
+_mesh_grids: dict[int, tuple] = {}
 _mesh_grids_lock = threading.Lock()
+
+
+def per_mesh(store: dict, mesh: Any) -> dict:
+    """The dict ``store`` keeps for this very mesh object (by identity; a mesh equal to it has its own), while it lives.
+
+    Meshes compare equal by their ranks, whatever they were sliced from, so
+    facts are kept per object, not per value. Call it with the store's lock held.
+
+    Example::
+
+        facts = per_mesh(store, mesh); facts.setdefault("grid", mesh.mesh)
+    """
+    key = id(mesh)
+    entry = store.get(key)
+    if entry is None or entry[0]() is not mesh:
+        try:
+            ref = weakref.ref(mesh, lambda _dead, k=key: store.pop(k, None))
+        except TypeError:  # a mesh that cannot be weakly referenced: nothing kept
+            return {}
+        entry = store[key] = (ref, {})
+    return entry[1]
 
 
 def mesh_grid(mesh: Any) -> torch.Tensor:
@@ -353,16 +375,12 @@ def mesh_grid(mesh: Any) -> torch.Tensor:
         mesh_grid(init_device_mesh("cpu", (2, 2))).tolist()   # [[0, 1], [2, 3]]
     """
     with _mesh_grids_lock:
-        try:
-            return _mesh_grids[mesh]
-        except (KeyError, TypeError):
-            pass
-    grid = mesh.mesh
-    with _mesh_grids_lock:
-        try:
-            _mesh_grids[mesh] = grid
-        except TypeError:  # a mesh that cannot be weakly referenced: asked again next time
-            pass
+        facts = per_mesh(_mesh_grids, mesh)
+        grid = facts.get("grid")
+    if grid is None:
+        grid = mesh.mesh
+        with _mesh_grids_lock:
+            facts["grid"] = grid
     return grid
 
 
