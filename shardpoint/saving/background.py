@@ -90,7 +90,6 @@ class BackgroundSave(SaveTransaction):
         super().__init__(path, state, options, "async_save")
         self.mode = mode
         self.staging: Staging | None = None  # made by the stage phase
-        self.live: tuple = ()  # what the steps update, when part of the save is lazy (found by the stage phase)
         self.snapshot_started = 0.0
 
     # --- prepare ----------------------------------------------------------------------------------
@@ -106,11 +105,11 @@ class BackgroundSave(SaveTransaction):
 
     def stage(self, staging: SaverStaging, piece_bytes: int) -> AsyncSaveHandle:
         """Size the staging ring for this save, order what it copies, and make the handle."""
-        order = CopyOrder((), 0, frozenset())
+        order, live = CopyOrder((), 0, frozenset()), ()
         if self.prepared.ok:
             ordered = run_guarded(self._copy_order)
             if ordered.ok:
-                order = ordered.value
+                order, live = ordered.value
                 ordered = run_guarded(functools.partial(self._refuse_capture, staging.serve(order.where)))
             if not ordered.ok:  # as a failed preparation: the other ranks still meet this one at the commit
                 if self.comm.world == 1:
@@ -135,17 +134,20 @@ class BackgroundSave(SaveTransaction):
             write = StagedWrite(self.storage, name, list(order.items), ring, self.comm.rank, self.options.block_size, piece_bytes,
                                 recorder=self.result.recorder)
             write.after = ring.device.snapshot_point()  # here, on the training thread: copies read the state as of the call
-        self.staging = Staging(handle, ring, write, order.split, deferred, self.live, order.sampled, order.eager_nbytes)
+        self.staging = Staging(handle, ring, write, order.split, deferred, live, order.sampled, order.eager_nbytes)
         return handle
 
-    def _copy_order(self) -> CopyOrder:
-        """What to copy in which order: kept by the saver while the plan's items and the live tensors are the same objects."""
+    def _copy_order(self) -> tuple[CopyOrder, tuple]:
+        """What to copy in which order, and the live tensors the steps update (empty unless part of the save is lazy).
+
+        The order is kept by the saver while the plan's items and the live tensors are the same objects.
+        """
         mine = self.plan.mine
         lazy = frozenset(self.plan.lazy_ok) if self.mode == "lazy" and not self._graph_stepped() else frozenset()
-        self.live = tuple(self.updates.live(self.plan.context)) if lazy else ()
-        fingerprint = (SameItems(mine), lazy, SameItems(t for _, t in self.live))
+        live = tuple(self.updates.live(self.plan.context)) if lazy else ()
+        fingerprint = (SameItems(mine), lazy, SameItems(t for _, t in live))
         cache = self.cache if self.cache is not None else SaveCache()
-        return cache.reuse("copy order", fingerprint, lambda: copy_order(mine, lazy, self.live))[0]
+        return cache.reuse("copy order", fingerprint, lambda: copy_order(mine, lazy, live))[0], live
 
     @functools.cached_property
     def updates(self) -> StepUpdates:
