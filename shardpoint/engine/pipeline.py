@@ -122,7 +122,9 @@ class StagedWrite:
     one staged piece so copying and writing overlap. ``after`` is the
     snapshot point (:meth:`~shardpoint.device.Device.snapshot_point`) the
     copies are ordered after; :meth:`wait_copied` blocks until every copy
-    queued so far is complete.
+    queued so far is complete. ``chooser``, when set before :meth:`write`,
+    sees each piece first and may take it (an incremental save's
+    comparison with its base).
     """
 
     storage: Storage
@@ -140,6 +142,7 @@ class StagedWrite:
     recorder: Any = None
     after: CopyEvent | None = None
     last_event: CopyEvent = field(default_factory=Completed)
+    chooser: Any = None  # takes the pieces of chunks it may reference instead (shardpoint.saving.staged_base)
 
     def copy(self, start: int, stop: int, last: bool) -> None:
         """Stage items ``[start, stop)``; ``last`` closes the queue afterwards."""
@@ -230,6 +233,8 @@ class StagedWrite:
             if isinstance(msg, BaseException):
                 raise msg
             i, off, slot, ev, final = msg
+            if self.chooser is not None and self.chooser.take(msg, out, sink):
+                continue  # held to be compared with the base, then written or referenced by the chooser
             it = self.items[i]
             if off == 0:
                 out.begin()

@@ -98,6 +98,10 @@ class BlockHasher:
             self._part.update(mv[k:])
             self._fill = n - k
 
+    def finished(self) -> list[str]:
+        """The checksums of the blocks completed so far (the unfinished last one is not among them)."""
+        return self._sums
+
     def digests(self) -> list[str]:
         """The chunk's checksums, the unfinished last block included (call once, at the end)."""
         if self._fill or not self._sums:
@@ -135,8 +139,12 @@ class DataFileWriter:
         self._start: int | None = None
         self._hasher: BlockHasher | None = None
 
-    def begin(self) -> None:
-        """Start a chunk: pad to the next aligned offset."""
+    def begin(self, hasher: BlockHasher | None = None) -> None:
+        """Start a chunk: pad to the next aligned offset.
+
+        ``hasher``: one that already hashed the chunk's first bytes (written
+        next with ``write(data, hashed=True)``), so that they are not hashed twice.
+        """
         if self._start is not None:
             raise RuntimeError(f"{self.file}: a chunk is already open")
         n = padding(self.pos)
@@ -144,14 +152,15 @@ class DataFileWriter:
             self.sink.write(_ZEROS[:n])
             self.pos += n
         self._start = self.pos
-        self._hasher = BlockHasher(self.block)
+        self._hasher = hasher or BlockHasher(self.block)
 
-    def write(self, data: bytes | memoryview) -> None:
-        """Append the next bytes of the open chunk, hashing them first (while they are in cache)."""
+    def write(self, data: bytes | memoryview, hashed: bool = False) -> None:
+        """Append the next bytes of the open chunk, hashing them first (while they are in cache), unless ``hashed``."""
         if self._hasher is None:
             raise RuntimeError(f"{self.file}: write outside a chunk")
         t0 = time.monotonic()
-        self._hasher.update(data)
+        if not hashed:
+            self._hasher.update(data)
         t1 = time.monotonic()
         self.sink.write(data)
         n = len(memoryview(data))

@@ -66,7 +66,8 @@ class CheckpointManager:
         staging_bytes: host staging budget of the asynchronous saver.
         process_group: the ranks taking part (default: the whole world).
         storage_options: passed to :func:`~shardpoint.storage.storage_for`.
-        incremental: each save writes only what changed since the newest step (blocking saves, see :mod:`~shardpoint.manager.incremental`).
+        incremental: each save writes only what changed since the newest committed step, in every
+            ``mode`` (see :mod:`~shardpoint.manager.incremental`).
         save_options / load_options: extra keyword arguments for every save
             (``block_size``, ``layouts``, ``trace_dir``...) and load (``strict``...).
         stale_lock_s: age after which a step lock whose owner cannot be checked
@@ -269,21 +270,20 @@ class CheckpointManager:
         self._in_use.start_writing(step)
         self._coll.hook("snapshot", step)
         t0 = time.monotonic()
+        kw, lease = base_keywords(self.storage, step, self._retention.incremental, self._in_use)  # chosen at the write
         try:
             if self.mode is None:
                 with self._coll.watch("save", step):
-                    res = self._coll.run(
-                        "save", step, lambda: save_checkpoint(st, state, process_group=self._coll.group(), **self.save_options, **base_keywords(self.storage, step, self._retention.incremental))
-                    )
+                    res = self._coll.run("save", step, lambda: save_checkpoint(st, state, process_group=self._coll.group(), **self.save_options, **kw))
                 handle: Any = DoneHandle(res)
             else:
                 with self._coll.watch("snapshot", step):
-                    handle = self._get_saver().save(st, state, mode=self.mode, **self.save_options)
-            self._pending = PendingSave(step, handle, t0, token)
+                    handle = self._get_saver().save(st, state, mode=self.mode, **self.save_options, **kw)
+            self._pending = PendingSave(step, handle, t0, token, lease)
         except BaseException:
             self._pending = None
             self._abandon(st, token)
-            self._in_use.finish_writing(step)
+            PendingSave(step, None, t0, token, lease).end(self._in_use)
             raise
         self._last_saved = step
         now = self._clock()
@@ -474,10 +474,10 @@ class CheckpointManager:
             if self._last_saved == p.step:
                 self._last_saved = None
             self._abandon(self.path(p.step), p.lock)
-            self._in_use.finish_writing(p.step)
+            p.end(self._in_use)
             raise
         self._pending = None
-        self._in_use.finish_writing(p.step)
+        p.end(self._in_use)
         self._coll.hook("committed", p.step)
         if comm.rank == 0:
             self._locks.release(self.path(p.step), p.lock)

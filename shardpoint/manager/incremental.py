@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import logging
 import posixpath
-from typing import Iterable
+import threading
+from typing import Any, Iterable
 
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.strict import Limits
+from ..saving.incremental import ChosenBase
 from ..storage import Storage
 from .folders import committed_steps, step_folder
 
-__all__ = ["newest_base", "referenced_by", "check_incremental", "base_keywords"]
+__all__ = ["newest_base", "referenced_by", "check_incremental", "base_keywords", "BaseLease"]
 
 log = logging.getLogger("shardpoint")
 
@@ -68,26 +70,70 @@ def referenced_by(storage: Storage, steps: Iterable[int]) -> dict[str, set[str]]
 
 
 def check_incremental(incremental: bool, mode: str | None) -> bool:
-    """Refuse ``incremental=True`` with background saves (it takes blocking ones: ``mode=None``).
+    """Whether the manager's saves are incremental; every save mode takes them (``mode`` is checked elsewhere).
 
     Example::
 
-        check_incremental(True, None)   # True
+        check_incremental(True, "lazy")   # True
     """
-    if incremental and mode is not None:
-        raise ValueError(
-            f"CheckpointManager(incremental=True) saves with mode=None (blocking saves); got mode={mode!r}. "
-            "Give mode=None, or incremental=False for background saves"
-        )
     return bool(incremental)
 
 
-def base_keywords(storage: Storage, step: int, incremental: bool) -> dict:
-    """The save keywords of ``step``'s save under the run root ``storage``: ``{"base": newest step}`` or none.
+class BaseLease:
+    """The base of one incremental manager save, chosen when the save opens it and protected until it ends.
+
+    :meth:`choose` (called by the save: a background one on its writer,
+    after the previous save committed) lists the run, takes the newest
+    committed step before ``step`` and protects it from retention in the
+    same move (:meth:`StepsInUse.protect <shardpoint.manager.retention.StepsInUse.protect>`),
+    so no retention pass deletes it, nor the data its own references keep,
+    between the choice and the commit. :meth:`release` (the manager, once
+    the save committed or failed) ends the protection; a choice made after
+    it protects nothing and writes in full.
 
     Example::
 
-        sp.save(run.child(step_folder(300)), state, **base_keywords(run, 300, True))
+        lease = BaseLease(run, 300, in_use)
+        lease.choose()    # the storage of step 200, now protected
+        lease.release()
     """
-    base = newest_base(storage, step) if incremental else None
-    return {} if base is None else {"base": base}
+
+    def __init__(self, storage: Storage, step: int, in_use: Any):
+        self.storage = storage
+        self.step = step
+        self.in_use = in_use
+        self._lock = threading.Lock()
+        self._held: list[int] = []
+        self._ended = False
+
+    def choose(self) -> Storage | None:
+        """The newest committed step before this save's, protected from retention; ``None`` when there is none."""
+        with self._lock:
+            if self._ended:
+                return None
+            self._held = self.in_use.protect(lambda: [s for s in committed_steps(self.storage) if s < self.step][-1:])
+            return self.storage.child(step_folder(self._held[0])) if self._held else None
+
+    def release(self) -> None:
+        """The save committed or failed: its base may be deleted by retention again."""
+        with self._lock:
+            self._ended = True
+            held, self._held = self._held, []
+        self.in_use.release(held)
+
+
+def base_keywords(storage: Storage, step: int, incremental: bool, in_use: Any) -> tuple[dict, BaseLease | None]:
+    """The save keywords of ``step``'s save under the run root ``storage`` (``{"base": ...}`` or none) and its lease.
+
+    ``in_use``: the manager's :class:`~shardpoint.manager.retention.StepsInUse`,
+    which protects the base until :meth:`BaseLease.release`.
+
+    Example::
+
+        kw, lease = base_keywords(run, 300, True, in_use)
+        sp.save(run.child(step_folder(300)), state, **kw); lease.release()
+    """
+    if not incremental:
+        return {}, None
+    lease = BaseLease(storage, step, in_use)
+    return {"base": ChosenBase(lease.choose)}, lease

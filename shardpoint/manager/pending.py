@@ -24,16 +24,29 @@ _PHASE_WORDS = {
 class PendingSave:
     """A save the manager started and has not yet seen commit.
 
-    ``lock`` is the step lock's token (rank 0 only); ``deadline`` is set at
-    the first wait and pushed back after each stall so that a later wait
-    waits once more.
+    ``lock`` is the step lock's token (rank 0 only); ``base``: an
+    incremental save's :class:`~shardpoint.manager.incremental.BaseLease`;
+    ``deadline`` is set at the first wait and pushed back after each stall
+    so that a later wait waits once more.
     """
 
     step: int
     handle: Any
     start: float
     lock: bytes | None
+    base: Any = None
     deadline: float | None = None
+
+    def end(self, in_use: Any) -> None:
+        """The save committed or failed: retention may delete its step's folder, and its base, again.
+
+        Example::
+
+            pending.end(in_use)
+        """
+        in_use.finish_writing(self.step)
+        if self.base is not None:
+            self.base.release()
 
 
 class DoneHandle:

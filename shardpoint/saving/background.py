@@ -29,6 +29,9 @@ from ..planning.describe import RankReport
 from .agree import AgreedFailure, unwrap
 from .copy_order import CopyOrder, copy_order
 from .reuse import SameItems, SaveCache
+from .incremental import open_base, resolve_base
+from .staged_base import StagedReuse
+from ..items import dtype_name
 from ..runtime.monitor import mark_phase
 from .steps import data_file_name
 from .transaction import SaveOptions, SaveTransaction
@@ -267,6 +270,7 @@ class BackgroundSave(SaveTransaction):
         write = self.staging.write
         try:
             self.claim_path()
+            reuse = self.open_base(write)
         except BaseException:
             if write is not None:
                 write.abandon()
@@ -274,9 +278,31 @@ class BackgroundSave(SaveTransaction):
         records, files = [], {}
         if write is not None:
             write.write()
-            records, files[write.file] = write.records, write.size
+            records = write.records
+            if records or reuse is None or not reuse.reused:
+                files[write.file] = write.size
+            else:  # every chunk of this rank is referenced: no data file
+                self.storage.delete(write.file)
             self.result.bytes_written = write.size
+        if reuse is not None and reuse.reused:
+            dtypes = {it.fqn: dtype_name(it.data.dtype) for it in self.plan.mine}
+            self.refs = reuse.finish(self.storage, self.save_id, dtypes, self.where)
+            self.result.bytes_referenced = sum(r.chunk.nbytes for r in reuse.reused)
         return records, files, started
+
+    def open_base(self, write: StagedWrite | None) -> StagedReuse | None:
+        """On the writer, for a save with ``base=``: open the base and let ``write`` compare each chunk with it first.
+
+        ``None`` without a base, with nothing of this rank's to write, or when
+        the base chosen now is none (see :class:`~shardpoint.saving.incremental.ChosenBase`).
+        """
+        if self.options.base is None or write is None:
+            return None
+        prev = resolve_base(self.options.base)
+        if prev is None:
+            return None
+        base = open_base(prev, self.storage, self.where)
+        return StagedReuse(base, write.ring, write.piece, self.options.block_size, self.comm.rank).attach(write)
 
     def summarize_fenced(self, written: tuple[list, dict, float], torn: CheckpointError | None) -> RankReport:
         """After the fence: the guard's verdict, then the summary of what was written."""

@@ -31,7 +31,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..engine.commit import write_index
 from ..engine.indexes import IndexReader, wanted_box
@@ -45,7 +45,8 @@ from ..items import SaveTensor, dtype_name
 from ..storage import Storage, storage_for
 from ..storage.locations import relative_location
 
-__all__ = ["BaseCheckpoint", "Reused", "open_base", "split_reused", "write_references", "reference_base"]
+__all__ = ["BaseCheckpoint", "Reused", "ChosenBase", "open_base", "candidate_chunk", "reused_chunk", "split_reused",
+           "write_references", "reference_base", "resolve_base"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,34 @@ class Reused:
     size: int
 
 
+@dataclass(frozen=True)
+class ChosenBase:
+    """A base chosen by the save itself, when it opens it: ``choose()`` gives a committed checkpoint or ``None``.
+
+    ``choose`` returns what ``base=`` takes (a path, URL or storage), or
+    ``None`` for a save written in full. A background save calls it on its
+    writer, after claiming its path: :class:`~shardpoint.CheckpointManager`
+    (``incremental=True``) gives one that picks the newest committed step
+    and protects it from retention until the save ends.
+
+    Example::
+
+        sp.save("ckpt/step_300", state, base=ChosenBase(lambda: "ckpt/step_200"))
+    """
+
+    choose: Callable[[], Any]
+
+
+def resolve_base(base: Any) -> Any:
+    """The checkpoint ``base=`` names now: a :class:`ChosenBase`'s choice, else ``base`` itself.
+
+    Example::
+
+        resolve_base(ChosenBase(lambda: None))   # None: nothing to reference
+    """
+    return base.choose() if isinstance(base, ChosenBase) else base
+
+
 def open_base(base: Any, storage: Storage, where: str) -> BaseCheckpoint:
     """Open ``base`` (a path, URL or storage holding a committed checkpoint) for a save to ``storage``.
 
@@ -115,8 +144,13 @@ def open_base(base: Any, storage: Storage, where: str) -> BaseCheckpoint:
     return BaseCheckpoint(prev, manifest, rel, IndexReader(prev, manifest, prev.url))
 
 
-def _candidate(base: BaseCheckpoint, item: SaveTensor, block: int) -> ChunkMeta | None:
-    """The chunk of ``base`` at the same place as ``item``, or ``None``."""
+def candidate_chunk(base: BaseCheckpoint, item: SaveTensor, block: int) -> ChunkMeta | None:
+    """The chunk of ``base`` at the same place as ``item``, or ``None``.
+
+    Example::
+
+        candidate_chunk(base, item, 1 << 22)  # a ChunkMeta of the base, or None
+    """
     m = base.manifest
     meta = m.tensors.get(item.fqn)
     if m.block_size != block or meta is None or meta.dtype != dtype_name(item.data.dtype):
@@ -130,8 +164,13 @@ def _candidate(base: BaseCheckpoint, item: SaveTensor, block: int) -> ChunkMeta 
     return None
 
 
-def _reuse(base: BaseCheckpoint, fqn: str, c: ChunkMeta, rank: int) -> Reused:
-    """``c`` (a chunk of the base) as the new checkpoint references it: at the checkpoint that holds its bytes."""
+def reused_chunk(base: BaseCheckpoint, fqn: str, c: ChunkMeta, rank: int) -> Reused:
+    """``c`` (a chunk of the base) as the new checkpoint references it: at the checkpoint that holds its bytes.
+
+    Example::
+
+        reused_chunk(base, "model.w", chunk, rank=0).base   # '../step_100'
+    """
     m = base.manifest
     held = next((r for r in m.refs if r.name == c.file), None)
     if held is None:
@@ -152,9 +191,9 @@ def split_reused(base: BaseCheckpoint, items: Sequence[SaveTensor], rank: int, b
     write: list[SaveTensor] = []
     reused: list[Reused] = []
     for it in items:
-        c = _candidate(base, it, block)
+        c = candidate_chunk(base, it, block)
         if c is not None and tuple(block_checksums(tensor_bytes(it.data), block)) == tuple(c.checksums):
-            reused.append(_reuse(base, it.fqn, c, rank))
+            reused.append(reused_chunk(base, it.fqn, c, rank))
         else:
             write.append(it)
     return write, reused
@@ -192,7 +231,10 @@ def reference_base(tx: Any, mine: Sequence[SaveTensor]) -> list[SaveTensor]:
 
         mine = reference_base(tx, tx.plan.mine)
     """
-    base = open_base(tx.options.base, tx.storage, tx.where)
+    prev = resolve_base(tx.options.base)
+    if prev is None:
+        return list(mine)
+    base = open_base(prev, tx.storage, tx.where)
     write, reused = split_reused(base, mine, tx.comm.rank, tx.options.block_size)
     if reused:
         dtypes = {it.fqn: dtype_name(it.data.dtype) for it in mine}

@@ -153,11 +153,6 @@ class SaveTransaction:
         """The enter phase's local part: refuse bad arguments before any collective."""
         check_state(self.state, self.op)
         check_block_size(self.options.block_size)
-        if self.options.base is not None and self.background:
-            raise UnsupportedStateError(
-                f"{self.op}: base= (an incremental save) is taken by sp.save and CheckpointManager's synchronous "
-                "saves; save without base=, or save with sp.save(path, state, base=prev)"
-            )
 
     def enter(self, process_group: Any, coordinate: Any = None) -> SaveCall:
         """The enter phase: every rank agrees it entered this save of this path; return what the later phases read.

@@ -1,0 +1,158 @@
+"""Incremental background saves: the staged writer compares each chunk with its base before writing it.
+
+An asynchronous save with ``base=`` (:class:`~shardpoint.AsyncSaver`, or a
+:class:`~shardpoint.CheckpointManager` with ``incremental=True``) opens its
+base on the writer, in the background, once the path is claimed: nothing
+is read on the training thread. The writer then drains the staging ring as
+always, but hands every piece to a :class:`StagedReuse` first. For a chunk
+with a candidate at the same place in the base (the rules of
+:mod:`shardpoint.saving.incremental`), it holds the chunk's staged pieces
+(the state as of the call) and hashes them: at the first block whose
+checksum differs from the base's, the held pieces are written, with the
+checksums already computed, and the rest of the chunk streams as usual;
+with every block equal the chunk is referenced and its pieces released
+unwritten. A chunk is held only where it fits in the ring beside one more
+piece (``nbytes + piece <= capacity``): a larger one (a ring smaller than
+the state, set with ``staging_bytes``) is written in full, as holding it
+would stall the copier.
+
+Before the reference index files are written, the writer checks that every
+data file it references still exists, so a base removed by hand while the
+save ran fails the save instead of committing references to missing data.
+
+Example::
+
+    reuse = StagedReuse(open_base(base, storage, where), ring, piece, block=1 << 22, rank=0)
+    write.chooser = reuse
+    write.write()
+    refs = reuse.finish(storage, save_id, dtypes, where)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..engine.staging import Slot, StagingRing
+from ..errors import MissingBaseError, StorageError
+from ..format.datafile import BlockHasher, DataFileWriter
+from ..format.manifest import ChunkMeta
+from ..format.refs import RefFiles
+from ..items import SaveTensor
+from ..storage import Storage
+from ..storage.locations import locate
+from .incremental import BaseCheckpoint, Reused, candidate_chunk, reused_chunk, write_references
+
+__all__ = ["StagedReuse"]
+
+
+class StagedReuse:
+    """The staged writer's comparison with the base: it takes the pieces of chunks the base may hold.
+
+    :meth:`take` is called with every staged piece before the writer writes
+    it (see :attr:`~shardpoint.engine.pipeline.StagedWrite.chooser`);
+    :attr:`reused` lists the chunks referenced so far.
+
+    Example::
+
+        write.chooser = StagedReuse(base, ring, piece=64 << 20, block=1 << 22, rank=0)
+    """
+
+    def __init__(self, base: BaseCheckpoint, ring: StagingRing, piece: int, block: int, rank: int, items: Any = ()):
+        self.base = base
+        self.ring = ring
+        self.piece = piece
+        self.block = block
+        self.rank = rank
+        self.items = items
+        self.records: list = []  # the staged write's chunk records (see attach)
+        self.reused: list[Reused] = []
+        self._chunk: ChunkMeta | None = None  # the base's chunk the held item is compared with
+        self._hasher: BlockHasher | None = None
+        self._held: list[Slot] = []
+
+    def take(self, msg: tuple, out: DataFileWriter, sink: Any) -> bool:
+        """Hold, write or reference one staged piece ``(item, offset, slot, event, final)``; ``False``: not taken.
+
+        A piece not taken is written by the caller as any other.
+        """
+        i, off, slot, ev, final = msg
+        it: SaveTensor = self.items[i]
+        if off == 0:
+            self._chunk = self._held_candidate(it)
+            self._hasher = BlockHasher(self.block) if self._chunk is not None else None
+        if self._chunk is None or slot is None:
+            return False
+        ev.synchronize()  # the copy into the slot is complete
+        self._held.append(slot)
+        self._hasher.update(memoryview(slot.view.numpy()))
+        want = self._chunk.checksums
+        done = self._hasher.finished()
+        differs = len(done) > len(want) or tuple(done) != tuple(want[: len(done)])
+        if not differs and final:
+            differs = tuple(self._hasher.digests()) != tuple(want)
+            if not differs:
+                self.reused.append(reused_chunk(self.base, it.fqn, self._chunk, self.rank))
+                self._release(sink)
+                self._chunk = None
+                return True
+        if differs:
+            self._write_held(it, out, sink, final)
+        return True
+
+    def _held_candidate(self, it: SaveTensor) -> ChunkMeta | None:
+        """The base's chunk at ``it``'s place, when ``it`` may be held whole in the ring beside one more piece."""
+        if it.nbytes == 0 or it.nbytes + self.piece > self.ring.capacity:
+            return None
+        return candidate_chunk(self.base, it, self.block)
+
+    def _write_held(self, it: SaveTensor, out: DataFileWriter, sink: Any, final: bool) -> None:
+        """The chunk differs: write the held pieces with the checksums computed so far; the rest streams as usual."""
+        out.begin(self._hasher)
+        for slot in self._held:
+            out.write(memoryview(slot.view.numpy()), hashed=True)
+        self._release(sink)
+        self._chunk = None
+        if final:  # the last piece was among the held ones: the chunk ends here
+            self.records.append((it.fqn, out.end(it.box, it.flat)))
+
+    def _release(self, sink: Any) -> None:
+        """Give the held slots back, after whatever the sink still writes (releases are in ring order)."""
+        held, self._held = self._held, []
+        for slot in held:
+            if sink is None:
+                self.ring.release(slot)
+            else:
+                sink.then(lambda s=slot: self.ring.release(s))
+
+    def attach(self, write: Any) -> "StagedReuse":
+        """Take pieces of ``write`` (a :class:`~shardpoint.engine.pipeline.StagedWrite`): its items and records.
+
+        Example::
+
+            StagedReuse(base, ring, piece, block, rank).attach(write)
+        """
+        self.items = write.items
+        self.records = write.records
+        write.chooser = self
+        return self
+
+    def finish(self, storage: Storage, save_id: str, dtypes: Mapping[str, str], where: str) -> tuple[tuple[RefFiles, ...], dict[str, int]]:
+        """After the data file: check the referenced data files are still there, then write the references' index files.
+
+        Raises :class:`~shardpoint.errors.MissingBaseError` naming the base
+        when one is gone or changed (removed while the save ran).
+        """
+        if not self.reused:
+            return (), {}
+        for base, data, size in sorted({(r.base, r.data, r.size) for r in self.reused}):
+            holder = self.base.storage if base == self.base.to_base else locate(storage, base)
+            try:
+                ok = holder.size(data) == size
+            except (FileNotFoundError, StorageError):
+                ok = False
+            if not ok:
+                raise MissingBaseError(
+                    f"{where}: the base {self.base.storage.url} changed or was removed while this save ran ({base}/{data} "
+                    "is gone); save again, with another base= or none", base, holder.url,
+                )
+        return write_references(storage, save_id, self.rank, self.reused, dtypes)
