@@ -46,11 +46,6 @@ def _run(root, steps, keep_last=2, hook=None):
     return saved, mgr
 
 
-def test_incremental_needs_blocking_saves(tmp_path):
-    with pytest.raises(ValueError, match="mode=None"):
-        sp.CheckpointManager(str(tmp_path), interval=1, incremental=True, prewarm=False)
-
-
 def test_each_save_writes_the_adapter_only_and_retention_keeps_what_is_referenced(tmp_path):
     root = str(tmp_path)
     saved, mgr = _run(root, range(1, 7), keep_last=2)
