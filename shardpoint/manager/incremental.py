@@ -1,8 +1,14 @@
 """The manager's incremental saves: the base of each save, and the data its kept steps reference.
 
-With ``CheckpointManager(..., incremental=True)`` every save uses the newest
-committed step of the run as its base (:func:`newest_base`), so it writes
-only what changed. Retention then deletes a step's manifest and index files
+With ``CheckpointManager(..., incremental=True)`` every save, blocking or in
+the background, uses the newest committed step of the run as its base, so
+it writes only what changed. The base is chosen when the save opens it (a
+background save: on its writer; the manager starts a save only after the
+previous one committed) and protected from retention in the same move,
+until the save ends (:class:`BaseLease`): a retention pass never deletes
+an in-flight save's base, nor, as that base stays kept, the data it
+references. A base removed by hand before then is simply not chosen (the
+newest step left is, or none: the save is written in full). Retention then deletes a step's manifest and index files
 as always, but of its data files only those that no kept step references
 (:func:`referenced_by`): a referenced data file stays in the folder of the
 step that wrote it (references always name that folder) until the last kept

@@ -292,7 +292,7 @@ class AsyncSaver:
 
         The keyword options (``allow_pickle``, ``block_size``, ``trace_dir``,
         ``on_metrics``, ``layouts``, ``replicated_over``,
-        ``collective_timeout``, ``commit``; see
+        ``collective_timeout``, ``commit``, ``base``; see
         :class:`~shardpoint.saving.options.SaveOptions`) and
         ``process_group`` mean what they mean for :func:`shardpoint.save`;
         ``process_group`` defaults to the saver's. With
@@ -300,7 +300,16 @@ class AsyncSaver:
         in the background is a collective. The path is claimed in the
         background, before the first data byte is written; a save to a path
         that another save is writing fails in ``wait()`` with
-        :class:`~shardpoint.errors.ConcurrentSaveError`.
+        :class:`~shardpoint.errors.ConcurrentSaveError`. ``base=prev`` makes
+        the save incremental: the writer opens ``prev`` in the background
+        and references each chunk whose staged bytes equal ``prev``'s at the
+        same place (:mod:`shardpoint.saving.staged_base`); a ``prev`` that
+        cannot be opened fails the save at ``wait()``.
+
+        Example::
+
+            h = saver.save("ckpt/step_300", state, mode="lazy", base="ckpt/step_200")
+            h.wait().bytes_referenced
         """
         options = save_options("AsyncSaver.save", options)
         tx = BackgroundSave(path, state, options, mode)

@@ -302,7 +302,7 @@ class BackgroundSave(SaveTransaction):
         if prev is None:
             return None
         base = open_base(prev, self.storage, self.where)
-        return StagedReuse(base, write.ring, write.piece, self.options.block_size, self.comm.rank).attach(write)
+        return StagedReuse(base, self.options.block_size, self.comm.rank).attach(write)
 
     def summarize_fenced(self, written: tuple[list, dict, float], torn: CheckpointError | None) -> RankReport:
         """After the fence: the guard's verdict, then the summary of what was written."""

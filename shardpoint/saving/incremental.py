@@ -14,6 +14,9 @@ place (a resharded layout, another block size): it is written in full.
 
 Each rank reads ``prev``'s manifest and the index files its own chunks need
 (:class:`~shardpoint.engine.indexes.IndexReader`): no collective is added.
+A background save (``AsyncSaver.save(..., base=prev)``) applies the same
+rules on its writer, to the staged copy (:mod:`shardpoint.saving.staged_base`);
+its base may be a :class:`ChosenBase`, resolved only then.
 
 Why checksums and no byte comparison: a 64-bit hash per 4 MiB block gives
 an accidental false match a chance of 2**-64 per block, the same odds every

@@ -35,7 +35,7 @@ class SaveOptions:
     commit: CommitPolicy | None = None
     trace_dir: str | None = None
     on_metrics: Any = None
-    base: Any = None  # a committed checkpoint whose equal chunks are referenced (shardpoint.saving.incremental)
+    base: Any = None  # a committed checkpoint (or a ChosenBase) whose equal chunks are referenced (shardpoint.saving.incremental)
 
 
 

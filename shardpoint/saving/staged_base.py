@@ -22,8 +22,7 @@ save ran fails the save instead of committing references to missing data.
 
 Example::
 
-    reuse = StagedReuse(open_base(base, storage, where), ring, piece, block=1 << 22, rank=0)
-    write.chooser = reuse
+    reuse = StagedReuse(open_base(base, storage, where), block=1 << 22, rank=0).attach(write)
     write.write()
     refs = reuse.finish(storage, save_id, dtypes, where)
 """
@@ -54,17 +53,17 @@ class StagedReuse:
 
     Example::
 
-        write.chooser = StagedReuse(base, ring, piece=64 << 20, block=1 << 22, rank=0)
+        reuse = StagedReuse(base, block=1 << 22, rank=0).attach(write)
     """
 
-    def __init__(self, base: BaseCheckpoint, ring: StagingRing, piece: int, block: int, rank: int, items: Any = ()):
+    def __init__(self, base: BaseCheckpoint, block: int, rank: int):
         self.base = base
-        self.ring = ring
-        self.piece = piece
         self.block = block
         self.rank = rank
-        self.items = items
-        self.records: list = []  # the staged write's chunk records (see attach)
+        self.ring: StagingRing | None = None  # the staged write's (see attach)
+        self.piece = 0
+        self.items: Any = ()
+        self.records: list = []
         self.reused: list[Reused] = []
         self._chunk: ChunkMeta | None = None  # the base's chunk the held item is compared with
         self._hasher: BlockHasher | None = None
@@ -125,12 +124,13 @@ class StagedReuse:
                 sink.then(lambda s=slot: self.ring.release(s))
 
     def attach(self, write: Any) -> "StagedReuse":
-        """Take pieces of ``write`` (a :class:`~shardpoint.engine.pipeline.StagedWrite`): its items and records.
+        """Take the pieces of ``write`` (a :class:`~shardpoint.engine.pipeline.StagedWrite`) first; return ``self``.
 
         Example::
 
-            StagedReuse(base, ring, piece, block, rank).attach(write)
+            StagedReuse(base, block=1 << 22, rank=0).attach(write)
         """
+        self.ring, self.piece = write.ring, write.piece
         self.items = write.items
         self.records = write.records
         write.chooser = self

@@ -44,9 +44,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RANK0_ONLY = {"manifest", "commit", "commit_done", "retention"}
 
 
-def plan(rng: random.Random, i: int, incremental: bool = False) -> tuple[str | None, dict]:
+def plan(rng: random.Random, i: int, modes: tuple = ("eager", "lazy", None)) -> tuple[str | None, dict]:
     phase = PHASES[i] if i < len(PHASES) else rng.choice(PHASES)
-    mode = None if incremental else rng.choice(["eager", "lazy", None])
+    mode = rng.choice(modes)
     spec = {"phase": phase, "rank": 0 if phase in RANK0_ONLY else rng.randrange(2)}
     if phase == "snapshot":
         spec.update(nth=rng.randint(1, 3), delay=rng.uniform(0, 0.03))
@@ -63,15 +63,16 @@ def plan(rng: random.Random, i: int, incremental: bool = False) -> tuple[str | N
     return mode, spec
 
 
-@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
-def test_sigkill_during_saves_never_loses_or_tears(tmp_path, incremental):
+@pytest.mark.parametrize("incremental,modes", [(False, ("eager", "lazy", None)), (True, (None,)), (True, ("eager", "lazy"))],
+                         ids=["full", "incremental", "incremental-background"])
+def test_sigkill_during_saves_never_loses_or_tears(tmp_path, incremental, modes):
     root, refs, checks = (str(tmp_path / d) for d in ("run", "refs", "checks"))
     for d in (refs, checks):
         os.makedirs(d)
     rng = random.Random(SEED)
     launches = []
     for i in range(ITERS + 1):
-        mode, spec = plan(rng, i, incremental) if i < ITERS else (None if incremental else "eager", None)  # the last runs clean
+        mode, spec = plan(rng, i, modes) if i < ITERS else (modes[0], None)  # the last runs clean
         launches.append({"root": root, "refs": refs, "checks": checks, "it": i, "mode": mode, "fault": spec,
                          "incremental": incremental})
     plan_path = os.path.join(str(tmp_path), "plan.json")

@@ -50,3 +50,44 @@ def manifest_refs(path: str) -> list:
     """The ``refs`` member of a checkpoint's manifest (empty when it has none)."""
     with open(os.path.join(path, "manifest.json"), "rb") as f:
         return json.loads(f.read()).get("refs", [])
+
+
+def async_save_job(rank: int, world: int, root: str) -> dict:
+    """FSDP2 on two ranks, background saves with base=: eager (rank 1 changed one shard), lazy (nothing changed since),
+    then a lazy incremental manager over three training steps with a frozen embedding (``keep_last=1``)."""
+    model, opt = build("fsdp2", CFG, seed=0)
+    train_step(model, opt, 0, CFG)
+    state = {"model": model, "optimizer": opt}
+    a, b, c = (os.path.join(root, n) for n in "abc")
+    sp.save(a, state, block_size=BLOCK)
+    _, p = next((n, p) for n, p in model.named_parameters() if p.dim() == 2)
+    local = p.to_local()
+    if rank == 1:
+        with torch.no_grad():
+            local.add_(1.0)
+    saver = sp.AsyncSaver()
+    try:
+        rb = saver.save(b, state, mode="eager", block_size=BLOCK, base=a).wait()
+        want_b = full_state(model, opt)
+        rc = saver.save(c, state, mode="lazy", block_size=BLOCK, base=b).wait()
+    finally:
+        saver.close()
+    for name, q in model.named_parameters():
+        if name.startswith(("tok.", "pos.")):
+            q.requires_grad_(False)  # frozen: every later save references it
+    mgr = sp.CheckpointManager(os.path.join(root, "run"), interval=1, keep_last=1, mode="lazy", incremental=True,
+                               save_options={"block_size": BLOCK})
+    handles = []
+    for s in range(1, 4):
+        train_step(model, opt, s, CFG)
+        handles.append(mgr.save(s, state))  # the next step runs while it is written
+    mgr.wait()
+    want_run = full_state(model, opt)
+    mgr.close()
+    frozen = sum(q.to_local().numel() * q.element_size() for n, q in model.named_parameters() if n.startswith(("tok.", "pos.")))
+    if rank == 0:
+        torch.save(want_b, os.path.join(root, "want_b.pt"))
+        torch.save(want_run, os.path.join(root, "want_run.pt"))
+    return {"changed": local.numel() * local.element_size() if rank == 1 else 0, "referenced_b": rb.bytes_referenced,
+            "referenced_c": rc.bytes_referenced, "written_c": rc.bytes_written, "frozen": frozen,
+            "referenced_run": [h.wait().bytes_referenced for h in handles]}

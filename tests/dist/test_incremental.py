@@ -37,3 +37,34 @@ def test_each_rank_references_its_own_unchanged_chunks_and_a_reshard_writes_in_f
         got = full_state(model, opt)
         assert sorted(got) == sorted(want)
         assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+
+
+def test_background_saves_reference_per_rank_and_a_lazy_incremental_manager_keeps_what_it_references(tmp_path):
+    root = str(tmp_path)
+    r0, r1 = launch(2, "tests.dist.incremental_cases:async_save_job", {"root": root})
+    b, c = os.path.join(root, "b"), os.path.join(root, "c")
+    # Eager, base a: rank 0 changed nothing and wrote no data file; rank 1 wrote its changed shard only.
+    sizes = _data_sizes(b)
+    assert 0 not in sizes and sizes[1] == r1["changed"] > 0
+    assert r0["referenced_b"] > 0 and r1["referenced_b"] > 0
+    assert {e[0] for e in manifest_refs(b)} == {0, 1}
+    # Lazy, base b, nothing changed: no data file at all, every byte referenced (from a, or from b's changed shard).
+    assert _data_sizes(c) == {}
+    assert r0["referenced_c"] + r1["referenced_c"] == sp.read_manifest(c).total_bytes
+    assert {e[1] for e in manifest_refs(c)} == {"../a", "../b"}
+    want = torch.load(os.path.join(root, "want_b.pt"))
+    for path in (b, c):
+        model, opt = build("single", CFG, seed=7)
+        sp.load(path, {"model": model, "optimizer": opt})
+        got = full_state(model, opt)
+        assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    # The manager: each save after the first references at least the frozen embeddings, on each rank.
+    for r in (r0, r1):
+        assert r["referenced_run"][0] == 0 and all(n >= r["frozen"] > 0 for n in r["referenced_run"][1:]), r
+    run = os.path.join(root, "run")
+    assert sorted(n for n in os.listdir(run) if n.startswith("step_")) == ["step_00000001", "step_00000003"]
+    want = torch.load(os.path.join(root, "want_run.pt"))
+    model, opt = build("single", CFG, seed=7)
+    sp.load(os.path.join(run, "step_00000003"), {"model": model, "optimizer": opt})
+    got = full_state(model, opt)
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]

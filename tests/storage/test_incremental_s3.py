@@ -47,10 +47,36 @@ def test_incremental_save_on_s3_uploads_only_what_changed(s3_endpoint, bucket):
         assert torch.equal(got["model"]["frozen"], st["model"]["frozen"])
 
 
-def test_incremental_manager_on_s3_keeps_referenced_data_only(s3_endpoint, bucket):
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_background_incremental_save_on_s3_uploads_only_what_changed(s3_endpoint, bucket, mode):
+    with FaultProxy(s3_endpoint) as proxy:
+        run = S3Storage(f"s3://{bucket}/{uuid.uuid4().hex}", s3_options(proxy.endpoint))
+        g = torch.Generator().manual_seed(0)
+        st = {"model": {"frozen": torch.randn(1 << 20, generator=g), "adapter": torch.randn(64, 64, generator=g)}}
+        sp.save(run.child("s1"), st, block_size=BLOCK)
+        st["model"]["adapter"].add_(1)
+        first = len(proxy.log)
+        saver = sp.AsyncSaver(prewarm=False)
+        try:
+            r = saver.save(run.child("s2"), st, mode=mode, block_size=BLOCK, base=run.child("s1")).wait()
+        finally:
+            saver.close()
+        puts = [req for req, _ in proxy.log[first:] if req.method in ("PUT", "POST")]
+        uploaded = sum(req.length for req in puts)
+        adapter = 64 * 64 * 4
+        assert r.bytes_referenced == (1 << 20) * 4
+        assert adapter <= uploaded < adapter + 64_000  # the adapter, indexes and manifest: the frozen part is not sent
+        assert not any("s1" in req.target for req in puts)
+        out = sp.load(run.child("s2"), {}, strict=False)
+        assert torch.equal(out["model"]["frozen"], st["model"]["frozen"])
+        assert torch.equal(out["model"]["adapter"], st["model"]["adapter"])
+
+
+@pytest.mark.parametrize("mode", [None, "lazy"])
+def test_incremental_manager_on_s3_keeps_referenced_data_only(s3_endpoint, bucket, mode):
     run = S3Storage(f"s3://{bucket}/{uuid.uuid4().hex}", s3_options(s3_endpoint))
     g = torch.Generator().manual_seed(1)
     st = {"model": {"frozen": torch.randn(1 << 16, generator=g), "adapter": torch.randn(16, 16, generator=g)}}
-    mgr = sp.CheckpointManager(run, interval=1, keep_last=1, mode=None, incremental=True, prewarm=False,
+    mgr = sp.CheckpointManager(run, interval=1, keep_last=1, mode=mode, incremental=True, prewarm=False,
                                save_options={"block_size": BLOCK})
     four_steps_keep_last_one(run, st, mgr)
