@@ -77,13 +77,15 @@ def run(root: str, args, incremental: bool) -> dict:
     model = Tuned(args.size, args.trainable)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     state = {"model": model, "optimizer": opt}
-    mgr = sp.CheckpointManager(root, interval=1, keep_last=3, mode=None, incremental=incremental, prewarm=False)
-    times, written = [], []
+    mode = None if args.mode == "none" else args.mode
+    mgr = sp.CheckpointManager(root, interval=1, keep_last=3, mode=mode, incremental=incremental, prewarm=False)
+    times, blocked, written = [], [], []
     try:
         for step in range(1, args.saves + 1):
             model.step(opt)
             t0 = time.perf_counter()
             mgr.save(step, state)
+            blocked.append(time.perf_counter() - t0)  # the training loop's stall (a background save goes on)
             mgr.wait()
             times.append(time.perf_counter() - t0)
             written.append(data_bytes(os.path.join(root, f"step_{step:08d}")))
@@ -91,7 +93,7 @@ def run(root: str, args, incremental: bool) -> dict:
         mgr.close()
     trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     opt_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
-    return {"times": times, "written": written, "trainable": trainable, "optimizer": opt_bytes,
+    return {"times": times, "blocked": blocked, "written": written, "trainable": trainable, "optimizer": opt_bytes,
             "want": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
@@ -116,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--saves", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3, help="loads timed per checkpoint (median)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    ap.add_argument("--mode", choices=["none", "eager", "lazy"], default="none",
+                    help="the manager's save mode: blocking saves (none) or background ones")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="sp-incr-", dir=args.dir)
@@ -139,6 +143,7 @@ def main(argv=None) -> int:
         "written_over_payload": statistics.median(later) / payload,
         "save_s_incremental_median": statistics.median(inc["times"][1:]),
         "save_s_full_median": statistics.median(full["times"][1:]),
+        "mode": args.mode, "blocked_s_incremental_median": statistics.median(inc["blocked"][1:]),
         "load_s_incremental": statistics.median(loads_inc), "load_s_consolidated": statistics.median(loads_copy),
     }
     out["save_time_ratio"] = out["save_s_incremental_median"] / out["save_s_full_median"]
