@@ -296,6 +296,8 @@ def compact_run(
         plan = plan_file(storage, folder, data, users, kept)
         if plan is None:
             continue
+        if run_if_quiet(lambda: True) is None:  # a save or restore began: the switch would be refused, spare the copy
+            return moved
         hook("compact", _step_of(folder))
         _write_file(storage, plan)
         hook("compact", _step_of(folder))
