@@ -89,7 +89,12 @@ class StepsInUse:
             return set(self._writing)
 
     def quiet(self) -> int | None:
-        """A token for :meth:`run_if_quiet` when no step is being restored or saved now, else ``None``."""
+        """A token for :meth:`run_if_quiet` when no step is being restored or saved now, else ``None``.
+
+        Example::
+
+            token = in_use.quiet()   # None while a save or restore runs
+        """
         with self._lock:
             return None if self._protected or self._writing else self._started
 
