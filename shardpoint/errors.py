@@ -18,6 +18,7 @@ __all__ = [
     "CorruptCheckpointError",
     "UnsafeCheckpointError",
     "MissingBaseError",
+    "BaseLocationError",
     "FormatError",
     "KeyMismatchError",
     "ShapeMismatchError",
@@ -162,6 +163,22 @@ def mismatch_error(where: str, fqn: str, saved: tuple[str, list], target: tuple[
 
 class UnsupportedStateError(CheckpointError):
     """A state object or value that no adapter or codec knows how to handle."""
+
+
+class BaseLocationError(UnsupportedStateError):
+    """The ``base=`` of an incremental save cannot be referenced from where the new checkpoint is saved.
+
+    A reference is a location relative to the new checkpoint, so the base
+    must lie on the same storage, in the same tree (a sibling folder of one
+    run, on the same filesystem, bucket, ``MemoryStorage`` or
+    ``TieredStorage``). The message says which rule failed and what to give
+    instead. Raised before anything is written. Example::
+
+        try:
+            sp.save("ckpt/step_200", state, base="s3://bucket/step_100")
+        except BaseLocationError as e:
+            print(e)   # ... lies on another storage ...
+    """
 
 
 class StorageError(CheckpointError):

@@ -3,7 +3,8 @@
 The crash and hang tests start real training processes and need them to die
 or stall at a chosen point of a chosen save; the manager calls its fault hook
 at ``decide``, ``lock``, ``snapshot``, ``write``, ``committed``,
-``retention`` and ``restore``. Without ``SHARDPOINT_FAULT`` (and without a
+``retention``, ``compact`` (incremental runs: each step of moving referenced
+chunks) and ``restore``. Without ``SHARDPOINT_FAULT`` (and without a
 ``fault_hook`` argument) nothing is called.
 """
 
@@ -30,7 +31,7 @@ def fault_from_env() -> FaultHook | None:
 
     The variable holds a JSON object (or a list of them) with keys ``phase``
     (one of the manager's phases: ``decide``, ``lock``, ``snapshot``,
-    ``write``, ``committed``, ``retention``, ``restore``), optional ``rank``,
+    ``write``, ``committed``, ``retention``, ``compact``, ``restore``), optional ``rank``,
     ``step`` (``null``/absent: any), ``delay`` (seconds; the action runs on a
     timer thread, landing at a random point of the work that follows),
     ``action`` (``"kill"``: SIGKILL this process, the default; ``"stall"``:

@@ -12,7 +12,9 @@ newest step left is, or none: the save is written in full). Retention then delet
 as always, but of its data files only those that no kept step references
 (:func:`referenced_by`): a referenced data file stays in the folder of the
 step that wrote it (references always name that folder) until the last kept
-step referring to it is deleted, and the next pass removes it then.
+step referring to it is deleted, and the next pass removes it then. A
+file kept steps reference only in part shrinks to the chunks they use
+(:mod:`shardpoint.manager.compact`).
 
 Example::
 

@@ -12,26 +12,30 @@ for complete.
 In an incremental run (:mod:`shardpoint.manager.incremental`) a deleted
 step's data files that a kept step references stay, in its folder, which
 then holds nothing else; each pass removes those no kept step references
-any more. A pass reads the kept steps' manifests before it deletes
-anything, and deletes no data when one cannot be read.
+any more, and shrinks those kept steps reference only in part to the
+chunks they use (:mod:`shardpoint.manager.compact`). A pass reads the kept
+steps' manifests before it deletes anything, and deletes no data when one
+cannot be read.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 from ..engine.claim import claim_is_live
 from ..format.manifest import MANIFEST_NAME
 from ..storage import Storage
 from .folders import LOCK_NAME, scan_steps, step_folder
-from .incremental import referenced_by
+from .compact import compact_run, holders, read_kept
 from .steplock import StepLock
 
 __all__ = ["StepsInUse", "Retention"]
 
 log = logging.getLogger("shardpoint")
+
+T = TypeVar("T")
 
 
 class StepsInUse:
@@ -54,6 +58,7 @@ class StepsInUse:
         self._lock = threading.Lock()
         self._protected: set[int] = set()
         self._writing: set[int] = set()
+        self._started = 0  # saves started so far: a change tells a retention pass that a save began
 
     def protect(self, listing: Callable[[], Iterable[int]]) -> list[int]:
         """Run ``listing`` and protect the steps it returns, with no deletion in between; return them."""
@@ -71,6 +76,7 @@ class StepsInUse:
         """Mark ``step`` as being saved by this manager."""
         with self._lock:
             self._writing.add(step)
+            self._started += 1
 
     def finish_writing(self, step: int) -> None:
         """The save of ``step`` committed or failed."""
@@ -81,6 +87,34 @@ class StepsInUse:
         """The steps being saved now (a copy)."""
         with self._lock:
             return set(self._writing)
+
+    def quiet(self) -> int | None:
+        """A token for :meth:`run_if_quiet` when no step is being restored or saved now, else ``None``.
+
+        Example::
+
+            token = in_use.quiet()   # None while a save or restore runs
+        """
+        with self._lock:
+            return None if self._protected or self._writing else self._started
+
+    def run_if_quiet(self, token: int, fn: Callable[[], T]) -> T | None:
+        """Run ``fn`` and return its result if nothing was restored or saved since :meth:`quiet` gave ``token``; else ``None``.
+
+        ``fn`` runs under the lock of :meth:`protect` and :meth:`start_writing`,
+        so no restore or save starts while it runs: a retention pass switches
+        manifests with it.
+
+        Example::
+
+            token = in_use.quiet()
+            if token is not None:
+                in_use.run_if_quiet(token, lambda: True)
+        """
+        with self._lock:
+            if self._protected or self._writing or self._started != token:
+                return None
+            return fn()
 
     def delete_unless_used(self, step: int, delete: Callable[[int], None]) -> bool:
         """Call ``delete(step)`` unless ``step`` is protected or being written; ``True`` if it ran."""
@@ -183,18 +217,22 @@ class Retention:
         return sorted(doomed)
 
     def run_pass(self) -> None:
-        """One pass, in the calling thread: delete every doomed step that is not in use."""
+        """One pass, in the calling thread: delete every doomed step that is not in use, then compact (incremental runs)."""
+        token = self.in_use.quiet()  # before listing: a save that starts later makes the listing stale
         doomed = self.doomed()
         spare: dict[str, set[str]] = {}
+        kept = None
         if self.incremental and doomed:
-            kept = [s for s, f in scan_steps(self.storage).items() if f.committed and s not in doomed]
-            found = referenced_by(self.storage, kept)
-            if found is None:
+            kept = read_kept(self.storage, [s for s, f in scan_steps(self.storage).items() if f.committed and s not in doomed])
+            if kept is None:
                 return  # what the kept steps reference is unknown: delete nothing
-            spare = found
+            for folder, data in holders(kept):
+                spare.setdefault(folder, set()).add(data)
         for s in doomed:
             keep = spare.get(step_folder(s), set())
             self.in_use.delete_unless_used(s, lambda step: self.delete_step(step, keep))
+        if kept and token is not None and not self.storage.tiered:  # tiered: slower tiers would keep old manifests
+            compact_run(self.storage, kept, lambda fn: self.in_use.run_if_quiet(token, fn), self.hook)
 
     def delete_step(self, step: int, spare: set[str] | frozenset[str] = frozenset()) -> None:
         """Delete one step folder, manifest first, so it is never seen half-deleted as complete.

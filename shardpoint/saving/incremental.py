@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ..engine.commit import write_index
 from ..engine.indexes import IndexReader, wanted_box
 from ..engine.io import tensor_bytes
-from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedStateError
+from ..errors import BaseLocationError, CheckpointError, CheckpointNotFoundError
 from ..format.datafile import block_checksums
 from ..format.manifest import MANIFEST_NAME, ChunkMeta, Manifest
 from ..format.strict import Limits
@@ -118,33 +118,54 @@ def resolve_base(base: Any) -> Any:
 def open_base(base: Any, storage: Storage, where: str) -> BaseCheckpoint:
     """Open ``base`` (a path, URL or storage holding a committed checkpoint) for a save to ``storage``.
 
-    Raises :class:`~shardpoint.errors.UnsupportedStateError` when ``base``
-    does not lie beside the new checkpoint on the same storage (a reference
-    is a relative location), or is the new checkpoint itself.
+    Raises :class:`~shardpoint.errors.BaseLocationError` when ``base`` does
+    not lie beside the new checkpoint on the same storage (a reference is a
+    relative location, resolved from the new checkpoint's storage when it
+    loads), or is the new checkpoint itself. On a
+    :class:`~shardpoint.storage.tiers.TieredStorage` both must be children
+    of tiers with the same roots: references then resolve in every tier.
 
     Example::
 
         base = open_base("ckpt/step_100", storage_for("ckpt/step_200"), "ckpt/step_200")
     """
-    prev = storage_for(base).primary
+    prev = storage_for(base)
     try:
         manifest = Manifest.from_json(prev.get_limited(MANIFEST_NAME, Limits.from_env().manifest_bytes), prev.url)
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"{where}: base={prev.url} holds no committed checkpoint; give a committed one, or save without base="
         ) from None
-    rel = relative_location(storage.primary, prev)
+    rel = relative_location(storage, prev)
+    why = _unreferenceable(storage, prev, rel)
+    if why:
+        raise BaseLocationError(f"{where}: base={prev.url} cannot be referenced from here: {why}")
+    return BaseCheckpoint(prev, manifest, rel, IndexReader(prev, manifest, prev.url))
+
+
+def _unreferenceable(storage: Storage, prev: Storage, rel: str | None) -> str:
+    """Why ``prev`` cannot be named as ``rel`` from ``storage`` (with the fix), or ``""``."""
+    for st in (storage, prev):
+        if st.place() is None:
+            return (f"{type(st).__name__} ({st.url}) cannot name another location of its tree; save without base=, "
+                    "or use a storage that can (local, memory, S3, fsspec, tiered)")
+    if storage.tiered != prev.tiered:
+        return ("references resolve in every tier of one TieredStorage, and only one of the two is tiered; "
+                "give base= as a child of the same TieredStorage as the new checkpoint (run.child('step_100') "
+                "for run.child('step_200'))")
+    if rel is None:
+        tiers = " under tiers with other roots" if storage.tiered else ""
+        return (f"it lies on another storage{tiers} (another filesystem, bucket or MemoryStorage instance), and an "
+                "incremental save references a committed checkpoint beside it on the same storage (e.g. ckpt/step_100 "
+                "for ckpt/step_200); save without base= or choose a base in the same run folder")
+    if rel == ".":  # the path itself: its cleanup would remove the base's data
+        return "it is the path being saved; give an earlier checkpoint beside it as base="
     try:
-        if rel is None or rel == ".":  # another tree, or the path itself (its cleanup would remove the base's data)
-            raise CheckpointError("not on the same storage")
         check_base(rel)
     except CheckpointError:
-        raise UnsupportedStateError(
-            f"{where}: base={prev.url} cannot be referenced from here: an incremental save references a committed "
-            "checkpoint beside it on the same storage (e.g. ckpt/step_100 for ckpt/step_200); save without base= "
-            "or choose a base in the same run folder"
-        ) from None
-    return BaseCheckpoint(prev, manifest, rel, IndexReader(prev, manifest, prev.url))
+        return (f"it lies inside the new checkpoint's folder ({rel}); an incremental save references a committed "
+                "checkpoint beside it on the same storage (e.g. ckpt/step_100 for ckpt/step_200)")
+    return ""
 
 
 def candidate_chunk(base: BaseCheckpoint, item: SaveTensor, block: int) -> ChunkMeta | None:

@@ -408,6 +408,23 @@ class FsspecStorage(Storage):
         c._share_pool(self._pool_box)
         return c
 
+    def place(self) -> tuple[Any, str]:
+        """(this filesystem, its absolute path): incremental checkpoints reference bases on the same filesystem.
+
+        Filesystems compare as fsspec compares them (the same class and
+        storage options). Example: ``FsspecStorage(fs, "/run/step_2").place()``
+        is ``(("fsspec", fs), "/run/step_2")``.
+        """
+        return (("fsspec", self.fs), "/" + self.root.lstrip("/"))
+
+    def at(self, path: str) -> "FsspecStorage":
+        """The location at absolute ``path`` on the same filesystem, sharing the pool and counters."""
+        root = path if self.root.startswith("/") else path.lstrip("/")  # object stores name "bucket/key", no slash
+        c = FsspecStorage(self.fs, root, max_concurrency=self._max_concurrency, read_part_size=self._read_part_size)
+        c.stats = self.stats
+        c._share_pool(self._pool_box)
+        return c
+
     def _share_pool(self, pool_box: Any) -> None:
         """Use the parent's thread pool instead of starting one per child."""
         self._pool_box = pool_box

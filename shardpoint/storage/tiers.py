@@ -27,12 +27,13 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..errors import StorageError
 from ..format.manifest import Manifest
 from ..format.strict import Limits
 from .base import ShortReadError, Storage, Writer, committed_files, remove_unreferenced
+from .locations import locate
 
 __all__ = ["TieredStorage"]
 
@@ -73,6 +74,25 @@ def _copy_file(src: Storage, dst: Storage, name: str) -> None:
 
 def _at(storage: Storage, sub: str) -> Storage:
     return storage.child(sub) if sub else storage
+
+
+def _copy_referenced(src: Storage, dst: Storage, manifest: Manifest) -> None:
+    """Copy the data files an incremental checkpoint references to the same places on ``dst``, where missing.
+
+    Their base was copied down by its own commit; this covers a base that
+    was not (saved to the fast tier alone, or its copy still queued), so
+    each tier's copy of a checkpoint loads on its own.
+    """
+    for ref in manifest.refs:
+        if ref.base == ".":
+            continue
+        there = locate(dst, ref.base)
+        try:
+            if there.size(ref.data) == ref.size:
+                continue
+        except FileNotFoundError:
+            pass
+        _copy_file(locate(src, ref.base), there, ref.data)
 
 
 def _checkpoint_names(storage: Storage) -> list[str]:
@@ -187,9 +207,11 @@ class TieredStorage(Storage):
                 except FileNotFoundError:
                     pass
                 # Validated like any load would (digest, file names), so a damaged manifest is not spread.
-                files = sorted(Manifest.from_json(manifest, src.url, Limits.from_env()).files)
+                parsed = Manifest.from_json(manifest, src.url, Limits.from_env())
+                files = sorted(parsed.files)
                 for name in files:
                     _copy_file(src, dst, name)
+                _copy_referenced(src, dst, parsed)
                 dst.put_atomic(MANIFEST, manifest)
                 remove_unreferenced(dst, files, lambda d=dst: committed_files(d), self.cleanup_grace_s)
                 log.info("checkpoint %s durable on tier %s", sub or "<root>", self.names[i])
@@ -310,6 +332,24 @@ class TieredStorage(Storage):
 
     def location_exists(self) -> bool:
         return any(t.location_exists() for t in self.tiers)
+
+    def place(self) -> tuple[Any, str] | None:
+        """(the tiers' roots, this folder's path under them), or ``None`` when a tier cannot name its places.
+
+        An incremental checkpoint saved here names its base relative to
+        itself; the name resolves under the same roots (:meth:`at`), so a
+        reference reads from the fastest tier that holds the base's data
+        and falls back to slower tiers as every read does.
+        """
+        roots = tuple(t.place() for t in self._root.tiers)
+        if any(r is None for r in roots):
+            return None
+        return (("tiers", roots), "/" + self._sub)
+
+    def at(self, path: str) -> "TieredStorage":
+        """The folder at ``path`` (absolute, under the roots) of these tiers, sharing the copier."""
+        sub = path.strip("/")
+        return self._root.child(sub) if sub else self._root
 
     def child(self, sub: str) -> "TieredStorage":
         sub = sub.strip("/")

@@ -11,7 +11,9 @@ Fault points (``fault["phase"]``):
   before the snapshot; with a delay the kill lands inside it or in the
   writes), ``write`` (the background save is running; the delay picks the
   point), ``committed`` (committed, lock not yet released), ``retention``
-  (between the deletions of an old checkpoint, manifest first);
+  (between the deletions of an old checkpoint, manifest first), ``compact``
+  (incremental runs: at each step of moving referenced chunks, see
+  :mod:`shardpoint.manager.compact`);
 - storage phases (through :class:`FaultStorage`): ``data`` (inside a data
   file write), ``manifest`` (all data durable, manifest not yet written),
   ``commit`` (manifest written to its temporary file, not yet renamed),

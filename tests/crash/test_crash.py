@@ -5,7 +5,7 @@ restores and checks the newest complete checkpoint bit for bit against an
 independent reference, then trains and saves until the injected fault kills
 one rank (during the snapshot, inside data writes, between the data and the
 manifest, during the manifest commit, right after it, during retention
-deletes, or at a random moment). After every kill the next launch must
+deletes or compaction, or at a random moment). After every kill the next launch must
 restore exactly the newest committed step, and never a torn checkpoint.
 
 The count is a parameter: ``SHARDPOINT_CRASH_ITERS`` (default 10) and
@@ -41,11 +41,14 @@ ITERS = int(os.environ.get("SHARDPOINT_CRASH_ITERS", "10"))
 SEED = int(os.environ.get("SHARDPOINT_CRASH_SEED", "0"))
 PHASES = ["snapshot", "data", "manifest", "commit", "commit_done", "write", "committed", "retention", "anytime", "data"]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RANK0_ONLY = {"manifest", "commit", "commit_done", "retention"}
+RANK0_ONLY = {"manifest", "commit", "commit_done", "retention", "compact"}
+# The incremental run also dies while retention moves referenced chunks into a smaller file (compaction).
+INCREMENTAL_PHASES = ["snapshot", "compact", "manifest", "compact", "commit_done", "write", "compact", "retention", "anytime", "compact"]
 
 
-def plan(rng: random.Random, i: int, modes: tuple = ("eager", "lazy", None)) -> tuple[str | None, dict]:
-    phase = PHASES[i] if i < len(PHASES) else rng.choice(PHASES)
+def plan(rng: random.Random, i: int, modes: tuple = ("eager", "lazy", None), incremental: bool = False) -> tuple[str | None, dict]:
+    phases = INCREMENTAL_PHASES if incremental else PHASES
+    phase = phases[i] if i < len(phases) else rng.choice(phases)
     mode = rng.choice(modes)
     spec = {"phase": phase, "rank": 0 if phase in RANK0_ONLY else rng.randrange(2)}
     if phase == "snapshot":
@@ -58,6 +61,8 @@ def plan(rng: random.Random, i: int, modes: tuple = ("eager", "lazy", None)) -> 
         spec.update(nth=rng.randint(1, 3))
     elif phase == "retention":
         spec.update(nth=rng.randint(1, 4))
+    elif phase == "compact":  # before the new file, after it, before each manifest switch, before the old file goes
+        spec.update(nth=rng.randint(1, 5))
     elif phase == "anytime":
         spec.update(delay=rng.uniform(0.05, 2.5))
     return mode, spec
@@ -72,7 +77,7 @@ def test_sigkill_during_saves_never_loses_or_tears(tmp_path, incremental, modes)
     rng = random.Random(SEED)
     launches = []
     for i in range(ITERS + 1):
-        mode, spec = plan(rng, i, modes) if i < ITERS else (modes[0], None)  # the last runs clean
+        mode, spec = plan(rng, i, modes, incremental) if i < ITERS else (modes[0], None)  # the last runs clean
         launches.append({"root": root, "refs": refs, "checks": checks, "it": i, "mode": mode, "fault": spec,
                          "incremental": incremental})
     plan_path = os.path.join(str(tmp_path), "plan.json")
@@ -106,6 +111,8 @@ def test_sigkill_during_saves_never_loses_or_tears(tmp_path, incremental, modes)
             assert os.path.exists(marker), f"{where}: launch failed without an injected kill:\n{ended['detail']}"
             fired += 1
     assert history[-1][3] == "ok", history[-1]
+    if incremental:  # the kills landed inside compaction too, not only in saves
+        assert any(f and f["phase"] == "compact" and hit for _, _, f, _, hit, _ in history), history
     assert fired >= ITERS // 2, f"only {fired} of {ITERS} faults fired: {history}"
 
     # Every committed checkpoint left is complete and equals its reference; no garbage is left.
