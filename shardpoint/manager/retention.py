@@ -88,6 +88,16 @@ class StepsInUse:
         with self._lock:
             return set(self._writing)
 
+    def busy(self) -> set[int]:
+        """The steps being restored or saved now (a copy): a pass keeps what they reference.
+
+        Example::
+
+            in_use.busy()   # {300} while step 300 is restored
+        """
+        with self._lock:
+            return self._protected | self._writing
+
     def quiet(self) -> int | None:
         """A token for :meth:`run_if_quiet` when no step is being restored or saved now, else ``None``.
 
@@ -223,7 +233,8 @@ class Retention:
         spare: dict[str, set[str]] = {}
         kept = None
         if self.incremental and doomed:
-            kept = read_kept(self.storage, [s for s, f in scan_steps(self.storage).items() if f.committed and s not in doomed])
+            busy = self.in_use.busy()  # a doomed step in use stays this pass, and so does what it references
+            kept = read_kept(self.storage, [s for s, f in scan_steps(self.storage).items() if f.committed and (s not in doomed or s in busy)])
             if kept is None:
                 return  # what the kept steps reference is unknown: delete nothing
             for folder, data in holders(kept):

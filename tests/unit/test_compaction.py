@@ -141,6 +141,29 @@ def test_a_pass_during_a_save_deletes_but_moves_nothing(tmp_path):
     check_exact(run, saved)
 
 
+def test_a_doomed_step_being_restored_keeps_what_it_references(tmp_path):
+    # Step 3 is doomed but in use (a restore falls back to it): it stays this pass, and so does the data it
+    # references in step 1's folder, although no step outside the doomed ones references that data.
+    run = sp.LocalStorage(str(tmp_path))
+    saved = run_steps(run, range(1, 4), keep_last=None)
+    st = lora_state()
+    for k in ("base.w", "base.b"):  # the base changes at step 4: steps 4 and 5 reference nothing older
+        st["model"][k].add_(1.0)
+    for step in (4, 5):
+        saved.update(run_steps(run, [step], keep_last=None, st=st))
+        st = {g: {k: v.clone() for k, v in d.items()} for g, d in saved[step].items()}
+    in_use = StepsInUse()
+    restoring = in_use.protect(lambda: [3])
+    ret = Retention(run, 2, None, in_use, StepLock("test", 60.0), incremental=True)
+    ret.run_pass()
+    assert committed(run) == [3, 4, 5]
+    check_loads(run, saved)  # step 3 still loads: its base data in step 1's folder was spared
+    in_use.release(restoring)
+    ret.run_pass()
+    assert committed(run) == [4, 5]
+    check_exact(run, saved)
+
+
 def test_a_file_referenced_with_another_size_is_left_alone(tmp_path):
     run = sp.LocalStorage(str(tmp_path))
     run_steps(run, range(1, 4), keep_last=None)
