@@ -20,7 +20,9 @@ accelerator punishes show up on a CPU:
   (:class:`~shardpoint.device.sim_models.CaptureModel`);
 - a copy to or from host memory that :meth:`host_buffer` did not hand out
   (pageable memory) runs at once, in the call, as a "non-blocking" copy
-  from pageable memory does; :attr:`SimulatedDevice.pageable_copies` counts them;
+  from pageable memory does; :attr:`SimulatedDevice.pageable_copies` counts them.
+  So does a copy from or to a strided view of page-locked memory: the
+  framework packs it through a pageable temporary first;
 - host buffers come from a caching allocator that keeps freed blocks until
   :meth:`empty_host_cache` (:class:`~shardpoint.device.sim_models.HostCache`);
 - every host wait for the device (an event synchronize) is counted per
@@ -134,6 +136,7 @@ class SimulatedDevice(Device):
         self.host = HostCache()
         self.pool = DevicePool()
         self.pageable_copies = 0
+        self._queued: SimEvent | None = None  # the last copy queued
         self.waits = HostWaits()
 
     # --- what the stand-in models beyond the copy engine -----------------------------------------
@@ -200,8 +203,11 @@ class SimulatedDevice(Device):
             self._running.set()
 
     def _submit(self, dst: torch.Tensor, src: torch.Tensor, host_side: torch.Tensor) -> SimEvent:
-        if not self.host.owns(host_side):
-            # Pageable memory: the copy cannot be queued, it runs now and the call returns after it.
+        if not self.host.owns(host_side) or not host_side.is_contiguous():
+            # Pageable memory (or a pageable packed temporary of a strided view): it runs now, in the call,
+            # after the copies queued before it (the stream is synchronized first, as on the device).
+            if self._queued is not None:
+                self._queued.stream_wait()
             dst.copy_(src)
             self.pageable_copies += 1
             ev = SimEvent(self)
@@ -212,6 +218,7 @@ class SimulatedDevice(Device):
                 self._thread = threading.Thread(target=self._run, name="shardpoint-simulated-copy", daemon=True)
                 self._thread.start()
         ev = SimEvent(self)
+        self._queued = ev
         self._q.put((dst, _source(src), ev))
         return ev
 
@@ -246,6 +253,7 @@ class SimulatedDevice(Device):
                 self._thread = threading.Thread(target=self._run, name="shardpoint-simulated-copy", daemon=True)
                 self._thread.start()
         ev = SimEvent(self)
+        self._queued = ev
         self._q.put((host, compute, ev))
         return host, ev
 
