@@ -60,7 +60,8 @@ class SimEvent(CopyEvent):
         ev = sim.copy_to_host(buf, src); ev.synchronize()
     """
 
-    def __init__(self, device: "SimulatedDevice | None" = None) -> None:
+    def __init__(self, device: "SimulatedDevice | None" = None, blocking: bool = True) -> None:
+        self.blocking = blocking
         self._done = threading.Event()
         self.held: list[torch.Tensor] = []
         self.device = device
@@ -106,7 +107,8 @@ class SimulatedDevice(Device):
     """Host tensors copied as if by an asynchronous copy engine; see the module docs.
 
     ``delay`` is how long each copy waits before it runs (seconds).
-    ``copies`` counts the copies run. Buffers from :meth:`host_buffer`
+    ``copies`` counts the copies run, ``events`` the completion events of
+    queued copies (one for several copies queued together). Buffers from :meth:`host_buffer`
     count as pinned, so budgets can be tested; ``host`` is the caching
     allocator they come from, ``captures`` the graph captures running,
     ``waits`` the host's waits for the device per thread.
@@ -136,6 +138,7 @@ class SimulatedDevice(Device):
         self.host = HostCache()
         self.pool = DevicePool()
         self.pageable_copies = 0
+        self.events = 0  # completion events of queued copies
         self._queued: SimEvent | None = None  # the last copy queued
         self.waits = HostWaits()
 
@@ -213,14 +216,23 @@ class SimulatedDevice(Device):
             ev = SimEvent(self)
             ev.complete()
             return ev
+        return self._enqueue([(dst, _source(src))])
+
+    def _enqueue(self, copies: list) -> SimEvent:
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="shardpoint-simulated-copy", daemon=True)
                 self._thread.start()
+            self.events += 1
         ev = SimEvent(self)
         self._queued = ev
-        self._q.put((dst, _source(src), ev))
+        self._q.put((copies, None, ev))
         return ev
+
+    def copy_many_to_host(self, pairs: Any, after: CopyEvent | None = None) -> CopyEvent:
+        if not all(self.host.owns(d) and d.is_contiguous() for d, _ in pairs):
+            return super().copy_many_to_host(pairs, after)
+        return self._enqueue([(d, _source(s)) for d, s in pairs])
 
     def _run(self) -> None:
         while True:
@@ -235,13 +247,14 @@ class SimulatedDevice(Device):
                 dst.resize_(out.shape).copy_(out)
                 del out
             else:
-                view = _resolve(src)
-                if view is None:
-                    dst.view(torch.uint8).fill_(POISON)
-                else:
-                    dst.copy_(view)
-                del view
-                self.copies += 1
+                for d, s in dst:  # copies recorded with one event
+                    view = _resolve(s)
+                    if view is None:
+                        d.view(torch.uint8).fill_(POISON)
+                    else:
+                        d.copy_(view)
+                    del view
+                    self.copies += 1
             del job, dst, src
             ev.complete()
 

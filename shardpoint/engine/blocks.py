@@ -1,7 +1,7 @@
 """Cutting a tensor's row-major order into bounded blocks that are views.
 
 A strided region copied between host and device goes through a contiguous
-buffer of bounded size (a packing area in page-locked memory on load, a
+buffer of bounded size (a packing area in the bounce ring on load, a
 staging piece on save). Each block is an index into the tensor (slices
 only, so every block keeps the tensor's rank), the blocks are in
 row-major order, and laid end to end their row-major bytes are the

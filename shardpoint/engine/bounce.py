@@ -12,7 +12,7 @@ A region that is strided in the span (a column block of a row-major chunk,
 as tensor parallelism's ``Shard(1)`` reads) cannot be copied by the device
 from where it lies: the framework would pack it into a pageable temporary
 and copy synchronously. Its span's slot therefore comes with a packing
-area in the same page-locked ring: the loading thread packs each such
+area in the same ring of device-ready host memory: the loading thread packs each such
 region there, in row-major blocks that fit the area
 (:func:`~shardpoint.engine.blocks.row_blocks`), and the device copies the
 packed bytes asynchronously (a strided destination is scattered on the
@@ -143,7 +143,7 @@ class BounceRing:
 
         A strided host view is packed into the slot's packing area first
         (block by block where the area is smaller), so that every copy the
-        device runs reads contiguous page-locked bytes.
+        device runs reads contiguous bytes of the ring.
         """
         packer = _Packer(slot.pack) if slot.pack.numel() else None
         for dst, src in copies:
@@ -155,7 +155,7 @@ class BounceRing:
             for idx in row_blocks(src.shape, src.element_size(), packer.area.numel()):
                 part = src[idx]
                 packed = packer.take(part.numel() * part.element_size()).view(part.dtype).view(part.shape)
-                packed.copy_(part)  # on the host, into page-locked memory
+                packed.copy_(part)  # on the host, into the ring
                 packer.last = self._queue(dst[idx], packed)
         self._inflight.append((slot.slot, self._last_event()))
 
