@@ -182,13 +182,17 @@ class AcceleratorDevice(Device):
         return StreamEvent(ev, self._capture)
 
     def copy_many_to_host(self, pairs: Any, after: CopyEvent | None = None) -> CopyEvent:
-        if not all(self.owns(src) for _, src in pairs):
-            return super().copy_many_to_host(pairs, after)
+        mine = [(dst, src) for dst, src in pairs if self.owns(src)]
+        for dst, src in pairs:
+            if not self.owns(src):
+                dst.copy_(src)  # a host tensor in a device state: plain and synchronous, as in copy_to_host
+        if not mine:
+            return Completed()
         ev = self._event()
         with self._on_copy_stream(after):
-            for dst, src in pairs:
+            for dst, src in mine:
                 dst.copy_(src, non_blocking=True)
-            ev.record(self.stream)
+            ev.record(self.stream)  # one event for the batch
         return StreamEvent(ev, self._capture)
 
     def byte_view(self, t: torch.Tensor, after: CopyEvent | None = None) -> tuple[torch.Tensor, bool]:
