@@ -105,16 +105,24 @@ def test_row_blocks_cover_a_strided_view_in_order(shape, itemsize, limit, data):
     assert torch.equal(torch.cat([p.reshape(-1) for p in parts]) if parts else torch.empty(0, dtype=dtype), full.reshape(-1))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(rows=st.integers(1, 300), cols=st.integers(2, 120), lo=st.data(), window_kib=st.integers(64, 512),
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=3), data=st.data(), transposed=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]))
-def test_column_blocks_of_any_layout_load_exact(tmp_path_factory, rows, cols, lo, window_kib, dtype):
-    c0 = lo.draw(st.integers(0, cols - 1))
-    n = lo.draw(st.integers(1, cols - c0))
-    w = (torch.arange(rows * cols, dtype=torch.int64) * 2654435761 % 251).to(dtype).view(rows, cols)
+def test_any_sub_box_loads_exact_into_any_destination_layout(tmp_path_factory, shape, data, transposed, dtype):
+    offsets, sizes = [], []
+    for s in shape:
+        lo = data.draw(st.integers(0, s - 1))
+        offsets.append(lo)
+        sizes.append(data.draw(st.integers(1, s - lo)))
+    numel = torch.Size(shape).numel()
+    w = (torch.arange(numel, dtype=torch.int64) * 2654435761 % 251).to(dtype).view(shape)
     path = str(tmp_path_factory.mktemp("ck") / "ck")
     sp.save(path, {"extra": {"w": w}})
-    t = LoadTarget("extra.w", torch.zeros(rows, n, dtype=dtype), (rows, cols), Box((0, c0), (rows, n)))
-    window = max(window_kib << 10, w.numel() * w.element_size() + 64)
-    _load(path, [t], window=window)
-    assert torch.equal(t.dest, w[:, c0 : c0 + n])
+    # A destination laid out in reverse dim order (strided on the device side), or contiguous.
+    dest = torch.zeros(sizes[::-1], dtype=dtype).permute(*reversed(range(len(sizes)))) if transposed else torch.zeros(sizes, dtype=dtype)
+    t = LoadTarget("extra.w", dest, tuple(shape), Box(tuple(offsets), tuple(sizes)))
+    # The ring holds the span and a packing area of 64 bytes up to 64 KiB: small areas are reused block by block.
+    window = numel * w.element_size() + 64 + data.draw(st.integers(0, 64 << 10))
+    sim = _load(path, [t], window=window, verify=data.draw(st.booleans()))
+    assert torch.equal(dest, w[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+    assert sim.pageable_copies == 0
