@@ -14,6 +14,8 @@ Rules this module keeps:
 - Completion is an event recorded on the copy stream after the copy: the
   host blocks on it (``synchronize``), training work waits on it by stream
   (``current_stream().wait_event``), and the host goes on.
+- Events are made with blocking synchronization: a thread waiting on one
+  sleeps instead of spinning a core beside the training loop.
 - A temporary made for a copy is tied to the copy stream
   (``record_stream``), so the caching allocator does not hand its memory to
   another tensor before the copy has read it.
@@ -73,9 +75,10 @@ class StreamEvent(CopyEvent):
         ev = device.copy_to_host(buf, src); ev.synchronize()
     """
 
-    def __init__(self, raw: Any, guard: Any = None):
+    def __init__(self, raw: Any, guard: Any = None, blocking: bool = True):
         self.raw = raw
         self.guard = guard if guard is not None else contextlib.nullcontext()
+        self.blocking = blocking
 
     def synchronize(self) -> None:
         with self.guard:  # legal from a worker while the training thread captures a graph
@@ -145,7 +148,8 @@ class AcceleratorDevice(Device):
         return torch.accelerator.current_stream(self.device)
 
     def _event(self) -> Any:
-        return torch.cuda.Event() if self._cuda else torch.Event(device=self.device)
+        # Blocking: a worker waiting on the copies sleeps instead of spinning a core.
+        return torch.cuda.Event(blocking=True) if self._cuda else torch.Event(device=self.device, blocking=True)
 
     def snapshot_point(self) -> CopyEvent:
         ev = self._event()
@@ -175,6 +179,20 @@ class AcceleratorDevice(Device):
         with self._on_copy_stream(after):
             dst.copy_(src, non_blocking=True)
             ev.record(self.stream)
+        return StreamEvent(ev, self._capture)
+
+    def copy_many_to_host(self, pairs: Any, after: CopyEvent | None = None) -> CopyEvent:
+        mine = [(dst, src) for dst, src in pairs if self.owns(src)]
+        for dst, src in pairs:
+            if not self.owns(src):
+                dst.copy_(src)  # a host tensor in a device state: plain and synchronous, as in copy_to_host
+        if not mine:
+            return Completed()
+        ev = self._event()
+        with self._on_copy_stream(after):
+            for dst, src in mine:
+                dst.copy_(src, non_blocking=True)
+            ev.record(self.stream)  # one event for the batch
         return StreamEvent(ev, self._capture)
 
     def byte_view(self, t: torch.Tensor, after: CopyEvent | None = None) -> tuple[torch.Tensor, bool]:

@@ -15,6 +15,10 @@ completes later:
   event completes: the host blocks with :meth:`CopyEvent.synchronize`, and
   work queued later by the caller's thread waits without blocking the host
   with :meth:`Device.order_after`.
+- :meth:`Device.copy_many_to_host` queues several copies with one
+  completion event (small tensors staged together wait on one event).
+- Events block the host thread that waits on them (the thread sleeps, it
+  does not spin): :attr:`CopyEvent.blocking`.
 - :meth:`Device.keep_alive` ties a temporary's memory to a copy: a tensor
   made only to be copied (a contiguous version of a strided one) must not be
   reused before its copy has read it.
@@ -32,7 +36,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -64,7 +68,12 @@ class CopyEvent(abc.ABC):
 
         ev = device.copy_to_host(buf, src, device.snapshot_point())
         ev.synchronize()  # the bytes are in buf now
+
+    ``blocking``: a host wait on this event sleeps until it completes
+    instead of spinning a core (a CUDA event made with ``blocking=True``).
     """
+
+    blocking: bool = True
 
     @abc.abstractmethod
     def synchronize(self) -> None:
@@ -216,6 +225,24 @@ class Device(abc.ABC):
         ``src`` must stay alive until the event completes: pass temporaries
         to :meth:`keep_alive`.
         """
+
+    def copy_many_to_host(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: CopyEvent | None = None) -> CopyEvent:
+        """Queue a copy of each ``(host dst, src)`` pair after ``after``; one event for all of them.
+
+        An accelerator records one event after the last copy; here each is
+        queued by :meth:`copy_to_host`, and copies complete in order, so the
+        last one's event stands for all.
+
+        Example::
+
+            ev = device.copy_many_to_host([(buf[:4], a_bytes), (buf[4:12], b_bytes)], device.snapshot_point())
+        """
+        ev: CopyEvent = Completed()
+        for dst, src in pairs:
+            got = self.copy_to_host(dst, src, after)
+            if not isinstance(got, Completed):
+                ev = got
+        return ev
 
     @abc.abstractmethod
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:

@@ -20,7 +20,9 @@ accelerator punishes show up on a CPU:
   (:class:`~shardpoint.device.sim_models.CaptureModel`);
 - a copy to or from host memory that :meth:`host_buffer` did not hand out
   (pageable memory) runs at once, in the call, as a "non-blocking" copy
-  from pageable memory does; :attr:`SimulatedDevice.pageable_copies` counts them;
+  from pageable memory does; :attr:`SimulatedDevice.pageable_copies` counts them.
+  So does a copy from or to a strided view of page-locked memory: the
+  framework packs it through a pageable temporary first;
 - host buffers come from a caching allocator that keeps freed blocks until
   :meth:`empty_host_cache` (:class:`~shardpoint.device.sim_models.HostCache`);
 - every host wait for the device (an event synchronize) is counted per
@@ -58,7 +60,8 @@ class SimEvent(CopyEvent):
         ev = sim.copy_to_host(buf, src); ev.synchronize()
     """
 
-    def __init__(self, device: "SimulatedDevice | None" = None) -> None:
+    def __init__(self, device: "SimulatedDevice | None" = None, blocking: bool = True) -> None:
+        self.blocking = blocking
         self._done = threading.Event()
         self.held: list[torch.Tensor] = []
         self.device = device
@@ -104,7 +107,8 @@ class SimulatedDevice(Device):
     """Host tensors copied as if by an asynchronous copy engine; see the module docs.
 
     ``delay`` is how long each copy waits before it runs (seconds).
-    ``copies`` counts the copies run. Buffers from :meth:`host_buffer`
+    ``copies`` counts the copies run, ``events`` the completion events of
+    queued copies (one for several copies queued together). Buffers from :meth:`host_buffer`
     count as pinned, so budgets can be tested; ``host`` is the caching
     allocator they come from, ``captures`` the graph captures running,
     ``waits`` the host's waits for the device per thread.
@@ -134,6 +138,8 @@ class SimulatedDevice(Device):
         self.host = HostCache()
         self.pool = DevicePool()
         self.pageable_copies = 0
+        self.events = 0  # completion events of queued copies
+        self._queued: SimEvent | None = None  # the last copy queued
         self.waits = HostWaits()
 
     # --- what the stand-in models beyond the copy engine -----------------------------------------
@@ -200,20 +206,33 @@ class SimulatedDevice(Device):
             self._running.set()
 
     def _submit(self, dst: torch.Tensor, src: torch.Tensor, host_side: torch.Tensor) -> SimEvent:
-        if not self.host.owns(host_side):
-            # Pageable memory: the copy cannot be queued, it runs now and the call returns after it.
+        if not self.host.owns(host_side) or not host_side.is_contiguous():
+            # Pageable memory (or a pageable packed temporary of a strided view): it runs now, in the call,
+            # after the copies queued before it (the stream is synchronized first, as on the device).
+            if self._queued is not None:
+                self._queued.stream_wait()
             dst.copy_(src)
             self.pageable_copies += 1
             ev = SimEvent(self)
             ev.complete()
             return ev
+        return self._enqueue([(dst, _source(src))])
+
+    def _enqueue(self, copies: list) -> SimEvent:
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="shardpoint-simulated-copy", daemon=True)
                 self._thread.start()
+            self.events += 1
         ev = SimEvent(self)
-        self._q.put((dst, _source(src), ev))
+        self._queued = ev
+        self._q.put((copies, None, ev))
         return ev
+
+    def copy_many_to_host(self, pairs: Any, after: CopyEvent | None = None) -> CopyEvent:
+        if not all(self.host.owns(d) and d.is_contiguous() for d, _ in pairs):
+            return super().copy_many_to_host(pairs, after)
+        return self._enqueue([(d, _source(s)) for d, s in pairs])
 
     def _run(self) -> None:
         while True:
@@ -228,13 +247,14 @@ class SimulatedDevice(Device):
                 dst.resize_(out.shape).copy_(out)
                 del out
             else:
-                view = _resolve(src)
-                if view is None:
-                    dst.view(torch.uint8).fill_(POISON)
-                else:
-                    dst.copy_(view)
-                del view
-                self.copies += 1
+                for d, s in dst:  # copies recorded with one event
+                    view = _resolve(s)
+                    if view is None:
+                        d.view(torch.uint8).fill_(POISON)
+                    else:
+                        d.copy_(view)
+                    del view
+                    self.copies += 1
             del job, dst, src
             ev.complete()
 
@@ -246,6 +266,7 @@ class SimulatedDevice(Device):
                 self._thread = threading.Thread(target=self._run, name="shardpoint-simulated-copy", daemon=True)
                 self._thread.start()
         ev = SimEvent(self)
+        self._queued = ev
         self._q.put((host, compute, ev))
         return host, ev
 

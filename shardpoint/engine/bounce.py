@@ -7,6 +7,16 @@ device and goes on to the next span. A slot is reused only once its copies'
 event has completed, so reading the next spans overlaps the copies of the
 earlier ones. When the load ends, the caller's later work is ordered after
 the last copy and the ring goes back to the device.
+
+A region that is strided in the span (a column block of a row-major chunk,
+as tensor parallelism's ``Shard(1)`` reads) cannot be copied by the device
+from where it lies: the framework would pack it into a pageable temporary
+and copy synchronously. Its span's slot therefore comes with a packing
+area in the same ring of device-ready host memory: the loading thread packs each such
+region there, in row-major blocks that fit the area
+(:func:`~shardpoint.engine.blocks.row_blocks`), and the device copies the
+packed bytes asynchronously (a strided destination is scattered on the
+device).
 """
 
 from __future__ import annotations
@@ -19,11 +29,58 @@ import torch
 
 from ..device import Completed, CopyEvent, Device
 from ..items import LoadTarget
+from .blocks import row_blocks
 from .staging import Slot, StagingRing
 
-__all__ = ["BounceRing", "ALIGN"]
+__all__ = ["BounceRing", "BounceSlot", "ALIGN", "aligned"]
 
 ALIGN = 64  # slot alignment in bytes: every dtype's element size divides it
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to :data:`ALIGN`: where the next typed view may start.
+
+    Example::
+
+        aligned(65)   # 128
+    """
+    return -(-int(n) // ALIGN) * ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class BounceSlot:
+    """One span's part of the bounce ring: ``view`` receives its bytes, ``pack`` packs its strided regions.
+
+    ``pack`` is empty when the span needs no packing (or the ring has no
+    room beside it: strided regions are then copied as they lie).
+
+    Example::
+
+        got = bounce.slot(n, pack=4096); got.view.numel()  # n
+    """
+
+    slot: Slot
+    view: torch.Tensor
+    pack: torch.Tensor
+
+
+class _Packer:
+    """Hands out aligned, consecutive parts of a packing area; wraps around once the copies from it completed."""
+
+    def __init__(self, area: torch.Tensor):
+        self.area = area
+        self.pos = 0
+        self.last: CopyEvent | None = None
+
+    def take(self, n: int) -> torch.Tensor:
+        size = aligned(n)
+        if self.pos + size > self.area.numel():
+            if self.last is not None:
+                self.last.synchronize()  # copies complete in order: the whole area is free again
+            self.pos = 0
+        out = self.area[self.pos : self.pos + n]
+        self.pos += size
+        return out
 
 
 class BounceRing:
@@ -51,25 +108,28 @@ class BounceRing:
         """Whether every target in ``indexes`` lives on this ring's device."""
         return bool(indexes) and all(self.device.owns(targets[i].dest) for i in indexes)
 
-    def slot(self, n: int) -> Slot | None:
-        """``n`` bytes of the ring, waiting only for copies already queued; None when no room can come free.
+    def slot(self, n: int, pack: int = 0) -> BounceSlot | None:
+        """``n`` bytes of the ring and up to ``pack`` bytes to pack strided regions in; None when no room can come free.
 
-        Slots start on an aligned offset, so that a typed view of the bytes
-        (any dtype) starts on its element boundary.
+        Waits only for copies already queued. Slots start on an aligned
+        offset, so that a typed view of the bytes (any dtype) starts on its
+        element boundary. The packing area is what the ring holds beside the
+        span, up to ``pack``: a smaller one is reused block by block.
         """
-        size = -(-n // ALIGN) * ALIGN
+        size = aligned(n)
         if size > self.ring.capacity:
             return None
+        room = min(aligned(pack), self.ring.capacity - size) if pack > 0 else 0
         while True:
             self._reap()
-            got = self.ring.try_acquire(size)
+            got = self.ring.try_acquire(size + room)
             if got is not None:
-                return dataclasses.replace(got, view=got.view[:n])
+                return BounceSlot(got, got.view[:n], got.view[size : size + room])
             if not self._inflight:
                 return None
-            slot, ev = self._inflight.popleft()
+            held, ev = self._inflight.popleft()
             ev.synchronize()
-            self.ring.release(slot)
+            self.ring.release(held)
 
     def _last_event(self) -> CopyEvent:
         return self._last if self._last is not None else Completed()
@@ -78,15 +138,32 @@ class BounceRing:
         while self._inflight and self._inflight[0][1].query():
             self.ring.release(self._inflight.popleft()[0])
 
-    def land(self, slot: Slot, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Queue each ``(device view, host view of slot)`` copy; the slot comes free when they complete."""
-        ev = None
+    def land(self, slot: BounceSlot, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Queue each ``(device view, host view of slot)`` copy; the slot comes free when they complete.
+
+        A strided host view is packed into the slot's packing area first
+        (block by block where the area is smaller), so that every copy the
+        device runs reads contiguous bytes of the ring.
+        """
+        packer = _Packer(slot.pack) if slot.pack.numel() else None
         for dst, src in copies:
-            ev = self.device.copy_to_device(dst, src, self.after)
-            self.landed_bytes += src.numel() * src.element_size()
-        if ev is not None:
-            self._last = ev
-        self._inflight.append((slot, self._last_event()))
+            if src.numel() == 0:
+                continue
+            if packer is None or src.is_contiguous():
+                self._queue(dst, src)
+                continue
+            for idx in row_blocks(src.shape, src.element_size(), packer.area.numel()):
+                part = src[idx]
+                packed = packer.take(part.numel() * part.element_size()).view(part.dtype).view(part.shape)
+                packed.copy_(part)  # on the host, into the ring
+                packer.last = self._queue(dst[idx], packed)
+        self._inflight.append((slot.slot, self._last_event()))
+
+    def _queue(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
+        ev = self.device.copy_to_device(dst, src, self.after)
+        self.landed_bytes += src.numel() * src.element_size()
+        self._last = ev
+        return ev
 
     def finish(self) -> None:
         """Order the caller's later work after the last copy, wait for the copies, and free the ring."""

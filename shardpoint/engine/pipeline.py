@@ -10,6 +10,14 @@ has completed, and its ring space is reused only once it is written.
 Copier and writer run concurrently, so a state larger than the ring passes
 through it with back-pressure. With :class:`SinkThread` the storage writes
 run on one more thread, so hashing a piece overlaps writing the one before.
+
+Small tensors (norms, biases, step counts: thousands of them in a large
+model) are staged together: neighbours of at most :data:`SMALL_BYTES` each
+share one slot and one completion event, up to :data:`BATCH_BYTES`, and
+neighbours adjacent in one storage (views of one flat buffer) are one copy.
+A strided tensor larger than a piece is copied in row-major blocks of at
+most a piece (:func:`~shardpoint.engine.blocks.row_blocks`), so the
+contiguous temporary each needs stays bounded.
 """
 
 from __future__ import annotations
@@ -22,19 +30,64 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..device import Completed, CopyEvent
+import torch
+
+from ..device import Completed, CopyEvent, Device
 from ..errors import ShapeMismatchError, StorageError
 from ..format.datafile import DataFileWriter
 from ..format.manifest import ChunkMeta
 from ..items import SaveTensor
 from ..storage.base import Storage
-from .staging import StagingRing
+from .blocks import row_blocks
+from .staging import Slot, StagingRing
 
-__all__ = ["StagedWrite", "SinkThread", "WRITE_THREADS", "SPLIT_BYTES"]
+__all__ = ["Staged", "StagedWrite", "SinkThread", "WRITE_THREADS", "SPLIT_BYTES", "SMALL_BYTES", "BATCH_BYTES", "adjacent_runs"]
 
 _END = object()
 WRITE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))  # parallel writes of one file, where the storage takes them
 SPLIT_BYTES = 4 << 20  # no parallel write smaller than this
+SMALL_BYTES = 256 << 10
+"""A tensor of at most this many bytes is staged with its small neighbours (one slot, one event)."""
+BATCH_BYTES = 4 << 20
+"""The most bytes one batch of small tensors stages (also at most a piece)."""
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What the copier hands the writer: a slot, its copies' event, and the items' parts it holds, in order.
+
+    ``parts``: ``(item index, offset in the item, bytes, last part of the item)``.
+    """
+
+    slot: Slot | None
+    event: CopyEvent
+    parts: tuple[tuple[int, int, int, bool], ...]
+
+
+def adjacent_runs(raws: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """``[start, stop)`` index ranges of ``raws`` (flat byte views) that lie back to back in one storage.
+
+    Each range is copied as one: small tensors carved from one flat buffer
+    (as a flat-parameter wrapper makes them) cost one copy, not one each.
+
+    Example::
+
+        flat = torch.zeros(8, dtype=torch.uint8)
+        adjacent_runs([flat[:3], flat[3:8], torch.zeros(2, dtype=torch.uint8)])   # [(0, 2), (2, 3)]
+    """
+    out: list[tuple[int, int]] = []
+    for i, r in enumerate(raws):
+        if out and _follows(raws[i - 1], r):
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device == b.device and a.numel() > 0 and b.numel() > 0
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() + a.numel() == b.storage_offset())
 
 
 class SinkThread:
@@ -148,30 +201,14 @@ class StagedWrite:
         """Stage items ``[start, stop)``; ``last`` closes the queue afterwards."""
         dev = self.ring.device
         try:
-            for i in range(start, stop):
-                if self.failed.is_set():
-                    break
-                it = self.items[i]
-                raw, temporary = dev.byte_view(it.data, self.after)
-                n = raw.numel()
-                if n != it.nbytes:
-                    raise ShapeMismatchError(f"{it.fqn}: local data has {n} bytes, geometry says {it.nbytes}")
-                if n == 0:
-                    self._q.put((i, 0, None, None, True))
-                    continue
-                for off in range(0, n, self.piece):
-                    m = min(self.piece, n - off)
-                    slot = self.ring.acquire(m)
-                    t0 = time.monotonic()
-                    ev = dev.copy_to_host(slot.view, raw[off : off + m], self.after)
-                    if temporary:
-                        dev.keep_alive(raw, ev)  # the copy may run after this loop dropped it
-                    if not isinstance(ev, Completed):
-                        self.last_event = ev  # copies of one device complete in order
-                    if self.recorder is not None:
-                        self.recorder.add("copy", t0, time.monotonic(), m)
-                    self.copied_bytes += m
-                    self._q.put((i, off, slot, ev, off + m == n))
+            i = start
+            while i < stop and not self.failed.is_set():
+                j = self._batch_end(i, stop)
+                if j - i > 1:
+                    self._copy_batch(dev, i, j)
+                else:
+                    self._copy_one(dev, i)
+                i = j
         except BaseException as e:
             self.failed.set()
             self._q.put(e)
@@ -179,6 +216,76 @@ class StagedWrite:
         finally:
             if last:
                 self._q.put(_END)
+
+    def _batch_end(self, i: int, stop: int) -> int:
+        """The end of the batch of small items starting at ``i`` (``i + 1``: not batched)."""
+        cap = min(BATCH_BYTES, self.piece, self.ring.capacity)
+        total, j = 0, i
+        while j < stop and self.items[j].nbytes <= SMALL_BYTES and total + self.items[j].nbytes <= cap:
+            total += self.items[j].nbytes
+            j += 1
+        return max(j, i + 1)
+
+    def _check(self, i: int) -> torch.Tensor:
+        it = self.items[i]
+        n = it.data.numel() * it.data.element_size()
+        if n != it.nbytes:
+            raise ShapeMismatchError(f"{it.fqn}: local data has {n} bytes, geometry says {it.nbytes}")
+        return it.data
+
+    def _queued(self, ev: CopyEvent, t0: float, nbytes: int) -> None:
+        if not isinstance(ev, Completed):
+            self.last_event = ev  # copies of one device complete in order
+        if self.recorder is not None:
+            self.recorder.add("copy", t0, time.monotonic(), nbytes)
+        self.copied_bytes += nbytes
+
+    def _copy_batch(self, dev: Device, i: int, j: int) -> None:
+        """Small items ``[i, j)``: one slot, one event; neighbours adjacent in memory are one copy."""
+        raws = [dev.byte_view(self._check(k), self.after) for k in range(i, j)]
+        total = sum(r.numel() for r, _ in raws)
+        parts = tuple((k, 0, raws[k - i][0].numel(), True) for k in range(i, j))
+        if total == 0:
+            self._q.put(Staged(None, Completed(), parts))
+            return
+        slot = self.ring.acquire(total)
+        t0 = time.monotonic()
+        pairs, pos = [], 0
+        for a, b in adjacent_runs([r for r, temporary in raws]):
+            first, n = raws[a][0], sum(r.numel() for r, _ in raws[a:b])
+            src = first if b - a == 1 else first.as_strided((n,), (1,), first.storage_offset())
+            pairs.append((slot.view[pos : pos + n], src))
+            pos += n
+        ev = dev.copy_many_to_host(pairs, self.after)
+        for r, temporary in raws:
+            if temporary:
+                dev.keep_alive(r, ev)  # the copy may run after this loop dropped it
+        self._queued(ev, t0, total)
+        self._q.put(Staged(slot, ev, parts))
+
+    def _copy_one(self, dev: Device, i: int) -> None:
+        """Item ``i`` in pieces; a strided one larger than a piece in row-major blocks of at most a piece."""
+        t = self._check(i)
+        n = self.items[i].nbytes
+        if n == 0:
+            self._q.put(Staged(None, Completed(), ((i, 0, 0, True),)))
+            return
+        blocks = [()] if t.is_contiguous() or n <= self.piece else row_blocks(t.shape, t.element_size(), self.piece)
+        off = 0
+        for idx in blocks:
+            if self.failed.is_set():
+                return
+            raw, temporary = dev.byte_view(t[idx], self.after)
+            for a in range(0, raw.numel(), self.piece):
+                m = min(self.piece, raw.numel() - a)
+                slot = self.ring.acquire(m)
+                t0 = time.monotonic()
+                ev = dev.copy_to_host(slot.view, raw[a : a + m], self.after)
+                if temporary:
+                    dev.keep_alive(raw, ev)  # the copy may run after this loop dropped it
+                self._queued(ev, t0, m)
+                self._q.put(Staged(slot, ev, ((i, off, m, off + m == n),)))
+                off += m
 
     def wait_copied(self) -> None:
         """Block until every copy queued so far has completed (the snapshot is then in host memory)."""
@@ -232,18 +339,25 @@ class StagedWrite:
                 return
             if isinstance(msg, BaseException):
                 raise msg
-            i, off, slot, ev, final = msg
             if self.chooser is not None and self.chooser.take(msg, out, sink):
-                continue  # held to be compared with the base, then written or referenced by the chooser
-            it = self.items[i]
-            if off == 0:
-                out.begin()
+                continue  # compared with the base, then written or referenced by the chooser
+            slot = msg.slot
+            mv = None
             if slot is not None:
-                ev.synchronize()  # blocks this thread until the copy into the slot is done
-                out.write(memoryview(slot.view.numpy()))
+                msg.event.synchronize()  # blocks this thread until the copies into the slot are done
+                mv = memoryview(slot.view.numpy())
+            pos = 0
+            for i, off, n, final in msg.parts:
+                it = self.items[i]
+                if off == 0:
+                    out.begin()
+                if n:
+                    out.write(mv[pos : pos + n])
+                    pos += n
+                if final:
+                    self.records.append((it.fqn, out.end(it.box, it.flat)))
+            if slot is not None:
                 if sink is None:
                     self.ring.release(slot)
                 else:
                     sink.then(lambda s=slot: self.ring.release(s))
-            if final:
-                self.records.append((it.fqn, out.end(it.box, it.flat)))

@@ -32,9 +32,10 @@ from ..planning.reads import ChunkRead, at_blocks, batch_reads, extent, fault_pi
 from ..storage.base import ShortReadError, Storage
 from ..format.datafile import ALIGN, verify_blocks
 from .io import dest_view, read_chunk_into, short_file_error
-from .bounce import BounceRing
+from .bounce import BounceRing, aligned
 
-__all__ = ["LoadStats", "ReadJob", "execute_local", "fetch", "whole_span", "count_read", "copy_timed", "copy_pairs", "map_span", "fault_in"]
+__all__ = ["LoadStats", "ReadJob", "execute_local", "fetch", "whole_span", "count_read", "copy_timed", "copy_pairs", "map_span", "fault_in",
+           "strided_bytes"]
 
 
 @dataclass
@@ -98,6 +99,24 @@ def copy_pairs(r: ChunkRead, buf: torch.Tensor, targets: Sequence[LoadTarget]) -
             src = typed.as_strided(op.region.sizes, strides, typed.storage_offset() + op.src.start + run.base - base_e)
             out.append((dest_view(tgt, op), src))
     return out
+
+
+def strided_bytes(r: ChunkRead, targets: Sequence[LoadTarget]) -> int:
+    """Bytes of ``r``'s regions that are strided in its span (aligned as packed): what packing them takes.
+
+    A region is strided when it is more than one run of its chunk's
+    row-major order, as a column block of a row-major chunk is.
+
+    Example::
+
+        strided_bytes(r, targets)   # 0 when every region is one run
+    """
+    total = 0
+    for job in r.jobs:
+        for op in job.ops:
+            if runs_within(op.src.box, op.region).counts:
+                total += aligned(op.region.numel * r.itemsize)
+    return total
 
 
 def _copy_jobs(r: ChunkRead, buf: torch.Tensor, targets: Sequence[LoadTarget]) -> None:
@@ -296,7 +315,7 @@ def _bounce_slot(bounce: BounceRing | None, g, targets, pending: list):
     """A bounce slot for ``g`` when it lands on the device; ``False`` to wait for earlier spans first."""
     if bounce is None or len(g) != 1 or not bounce.serves(targets, [j.target for j in g[0].jobs]):
         return None
-    slot = bounce.slot(g[0].hi - g[0].lo)
+    slot = bounce.slot(g[0].hi - g[0].lo, strided_bytes(g[0], targets))
     return False if slot is None and pending else slot
 
 

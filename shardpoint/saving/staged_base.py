@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ..engine.pipeline import Staged
 from ..engine.staging import Slot, StagingRing
 from ..errors import MissingBaseError, StorageError
 from ..format.datafile import BlockHasher, DataFileWriter
@@ -69,21 +70,25 @@ class StagedReuse:
         self._hasher: BlockHasher | None = None
         self._held: list[Slot] = []
 
-    def take(self, msg: tuple, out: DataFileWriter, sink: Any) -> bool:
-        """Hold, write or reference one staged piece ``(item, offset, slot, event, final)``; ``False``: not taken.
+    def take(self, msg: Staged, out: DataFileWriter, sink: Any) -> bool:
+        """Hold, write or reference one staged slot's parts; ``False``: not taken, the caller writes it.
 
-        A piece not taken is written by the caller as any other.
+        A slot of several small items (a batch) is compared item by item at
+        once; a piece of a larger item is held until its chunk is decided.
         """
-        i, off, slot, ev, final = msg
+        if len(msg.parts) > 1:
+            self._take_batch(msg, out, sink)
+            return True
+        i, off, _, final = msg.parts[0]
         it: SaveTensor = self.items[i]
         if off == 0:
             self._chunk = self._held_candidate(it)
             self._hasher = BlockHasher(self.block) if self._chunk is not None else None
-        if self._chunk is None or slot is None:
+        if self._chunk is None or msg.slot is None:
             return False
-        ev.synchronize()  # the copy into the slot is complete
-        self._held.append(slot)
-        self._hasher.update(memoryview(slot.view.numpy()))
+        msg.event.synchronize()  # the copy into the slot is complete
+        self._held.append(msg.slot)
+        self._hasher.update(memoryview(msg.slot.view.numpy()))
         want = self._chunk.checksums
         done = self._hasher.finished()
         differs = len(done) > len(want) or tuple(done) != tuple(want[: len(done)])
@@ -97,6 +102,32 @@ class StagedReuse:
         if differs:
             self._write_held(it, out, sink, final)
         return True
+
+    def _take_batch(self, msg: Staged, out: DataFileWriter, sink: Any) -> None:
+        """Small whole items sharing one slot: each referenced when its bytes equal the base's chunk, else written."""
+        mv = None
+        if msg.slot is not None:
+            msg.event.synchronize()
+            mv = memoryview(msg.slot.view.numpy())
+        pos = 0
+        for i, _, n, _ in msg.parts:
+            it: SaveTensor = self.items[i]
+            data, pos = (mv[pos : pos + n] if n else b""), pos + n
+            chunk = candidate_chunk(self.base, it, self.block) if n else None
+            hasher = None
+            if chunk is not None:
+                hasher = BlockHasher(self.block)
+                hasher.update(data)
+                if tuple(hasher.digests()) == tuple(chunk.checksums):
+                    self.reused.append(reused_chunk(self.base, it.fqn, chunk, self.rank))
+                    continue
+            out.begin(hasher)
+            if n:
+                out.write(data, hashed=hasher is not None)
+            self.records.append((it.fqn, out.end(it.box, it.flat)))
+        if msg.slot is not None:
+            self._held.append(msg.slot)
+            self._release(sink)
 
     def _held_candidate(self, it: SaveTensor) -> ChunkMeta | None:
         """The base's chunk at ``it``'s place, when ``it`` may be held whole in the ring beside one more piece."""

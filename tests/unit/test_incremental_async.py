@@ -73,6 +73,23 @@ def test_background_save_writes_only_the_changed_chunks(tmp_path, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_small_tensors_staged_together_are_compared_one_by_one(tmp_path, mode):
+    # Tensors this small share one staging slot (a batch); each is still referenced or written on its own.
+    g = torch.Generator().manual_seed(3)
+    st = {"model": {f"t{k:02d}": torch.randn(16, 16, generator=g) for k in range(40)}}
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    sp.save(a, st, block_size=BLOCK)
+    changed = {f"model.t{k:02d}" for k in range(0, 40, 3)}
+    for name in changed:
+        st["model"][name.split(".")[1]][5, 7] += 1.0
+    r = _async_save(b, st, mode, base=a)
+    assert _where(b) == {"written": changed, "referenced": {f"model.t{k:02d}" for k in range(40)} - changed}
+    assert _data_bytes(b) == len(changed) * 16 * 16 * 4
+    assert r.bytes_referenced == (40 - len(changed)) * 16 * 16 * 4
+    _same(b, st)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_changed_frozen_tensor_is_written_and_an_unchanged_rank_writes_no_data_file(tmp_path, mode):
     st = _state()
     a, b, c = (str(tmp_path / n) for n in "abc")
