@@ -110,7 +110,7 @@ class BackgroundSave(SaveTransaction):
             ordered = run_guarded(self._copy_order)
             if ordered.ok:
                 order, live = ordered.value
-                ordered = run_guarded(functools.partial(self._refuse_capture, staging.serve(order.where)))
+                ordered = run_guarded(functools.partial(self._refuse_capture, staging.serve(order.devices)))
             if not ordered.ok:  # as a failed preparation: the other ranks still meet this one at the commit
                 if self.comm.world == 1:
                     raise ordered.exc
