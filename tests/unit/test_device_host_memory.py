@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 import shardpoint as sp
-from shardpoint.device import HostCache, SimulatedDevice
+from shardpoint.device import HostCache, OwnedHostMemory, SimulatedDevice
 from shardpoint.engine.io import write_chunks
 from shardpoint.engine.load import ReadTuning, execute_reads
 from shardpoint.engine.staging import PINNED_SLACK, pinned_capacity
@@ -179,4 +179,41 @@ def test_a_dropped_temporary_hands_its_block_to_the_next_one_and_a_queued_copy_r
     ev.synchronize()
     assert torch.equal(buf.view(torch.float32), x.t().contiguous().reshape(-1))
     del other
+    sim.close()
+
+
+def test_owned_host_memory_maps_whole_pages_registers_them_and_unregisters_exactly_those():
+    import mmap
+
+    calls: list = []
+    owned = OwnedHostMemory(lambda ptr, n: calls.append(("register", ptr, n)), lambda ptr: calls.append(("unregister", ptr)))
+    a = owned.allocate(5000)
+    b = owned.allocate(10)
+    assert (a.numel(), b.numel()) == (5000, 10) and a.data_ptr() % mmap.PAGESIZE == 0 == b.data_ptr() % mmap.PAGESIZE
+    assert calls == [("register", a.data_ptr(), 2 * mmap.PAGESIZE), ("register", b.data_ptr(), mmap.PAGESIZE)]
+    assert owned.held == 3 * mmap.PAGESIZE and owned.owns(a) and owned.owns(b[3:])
+    a.fill_(7)
+    assert owned.free(a) and not owned.owns(a) and calls[-1] == ("unregister", a.data_ptr())
+    assert not owned.free(torch.zeros(4, dtype=torch.uint8))  # not one of its buffers: nothing unregistered
+    assert owned.held == mmap.PAGESIZE and owned.peak_held == 3 * mmap.PAGESIZE and len(calls) == 3
+
+
+def test_closing_a_saver_leaves_other_users_cached_pinned_blocks_alone(tmp_path):
+    sim = SimulatedDevice(delay=0.0)
+    batch = sim.host.allocate(1 << 20)  # a data loader's pinned batch, from the framework's shared cache
+    ptr = batch.data_ptr()
+    sim.host.free(batch)  # back in the cache, for the next batch
+    del batch
+    m = _model()
+    opt = stepped_adamw(m)
+    saver = sp.AsyncSaver(piece_bytes=64 << 10, device=sim)
+    expect = flat(m, opt)
+    saver.save(str(tmp_path / "s"), {"model": m, "optimizer": opt}).wait()
+    _check_loads(str(tmp_path / "s"), expect)
+    assert sim.pinned.peak_held >= _state_bytes(m, opt) and sim.registered == 1  # the ring: the library's own memory
+    saver.close()
+    assert sim.pinned.held == 0 and sim.host_memory() == {"held": 0, "in_use": 0}  # the ring went back...
+    assert sim.host.held == 1 << 20  # ...and the other user's cached block is still there,
+    again = sim.host.allocate(1 << 20)
+    assert again.data_ptr() == ptr  # handed to its next batch without a new page-locked allocation
     sim.close()
