@@ -33,8 +33,9 @@ accelerator punishes show up on a CPU:
 - several devices in one process: a tensor given to :meth:`SimulatedDevice.place`
   lives on that device, and a copy of it through another device is a plain
   synchronous one, as an accelerator makes for another device's tensor
-  (:attr:`SimulatedDevice.foreign_copies` counts them). Devices share one
-  registered host memory when made with the same ``pinned``;
+  (:attr:`SimulatedDevice.foreign_copies` counts them). A device made with
+  ``sibling=`` is another device of the sibling's process: they share the
+  registered host memory and know where each placed tensor lives;
 - every host wait for the device (an event synchronize) is counted per
   thread, and a thread may refuse them (:attr:`SimulatedDevice.waits`,
   :class:`~shardpoint.device.sim_models.HostWaits`): a test proves that the
@@ -61,9 +62,6 @@ from .sim_models import CaptureModel, DevicePool, HostCache, HostWaits
 __all__ = ["SimulatedDevice", "SimEvent", "POISON"]
 
 POISON = 0xA5  # what a copy reads from memory freed before it ran
-
-# Which simulated device a placed storage lives on (storage address -> device); see SimulatedDevice.place.
-_placed: "weakref.WeakValueDictionary[int, SimulatedDevice]" = weakref.WeakValueDictionary()
 
 
 class SimEvent(CopyEvent):
@@ -122,10 +120,11 @@ class SimulatedDevice(Device):
     ``delay`` is how long each copy waits before it runs (seconds).
     ``copies`` counts the copies run. Buffers from :meth:`host_buffer`
     count as pinned, so budgets can be tested; ``pinned`` is the registered
-    memory they come from (shared with the devices given the same
-    ``pinned``), ``host`` the framework's caching allocator other users
-    share, ``captures`` the graph captures running, ``waits`` the host's
-    waits for the device per thread.
+    memory they come from (shared with its siblings), ``host`` the
+    framework's caching allocator other users share, ``captures`` the graph
+    captures running, ``waits`` the host's waits for the device per thread.
+    ``placements`` maps each placed storage to the device it lives on, for
+    this device and its siblings.
 
     Example::
 
@@ -139,7 +138,7 @@ class SimulatedDevice(Device):
     asynchronous = True
     pins = True
 
-    def __init__(self, delay: float = 0.002, pinned: OwnedHostMemory | None = None):
+    def __init__(self, delay: float = 0.002, sibling: "SimulatedDevice | None" = None):
         super().__init__()
         self.delay = float(delay)
         self.copies = 0
@@ -154,8 +153,12 @@ class SimulatedDevice(Device):
         self.pageable_copies = 0
         self.foreign_copies = 0
         self.waits = HostWaits()
-        self.pinned = pinned if pinned is not None else OwnedHostMemory(self._register, self._unregister)
         self.registered = 0  # registrations made through this device
+        if sibling is None:
+            self.pinned = OwnedHostMemory(self._register, self._unregister)
+            self.placements: "weakref.WeakValueDictionary[int, SimulatedDevice]" = weakref.WeakValueDictionary()
+        else:  # another device of the same process: page-locked memory is the process's, for every device
+            self.pinned, self.placements = sibling.pinned, sibling.placements
         self._places: set[int] = set()
 
     def _register(self, ptr: int, nbytes: int) -> None:
@@ -172,18 +175,18 @@ class SimulatedDevice(Device):
 
         Example::
 
-            gpu0, gpu1 = SimulatedDevice(), SimulatedDevice(pinned=gpu0.pinned)
+            gpu0 = SimulatedDevice(); gpu1 = SimulatedDevice(sibling=gpu0)
             gpu1.place(*model[1].parameters())
         """
         for t in tensors:
             ptr = t.untyped_storage().data_ptr()
-            _placed[ptr] = self
+            self.placements[ptr] = self
             self._places.add(ptr)
 
     def owns(self, t: torch.Tensor) -> bool:
         if t.device.type != "cpu":
             return False
-        where = _placed.get(t.untyped_storage().data_ptr())
+        where = self.placements.get(t.untyped_storage().data_ptr())
         return where is None or where is self
 
     # --- what the stand-in models beyond the copy engine -----------------------------------------
@@ -330,8 +333,8 @@ class SimulatedDevice(Device):
 
     def close(self) -> None:
         for ptr in self._places:
-            if _placed.get(ptr) is self:
-                del _placed[ptr]
+            if self.placements.get(ptr) is self:
+                self.placements.pop(ptr, None)
         self._places.clear()
         with self._start_lock:
             thread, self._thread = self._thread, None

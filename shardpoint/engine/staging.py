@@ -234,7 +234,7 @@ class StagingRing:
 
         Example::
 
-            ring.free()   # the ring's page-locked bytes are unregistered and unmapped
+            ring.free()   # the ring's host memory goes back to the system, and nothing else
         """
         with self._cv:
             buf, self._buf = self._buf, None
@@ -313,7 +313,7 @@ class SaverStaging:
         Example::
 
             staging.serve(torch.device("cpu"))  # CpuDevice, unless a device was given
-            staging.serve((torch.device("cuda", 0), torch.device("cuda", 1)))  # a DeviceSet of both
+            staging.serve((gpu0, gpu1))  # a DeviceSet serving both devices
         """
         if not self.given and where is not None:
             wanted = tuple(where) if isinstance(where, (tuple, list)) else (torch.device(where),)

@@ -69,7 +69,7 @@ from . import SaveOptions, SaveTransaction, check_state
 from .options import save_options, take_keywords
 from .agree import AgreedFailure
 from .background import BackgroundSave
-from .expected import expected_optimizer_bytes
+from ..adapters.stepped import step_updates
 from ..engine.inflight import track_save
 from ..dist import Comm, close_at_exit, destroy_private_group, private_group
 from ..engine.staging import SaverStaging, StagingRing
@@ -189,7 +189,7 @@ class AsyncSaver:
         ``staging_bytes``), so the first save allocates nothing and its copy
         takes no page faults. An optimizer that has not stepped yet counts
         with the state it will make at its first step
-        (:mod:`~shardpoint.saving.expected`: AdamW's two moments, SGD's
+        (:mod:`~shardpoint.adapters.expected_state`: AdamW's two moments, SGD's
         momentum buffer...). ``expect_bytes`` gives this rank's bytes to
         save instead, where the estimate cannot know them (an optimizer of
         another kind). Collective when a process group is active: every
@@ -211,7 +211,7 @@ class AsyncSaver:
             try:
                 plan = SaveTransaction("prewarm", state, SaveOptions()).rehearse(base, comm, self._cache(base, process_group))
                 need = sum(t.nbytes for t in plan.mine)
-                expected = expected_optimizer_bytes(state, plan.tensors)
+                expected = step_updates(state).state_to_come(plan.tensors)
                 self.staging.adopt(plan.mine)
             except (CheckpointError, AgreedFailure) as e:  # the save itself will raise it, with its path
                 log.debug("pre-warming could not plan the state: %s", e)  # an agreed failure: on every rank alike

@@ -168,9 +168,8 @@ class AsyncSaveHandle:
     def queue_copies_with(self, queue_rest: Callable[[], Any]) -> None:
         """How the step pre-hook queues, itself, the lazy copies the copier has not queued yet.
 
-        ``queue_rest()`` queues them on the calling thread and returns the
-        event that completes every lazy copy (or None when there are none);
-        the saver sets it for a lazy save with copies, before the hook.
+        ``queue_rest()`` queues them on the calling thread and returns the event
+        completing every lazy copy (None: none); set before the hook is added.
 
         Example::
 

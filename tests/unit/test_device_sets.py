@@ -21,7 +21,7 @@ from tests.unit.models import differing, flat, reloaded, stack, step, stepped_ad
 def _split_model():
     """A model and its AdamW, the first layer (with its moments) on one device, the rest on another."""
     gpu0 = SimulatedDevice(delay=0.001)
-    gpu1 = SimulatedDevice(delay=0.001, pinned=gpu0.pinned)  # page-locked host memory serves every device
+    gpu1 = SimulatedDevice(delay=0.001, sibling=gpu0)  # page-locked host memory serves every device
     m = stack(32, 64, 8)
     opt = stepped_adamw(m)
     for i, p in enumerate(m.parameters()):
@@ -62,7 +62,7 @@ def test_each_tensor_is_copied_through_its_own_device(tmp_path, mode):
 
 def test_an_event_of_a_set_completes_every_copy_queued_before_it_on_any_member():
     gpu0 = SimulatedDevice(delay=0.0)
-    gpu1 = SimulatedDevice(delay=0.0, pinned=gpu0.pinned)
+    gpu1 = SimulatedDevice(delay=0.0, sibling=gpu0)
     a, b = torch.arange(64, dtype=torch.uint8), torch.arange(64, dtype=torch.uint8).flip(0)
     gpu1.place(b)
     devices = DeviceSet([gpu0, gpu1])

@@ -16,7 +16,7 @@ import torch
 import shardpoint as sp
 from shardpoint.device import SimulatedDevice
 from shardpoint.engine.staging import PINNED_SLACK
-from shardpoint.saving.expected import state_per_parameter
+from shardpoint.adapters.expected_state import state_per_parameter
 from tests.unit.models import flat, reloaded, stack, step
 
 

@@ -25,19 +25,24 @@ each counts as the share of it this rank writes: its local bytes (a shard
 under FSDP or TP), divided among the ranks holding copies of it (DDP), plus,
 where copies are balanced over ranks, one state tensor of headroom.
 
+The save asks through :meth:`~shardpoint.adapters.stepped.StepUpdates.state_to_come`,
+for the stepped objects of its state.
+
 Example::
 
-    extra = expected_optimizer_bytes({"model": m, "optimizer": opt}, plan.tensors)
+    extra = expected_state_bytes(opt, plan.tensors)
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
-__all__ = ["expected_optimizer_bytes", "state_per_parameter"]
+from .optimizer import own_protocol
+
+__all__ = ["expected_state_bytes", "state_per_parameter"]
 
 log = logging.getLogger("shardpoint")
 
@@ -72,17 +77,6 @@ def state_per_parameter(opt: torch.optim.Optimizer, group: dict) -> tuple[int, i
     return 2, 1, False
 
 
-def _optimizers(obj: Any, depth: int = 0) -> Iterator[torch.optim.Optimizer]:
-    if isinstance(obj, torch.optim.Optimizer):
-        yield obj
-    elif isinstance(obj, dict) and depth < 4:
-        for v in obj.values():
-            yield from _optimizers(v, depth + 1)
-    elif isinstance(obj, (list, tuple)) and depth < 4:
-        for v in obj:
-            yield from _optimizers(v, depth + 1)
-
-
 def _local(p: torch.Tensor) -> torch.Tensor:
     to_local = getattr(p, "to_local", None)  # a DTensor: its local shard is what this rank holds
     return to_local() if callable(to_local) else p
@@ -108,8 +102,8 @@ def _held(tensors: Sequence[Any]) -> dict[int, tuple[float, bool]]:
     return out
 
 
-def expected_optimizer_bytes(state: Any, tensors: Sequence[Any]) -> int:
-    """The bytes of optimizer state this rank will save that the optimizers of ``state`` have not made yet.
+def expected_state_bytes(opt: Any, tensors: Sequence[Any]) -> int:
+    """The bytes of ``opt``'s state this rank will save that ``opt`` has not made yet (0 for anything but an optimizer).
 
     ``tensors`` are the tensors this rank holds (the save plan's
     ``tensors``, each with ``.data``, ``.nbytes`` and ``.replica_count``):
@@ -117,25 +111,26 @@ def expected_optimizer_bytes(state: Any, tensors: Sequence[Any]) -> int:
 
     Example::
 
-        expected_optimizer_bytes({"model": m, "optimizer": torch.optim.AdamW(m.parameters())}, plan.tensors)
+        expected_state_bytes(torch.optim.AdamW(m.parameters()), plan.tensors)  # two moments and a step per parameter
     """
+    if not isinstance(opt, torch.optim.Optimizer) or own_protocol(type(opt)):
+        return 0  # an optimizer container: its inner optimizers make the state, and are not seen here
     held = _held(tensors)
     total, headroom = 0.0, 0
-    for opt in _optimizers(state):
-        for group in opt.param_groups:
-            like, scalars, known = state_per_parameter(opt, group)
-            if not known:
-                log.info("pre-warming assumes %s keeps two moments per parameter, like Adam; pass expect_bytes= "
-                         "to size the staging memory exactly", type(opt).__name__)
-            for p in group["params"]:
-                if not p.requires_grad or opt.state.get(p):
-                    continue  # no state at its step, or state that the plan already counted
-                found = held.get(_storage(p))
-                if found is None:
-                    continue  # not held here: another rank's to save
-                share, copied = found
-                local = _local(p).nbytes
-                total += like * min(share, local) + scalars * _SCALAR_BYTES  # min: views sharing one storage
-                if copied:  # writers of copies are balanced over ranks: one tensor more, at most
-                    headroom = max(headroom, local)
+    for group in opt.param_groups:
+        like, scalars, known = state_per_parameter(opt, group)
+        if not known:
+            log.info("pre-warming assumes %s keeps two moments per parameter, like Adam; pass expect_bytes= "
+                     "to size the staging memory exactly", type(opt).__name__)
+        for p in group["params"]:
+            if not p.requires_grad or opt.state.get(p):
+                continue  # no state at its step, or state that the plan already counted
+            found = held.get(_storage(p))
+            if found is None:
+                continue  # not held here: another rank's to save
+            share, copied = found
+            local = _local(p).nbytes
+            total += like * min(share, local) + scalars * _SCALAR_BYTES  # min: views sharing one storage
+            if copied:  # writers of copies are balanced over ranks: one tensor more, at most
+                headroom = max(headroom, local)
     return int(total) + headroom
