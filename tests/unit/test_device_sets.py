@@ -103,3 +103,30 @@ def test_a_saver_learns_every_device_of_the_state(monkeypatch):
     assert isinstance(learned, DeviceSet) and [m.device for m in learned.members] == [cuda0, cuda1]
     assert staging.serve((cuda1,)) is learned  # a state on fewer of its devices: kept, with its ring
     assert isinstance(staging.serve(()), CpuDevice)  # moved to the host
+
+
+def test_a_load_into_two_devices_copies_each_target_through_its_own(tmp_path):
+    from shardpoint.engine.load import ReadTuning, execute_reads
+    from shardpoint.geometry import Box
+    from shardpoint.items import LoadTarget, torch_dtype
+    from shardpoint.storage import storage_for
+
+    ck = str(tmp_path / "ck")
+    sp.save(ck, {"extra": {f"t{i}": torch.randn(700, 513) for i in range(4)}})
+    manifest = sp.read_manifest(ck)
+    gpu0 = SimulatedDevice(delay=0.0)
+    gpu1 = SimulatedDevice(delay=0.0, sibling=gpu0)
+    targets = []
+    for i, (name, meta) in enumerate(sorted(manifest.tensors.items())):
+        dest = torch.zeros(tuple(meta.shape), dtype=torch_dtype(meta.dtype))
+        (gpu0 if i % 2 == 0 else gpu1).place(dest)
+        targets.append(LoadTarget(name, dest, tuple(meta.shape), Box.full(tuple(meta.shape))))
+    st = storage_for(ck)
+    devices = DeviceSet([gpu0, gpu1])
+    execute_reads(st, manifest, targets, st.url, True, tuning=ReadTuning(window=4 << 20, threads=2, device=devices))
+    expect = sp.load(ck, {"extra": {f"t{i}": torch.zeros(700, 513) for i in range(4)}})
+    got = {t.fqn: t.dest for t in targets}
+    assert all(torch.equal(got[f"extra.t{i}"], expect["extra"][f"t{i}"]) for i in range(4))
+    assert gpu0.copies > 0 and gpu1.copies > 0 and gpu0.foreign_copies == gpu1.foreign_copies == 0
+    assert gpu0.pinned.held == 0  # the bounce ring went back
+    devices.close()
