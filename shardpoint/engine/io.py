@@ -50,7 +50,7 @@ def write_chunks(
 ) -> tuple[list[tuple[str, ChunkMeta]], int]:
     """Write ``items`` into one data file; return their chunk records and the file size.
 
-    ``device`` (default: the device of the first tensor not in host memory)
+    ``device`` (default: the devices of the tensors not in host memory)
     is what an asynchronous device's tensors are staged through.
 
     Example::

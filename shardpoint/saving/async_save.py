@@ -27,8 +27,10 @@ Modes:
   copy happened to finish first. The commit waits for the fence.
 
 Device: the saver stages through one :class:`~shardpoint.device.Device`,
-given as ``device=`` or learned from the first tensor of the first state it
-sees. Its staging ring is host memory that device copies into at full speed,
+given as ``device=`` or learned from the devices of the state's tensors (a
+state on several devices of the process gets a
+:class:`~shardpoint.device.DeviceSet`: each tensor is copied by its own).
+Its staging ring is host memory those devices copy into at full speed,
 allocated once and reused by every save.
 
 Coordination (the save id, the gather of chunk records, the commit) runs on a
@@ -117,8 +119,9 @@ class AsyncSaver:
     still inside their save call, run first.
 
     ``staging_bytes``: the host staging budget (None: 2 GiB, or this rank's
-    state when larger). ``device``: what the state is copied from (default:
-    the device of its first tensor; see :mod:`shardpoint.device`).
+    state when larger). ``device``: what the state is copied from, one
+    device or a list (default: the devices of its tensors; see
+    :mod:`shardpoint.device`).
 
     ``prewarm`` (default) starts the worker threads and allocates the
     staging buffer now, locally: constructing the saver is not a collective,
