@@ -17,11 +17,12 @@ set by the optimizer adapter).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from .base import Adapter, AdapterContext
+from .expected_state import expected_state_bytes
 from .registry import adapter_for, default_adapters
 
 __all__ = ["StepUpdates", "step_updates"]
@@ -75,6 +76,18 @@ class StepUpdates:
     def in_graphs(self) -> list[str]:
         """The keys of stepped objects whose step may run inside a captured graph (:meth:`Adapter.steps_in_graph`)."""
         return [key for key, obj, adapter in self.stepped if adapter.steps_in_graph(obj)]
+
+    def state_to_come(self, tensors: Sequence[Any]) -> int:
+        """The bytes of state the stepped objects will make at their first step, of the ``tensors`` this rank holds.
+
+        What pre-warming sizes the staging memory for before an optimizer
+        has stepped (:func:`~shardpoint.adapters.expected_state.expected_state_bytes`).
+
+        Example::
+
+            step_updates({"model": m, "optimizer": torch.optim.AdamW(m.parameters())}).state_to_come(plan.tensors)
+        """
+        return sum(expected_state_bytes(obj, tensors) for _key, obj, _adapter in self.stepped)
 
     def add_pre_hooks(self, hook: Callable[..., Any]) -> list[Any]:
         """Have every stepped object call ``hook(obj, (), {})`` before its step; return the removable handles."""

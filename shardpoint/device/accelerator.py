@@ -22,8 +22,13 @@ Rules this module keeps:
 - Every call that waits, queries or allocates runs in thread-local graph
   capture mode (:mod:`.capture`): the save's worker threads then never
   invalidate a graph the training thread is capturing.
-- Page-locked memory freed by the engine goes back to the system at once
-  (:meth:`AcceleratorDevice.empty_host_cache`), not into PyTorch's cache.
+- The staging memory of a CUDA device is the library's own: mapped and
+  registered (``cudaHostRegister``, portable to every device of the
+  process) by :class:`~shardpoint.device.host_memory.OwnedHostMemory`,
+  unregistered and unmapped when freed. PyTorch's page-locked cache, which
+  other users share (a data loader's pinned batches), is never emptied by
+  the engine. Other accelerators, which have no registration call, take
+  PyTorch's page-locked memory and empty its cache when a buffer is freed.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch
 
 from .base import Completed, CopyEvent, Device, flat_bytes
 from .capture import ThreadLocalCapture
-from .host_memory import empty_host_cache, host_stats
+from .host_memory import OwnedHostMemory, cuda_register, cuda_unregister, empty_host_cache, host_stats
 
 __all__ = ["AcceleratorDevice", "StreamEvent", "with_index"]
 
@@ -114,6 +119,7 @@ class AcceleratorDevice(Device):
         self._held: list[tuple[CopyEvent, torch.Tensor]] = []
         self._held_lock = threading.Lock()
         self._capture = ThreadLocalCapture.for_cuda() if self._cuda else ThreadLocalCapture(None)
+        self.owned = OwnedHostMemory(self._register, cuda_unregister) if self._cuda else None
 
     def capture_guard(self) -> ThreadLocalCapture:
         return self._capture
@@ -123,11 +129,28 @@ class AcceleratorDevice(Device):
             return bool(torch.cuda.is_current_stream_capturing())
         return False
 
+    def _register(self, ptr: int, nbytes: int) -> None:
+        with self._capture:  # legal while the training thread captures a graph
+            cuda_register(ptr, nbytes)
+
     def empty_host_cache(self) -> None:
         with self._capture:
             empty_host_cache()
 
+    def reclaim_host_memory(self) -> None:
+        if self.owned is None:  # buffers from PyTorch's cache: only emptying it gives them back
+            self.empty_host_cache()
+
+    def free_host_buffer(self, buf: torch.Tensor) -> None:
+        super().free_host_buffer(buf)
+        if self.owned is not None:
+            with self._capture:
+                self.owned.free(buf)
+
     def host_memory(self) -> dict[str, int]:
+        """The library's registered staging memory on CUDA; elsewhere PyTorch's page-locked statistics."""
+        if self.owned is not None:
+            return {"held": self.owned.held, "in_use": self.owned.held}
         return host_stats() or super().host_memory()
 
     def serves(self, where: torch.device) -> bool:
@@ -135,10 +158,14 @@ class AcceleratorDevice(Device):
         return where.type == self.type and (where.index is None or where.index == self.device.index)
 
     def held_size(self, nbytes: int) -> int:
+        if self.owned is not None:
+            return OwnedHostMemory.block_size(nbytes)  # whole pages
         # PyTorch's pinned allocator hands out blocks rounded up to a power of two.
         return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
+        if self.owned is not None:
+            return self.owned.allocate(nbytes)
         with self._capture:  # the pinned allocator allocates and queries events
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 

@@ -26,9 +26,15 @@ completes later:
   in its :meth:`Device.capture_guard`, so that it stays legal from any
   thread while the training thread captures a graph; :meth:`Device.capturing`
   tells whether the calling thread is capturing one.
-- :meth:`Device.empty_host_cache` gives host memory the caching allocator
-  keeps after :meth:`Device.free_host_buffer` back to the system;
+- :meth:`Device.free_host_buffer` gives back exactly that buffer's memory
+  once the caller drops it (:meth:`Device.reclaim_host_memory` after that,
+  where the device's memory comes from a cache); nothing else's.
+  :meth:`Device.empty_host_cache` empties the framework's process-wide
+  cache, other users' blocks included, and the engine never calls it;
   :meth:`Device.host_memory` reports what is held and what is in use.
+- :meth:`Device.member_for` names the device object that queues the work
+  of one tensor: the object itself, or, for a set of devices
+  (:class:`~shardpoint.device.routed.DeviceSet`), the member it lives on.
 """
 
 from __future__ import annotations
@@ -146,8 +152,35 @@ class Device(abc.ABC):
                 self.pinned_bytes -= self.held_size(buf.numel())
 
     def empty_host_cache(self) -> None:
-        """Give the cached host memory no buffer uses back to the system (nothing to do for plain host memory)."""
+        """Give the cached host memory no buffer uses back to the system (nothing to do for plain host memory).
+
+        Process-wide where the framework caches page-locked memory: other
+        users' cached blocks go too. The engine calls
+        :meth:`reclaim_host_memory` instead.
+        """
         return None
+
+    def reclaim_host_memory(self) -> None:
+        """After a buffer from :meth:`free_host_buffer` was dropped: make sure its memory left the process.
+
+        Nothing to do where the device maps and registers its own buffers
+        (they go back when dropped); a device whose buffers come from the
+        framework's cache empties it here, as nothing else would give them back.
+
+        Example::
+
+            device.free_host_buffer(buf); del buf; device.reclaim_host_memory()
+        """
+        return None
+
+    def member_for(self, t: torch.Tensor) -> "Device":
+        """The device object that queues copies of ``t``: this one (a set of devices answers its member).
+
+        Example::
+
+            device.member_for(param).order_after(event)
+        """
+        return self
 
     def host_memory(self) -> dict[str, int]:
         """``{"held": bytes the process holds, "in_use": bytes handed out}`` of this device's host memory.

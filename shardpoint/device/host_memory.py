@@ -1,9 +1,15 @@
 """The caching allocator of page-locked host memory across PyTorch versions: give memory back, read its statistics.
 
 PyTorch keeps every page-locked block it ever handed out in a cache until
-told to empty it; freeing a buffer only returns it to that cache. The names
-of the calls that empty it and read its statistics changed between
-releases; the differences live here.
+told to empty it; freeing a buffer only returns it to that cache, and
+emptying the cache gives back every user's cached blocks (a data loader's
+too). The names of the calls that empty it and read its statistics changed
+between releases; the differences live here.
+
+The library's own staging memory does not come from that cache:
+:class:`OwnedHostMemory` maps it itself and registers it with the device
+driver (``cudaHostRegister``), so giving it back unregisters and unmaps
+exactly those bytes and touches nobody else's.
 
 Example::
 
@@ -13,11 +19,14 @@ Example::
 
 from __future__ import annotations
 
+import mmap
 import os
+import threading
+from typing import Callable
 
 import torch
 
-__all__ = ["empty_host_cache", "host_stats", "host_budget", "HOST_SHARE"]
+__all__ = ["empty_host_cache", "host_stats", "host_budget", "HOST_SHARE", "OwnedHostMemory", "cuda_register", "cuda_unregister"]
 
 
 def empty_host_cache() -> bool:
@@ -86,3 +95,89 @@ def host_budget(share: float = HOST_SHARE) -> int:
 
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     return max(1 << 20, int(psutil.virtual_memory().available * share) // local)
+
+
+def cuda_register(ptr: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` of host memory at ``ptr`` for every CUDA device (``cudaHostRegisterPortable``).
+
+    Example::
+
+        cuda_register(t.data_ptr(), t.nbytes)
+    """
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err}")
+
+
+def cuda_unregister(ptr: int) -> None:
+    """Undo :func:`cuda_register` for the memory at ``ptr``.
+
+    Example::
+
+        cuda_unregister(t.data_ptr())
+    """
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        raise RuntimeError(f"cudaHostUnregister failed with CUDA error {err}")
+
+
+class OwnedHostMemory:
+    """Page-locked host memory the library maps, registers and gives back itself, never through a shared cache.
+
+    Each buffer is an anonymous mapping of whole pages (so no other
+    allocation shares a page with it), registered with ``register(ptr,
+    nbytes)``. :meth:`free` unregisters it at once; the pages go back to the
+    system when the last tensor viewing them is dropped. ``held`` counts the
+    bytes registered now, ``peak_held`` the most at once, ``registrations``
+    the buffers ever registered.
+
+    Example::
+
+        owned = OwnedHostMemory(cuda_register, cuda_unregister)
+        buf = owned.allocate(1 << 20)
+        ...
+        owned.free(buf); del buf
+    """
+
+    def __init__(self, register: Callable[[int, int], None], unregister: Callable[[int], None]):
+        self._register = register
+        self._unregister = unregister
+        self._lock = threading.Lock()
+        self._out: dict[int, int] = {}  # data_ptr -> registered bytes, of buffers handed out
+        self.held = 0
+        self.peak_held = 0
+        self.registrations = 0
+
+    @staticmethod
+    def block_size(nbytes: int) -> int:
+        """The bytes a buffer of ``nbytes`` takes: whole pages, at least one."""
+        page = mmap.PAGESIZE
+        return max(1, -(-int(nbytes) // page)) * page
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A registered host byte buffer of ``nbytes`` (its pages mapped for it alone)."""
+        size = self.block_size(nbytes)
+        block = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)  # the tensor keeps the mapping alive
+        self._register(block.data_ptr(), size)
+        with self._lock:
+            self._out[block.data_ptr()] = size
+            self.held += size
+            self.peak_held = max(self.peak_held, self.held)
+            self.registrations += 1
+        return block[: int(nbytes)]
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s memory is a buffer handed out here and not yet freed."""
+        with self._lock:
+            return t.untyped_storage().data_ptr() in self._out
+
+    def free(self, buf: torch.Tensor) -> bool:
+        """Unregister ``buf`` (from :meth:`allocate`); whether it was one of these buffers. The caller drops it."""
+        ptr = buf.untyped_storage().data_ptr()
+        with self._lock:
+            size = self._out.pop(ptr, None)
+            if size is None:
+                return False
+            self.held -= size
+        self._unregister(ptr)
+        return True

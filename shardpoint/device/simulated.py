@@ -23,8 +23,21 @@ accelerator punishes show up on a CPU:
   from pageable memory does; :attr:`SimulatedDevice.pageable_copies` counts them.
   So does a copy from or to a strided view of page-locked memory: the
   framework packs it through a pageable temporary first;
-- host buffers come from a caching allocator that keeps freed blocks until
-  :meth:`empty_host_cache` (:class:`~shardpoint.device.sim_models.HostCache`);
+- host buffers are the library's own registered memory
+  (:attr:`SimulatedDevice.pinned`, an
+  :class:`~shardpoint.device.host_memory.OwnedHostMemory` whose registration
+  is counted instead of calling the driver), given back when freed;
+  :attr:`SimulatedDevice.host` is the framework's process-wide caching
+  allocator other users take page-locked blocks from, which keeps freed
+  blocks until :meth:`empty_host_cache`
+  (:class:`~shardpoint.device.sim_models.HostCache`): a test sees whether
+  the engine empties other users' cached blocks;
+- several devices in one process: a tensor given to :meth:`SimulatedDevice.place`
+  lives on that device, and a copy of it through another device is a plain
+  synchronous one, as an accelerator makes for another device's tensor
+  (:attr:`SimulatedDevice.foreign_copies` counts them). A device made with
+  ``sibling=`` is another device of the sibling's process: they share the
+  registered host memory and know where each placed tensor lives;
 - every host wait for the device (an event synchronize) is counted per
   thread, and a thread may refuse them (:attr:`SimulatedDevice.waits`,
   :class:`~shardpoint.device.sim_models.HostWaits`): a test proves that the
@@ -45,6 +58,7 @@ from typing import Any, Iterator
 import torch
 
 from .base import CopyEvent, Device, flat_bytes
+from .host_memory import OwnedHostMemory
 from .sim_models import CaptureModel, DevicePool, HostCache, HostWaits
 
 __all__ = ["SimulatedDevice", "SimEvent", "POISON"]
@@ -109,9 +123,12 @@ class SimulatedDevice(Device):
     ``delay`` is how long each copy waits before it runs (seconds).
     ``copies`` counts the copies run, ``events`` the completion events of
     queued copies (one for several copies queued together). Buffers from :meth:`host_buffer`
-    count as pinned, so budgets can be tested; ``host`` is the caching
-    allocator they come from, ``captures`` the graph captures running,
-    ``waits`` the host's waits for the device per thread.
+    count as pinned, so budgets can be tested; ``pinned`` is the registered
+    memory they come from (shared with its siblings), ``host`` the
+    framework's caching allocator other users share, ``captures`` the graph
+    captures running, ``waits`` the host's waits for the device per thread.
+    ``placements`` maps each placed storage to the device it lives on, for
+    this device and its siblings.
 
     Example::
 
@@ -125,7 +142,7 @@ class SimulatedDevice(Device):
     asynchronous = True
     pins = True
 
-    def __init__(self, delay: float = 0.002):
+    def __init__(self, delay: float = 0.002, sibling: "SimulatedDevice | None" = None):
         super().__init__()
         self.delay = float(delay)
         self.copies = 0
@@ -140,7 +157,43 @@ class SimulatedDevice(Device):
         self.pageable_copies = 0
         self.events = 0  # completion events of queued copies
         self._queued: SimEvent | None = None  # the last copy queued
+        self.foreign_copies = 0
         self.waits = HostWaits()
+        self.registered = 0  # registrations made through this device
+        if sibling is None:
+            self.pinned = OwnedHostMemory(self._register, self._unregister)
+            self.placements: "weakref.WeakValueDictionary[int, SimulatedDevice]" = weakref.WeakValueDictionary()
+        else:  # another device of the same process: page-locked memory is the process's, for every device
+            self.pinned, self.placements = sibling.pinned, sibling.placements
+        self._places: set[int] = set()
+
+    def _register(self, ptr: int, nbytes: int) -> None:
+        with self.capture_guard():
+            self.captures.unsafe("a host memory registration")
+        self.registered += 1
+
+    def _unregister(self, ptr: int) -> None:
+        with self.capture_guard():
+            self.captures.unsafe("a host memory unregistration")
+
+    def place(self, *tensors: torch.Tensor) -> None:
+        """Have ``tensors`` (their storages) live on this device, as if on one accelerator of several.
+
+        Example::
+
+            gpu0 = SimulatedDevice(); gpu1 = SimulatedDevice(sibling=gpu0)
+            gpu1.place(*model[1].parameters())
+        """
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            self.placements[ptr] = self
+            self._places.add(ptr)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        if t.device.type != "cpu":
+            return False
+        where = self.placements.get(t.untyped_storage().data_ptr())
+        return where is None or where is self
 
     # --- what the stand-in models beyond the copy engine -----------------------------------------
 
@@ -161,16 +214,16 @@ class SimulatedDevice(Device):
         return self.captures.capturing()
 
     def held_size(self, nbytes: int) -> int:
-        return HostCache.block_size(nbytes)
+        return OwnedHostMemory.block_size(nbytes)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         with self.capture_guard():
             self.captures.unsafe("a page-locked allocation")
-        return self.host.allocate(nbytes)
+        return self.pinned.allocate(nbytes)
 
     def free_host_buffer(self, buf: torch.Tensor) -> None:
         super().free_host_buffer(buf)
-        self.host.free(buf)
+        self.pinned.free(buf)
 
     def empty_host_cache(self) -> None:
         with self.capture_guard():
@@ -178,14 +231,17 @@ class SimulatedDevice(Device):
         self.host.empty()
 
     def host_memory(self) -> dict[str, int]:
-        return {"held": self.host.held, "in_use": self.host.in_use}
+        return {"held": self.pinned.held, "in_use": self.pinned.held}
 
     def byte_view(self, t: torch.Tensor, after: CopyEvent | None = None) -> tuple[torch.Tensor, bool]:
         if t.is_contiguous():
             return flat_bytes(t)
         with self.capture_guard():  # a temporary is an allocation on the copy queue
             self.captures.unsafe("a device allocation")
-        return self.pool.temporary(t.detach()), True
+        out = self.pool.temporary(t.detach())
+        if self._places:
+            self.place(out)  # made on this device, as the tensor it copies
+        return out, True
 
     # --- the copy engine ---------------------------------------------------------------------------
 
@@ -205,14 +261,19 @@ class SimulatedDevice(Device):
         finally:
             self._running.set()
 
-    def _submit(self, dst: torch.Tensor, src: torch.Tensor, host_side: torch.Tensor) -> SimEvent:
-        if not self.host.owns(host_side) or not host_side.is_contiguous():
-            # Pageable memory (or a pageable packed temporary of a strided view): it runs now, in the call,
-            # after the copies queued before it (the stream is synchronized first, as on the device).
+    def _submit(self, dst: torch.Tensor, src: torch.Tensor, host_side: torch.Tensor, device_side: torch.Tensor) -> SimEvent:
+        pinned = self._pinned(host_side)
+        if not pinned or not self.owns(device_side):
+            # Pageable memory (a strided view of page-locked memory is packed through a pageable temporary), or
+            # another device's tensor: it runs now, in the call, after the copies queued before it (the stream
+            # is synchronized first, as on the device).
             if self._queued is not None:
                 self._queued.stream_wait()
             dst.copy_(src)
-            self.pageable_copies += 1
+            if pinned:
+                self.foreign_copies += 1
+            else:
+                self.pageable_copies += 1
             ev = SimEvent(self)
             ev.complete()
             return ev
@@ -229,8 +290,11 @@ class SimulatedDevice(Device):
         self._q.put((copies, None, ev))
         return ev
 
+    def _pinned(self, host_side: torch.Tensor) -> bool:
+        return (self.pinned.owns(host_side) or self.host.owns(host_side)) and host_side.is_contiguous()
+
     def copy_many_to_host(self, pairs: Any, after: CopyEvent | None = None) -> CopyEvent:
-        if not all(self.host.owns(d) and d.is_contiguous() for d, _ in pairs):
+        if not all(self._pinned(d) and self.owns(s) for d, s in pairs):
             return super().copy_many_to_host(pairs, after)
         return self._enqueue([(d, _source(s)) for d, s in pairs])
 
@@ -276,10 +340,10 @@ class SimulatedDevice(Device):
         return ev
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
-        return self._submit(dst, src, dst)
+        return self._submit(dst, src, dst, src)
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
-        return self._submit(dst, src, src)
+        return self._submit(dst, src, src, dst)
 
     def order_after(self, event: CopyEvent) -> None:
         # No streams to order: the host stands still, as the training stream would wait on a device.
@@ -293,6 +357,10 @@ class SimulatedDevice(Device):
             event.held.append(t)
 
     def close(self) -> None:
+        for ptr in self._places:
+            if self.placements.get(ptr) is self:
+                self.placements.pop(ptr, None)
+        self._places.clear()
         with self._start_lock:
             thread, self._thread = self._thread, None
         if thread is not None:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from ..device import Device, device_for, device_of, host_copy
+from ..device import Device, device_for, devices_of, host_copy
 from ..errors import CorruptCheckpointError, ShapeMismatchError, StorageError
 from ..format.datafile import DataFileWriter, verify_blocks
 from ..format.manifest import ChunkMeta, Manifest
@@ -50,7 +50,7 @@ def write_chunks(
 ) -> tuple[list[tuple[str, ChunkMeta]], int]:
     """Write ``items`` into one data file; return their chunk records and the file size.
 
-    ``device`` (default: the device of the first tensor not in host memory)
+    ``device`` (default: the devices of the tensors not in host memory)
     is what an asynchronous device's tensors are staged through.
 
     Example::
@@ -64,7 +64,7 @@ def write_chunks(
 
 
 def _write_chunks(storage, file, items, rank, block, recorder, device):
-    dev = device if device is not None else device_for(device_of(it.data for it in items))
+    dev = device if device is not None else device_for(devices_of(it.data for it in items))
     if dev.asynchronous:
         return _write_staged(storage, file, items, rank, block, recorder, dev)
     records: list[tuple[str, ChunkMeta]] = []

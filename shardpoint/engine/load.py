@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 import xxhash
 
-from ..device import Device, device_for, device_of
+from ..device import Device, device_for, devices_of
 from ..items import LoadTarget, dtype_name
 from ..dist import Comm
 from ..format.manifest import Manifest
@@ -108,8 +108,8 @@ def execute_reads(
     if auto and not storage.page_cached:
         share, auto = True, False
     if device is None:
-        where_dev = device_of(t.dest for t in targets)
-        device = None if where_dev.type == "cpu" else device_for(where_dev)
+        where_devs = devices_of(t.dest for t in targets)  # every device: each target's copy goes through its own
+        device = device_for(where_devs) if where_devs else None
     # Backends with high per-request latency (object stores) ask for more reads in flight.
     threads = max(tuning.threads, int(storage.read_threads))
     job = ReadJob(storage, targets, where, manifest.block_size, verify, LoadStats(), tuning.window, threads, tuning.recorder)

@@ -203,7 +203,7 @@ class StagedWrite:
         try:
             i = start
             while i < stop and not self.failed.is_set():
-                j = self._batch_end(i, stop)
+                j = self.batch_end(i, stop)
                 if j - i > 1:
                     self._copy_batch(dev, i, j)
                 else:
@@ -217,7 +217,7 @@ class StagedWrite:
             if last:
                 self._q.put(_END)
 
-    def _batch_end(self, i: int, stop: int) -> int:
+    def batch_end(self, i: int, stop: int) -> int:
         """The end of the batch of small items starting at ``i`` (``i + 1``: not batched)."""
         cap = min(BATCH_BYTES, self.piece, self.ring.capacity)
         total, j = 0, i

@@ -205,7 +205,7 @@ class SnapshotGuard:
 
     def _device_of(self, sample: torch.Tensor) -> Device:
         # The guard's device for its own tensors; another accelerator's (one per process) for a tensor elsewhere.
-        return self.device if self.device.owns(sample) else device_for(sample.device)
+        return self.device.member_for(sample) if self.device.owns(sample) else device_for(sample.device)
 
     def changed(self) -> list[str]:
         """The names of the watched tensors changed in place since :meth:`record` (waits for the device).

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..device import CpuDevice, Device, device_for, device_of, host_budget
+from ..device import CpuDevice, Device, device_for, devices_of, host_budget
 
 __all__ = ["StagingRing", "Slot", "SaverStaging", "optimizer_order", "pinned_capacity", "DEFAULT_STAGING_BYTES", "PINNED_SLACK"]
 
@@ -30,8 +30,13 @@ _ROUND = 64 << 20
 
 def _block_below(device: Device, nbytes: int) -> int:
     """The largest size up to ``nbytes`` whose block the device's allocator does not round past ``nbytes``."""
-    held = device.held_size(nbytes)
-    return nbytes if held <= nbytes else max(1, held // 2)
+    if device.held_size(nbytes) <= nbytes or device.held_size(1) > nbytes:
+        return nbytes  # fits, or no smaller size takes less (a page is the least a buffer takes)
+    lo, hi = 1, nbytes  # held_size grows with the size: the largest fitting size by bisection
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if device.held_size(mid) <= nbytes else (lo, mid - 1)
+    return lo
 
 
 def pinned_capacity(need: int, device: Device, limit: int) -> int:
@@ -225,14 +230,19 @@ class StagingRing:
             self._cv.notify_all()
 
     def free(self) -> None:
-        """Give the buffer back to the system, not only to the allocator's cache (a new one is made if used again)."""
+        """Give the buffer back to the system (a new one is made if used again); no other memory is touched.
+
+        Example::
+
+            ring.free()   # the ring's host memory goes back to the system, and nothing else
+        """
         with self._cv:
             buf, self._buf = self._buf, None
             self._warm = 0
         if buf is not None:
             self.device.free_host_buffer(buf)
-            del buf  # the last reference: the allocator may now give the block back
-            self.device.empty_host_cache()
+            del buf  # the last reference: the memory goes back now
+            self.device.reclaim_host_memory()
 
     def reopen(self) -> None:
         with self._cv:
@@ -245,9 +255,12 @@ class StagingRing:
 class SaverStaging:
     """A saver's device and its one staging ring.
 
-    The device is the one given, or learned from the first tensor of the
-    first state seen (and learned again only if the state moves to another
-    device). ``budget=None`` sizes the ring automatically. In host memory
+    The device is the one given (a device object, a device, or a list of
+    them), or learned from the devices of the state's tensors (and learned
+    again only if the state moves to a device it does not serve). Tensors on
+    several devices of the process get a
+    :class:`~shardpoint.device.DeviceSet`: each is copied through its own
+    device's copy queue, into the one ring. ``budget=None`` sizes the ring automatically. In host memory
     it is the default, or a state's bytes when more, so that a whole
     snapshot fits and an eager save never waits for storage. On a device
     that pins host memory it is :func:`pinned_capacity`: the state's size
@@ -291,19 +304,22 @@ class SaverStaging:
         return self.budget
 
     def adopt(self, items: Sequence[Any]) -> Device:
-        """The device for ``items`` (objects with ``.data``): as given, else that of their first device tensor."""
-        return self.serve(None if self.given else device_of(t.data for t in items))
+        """The device for ``items`` (objects with ``.data``): as given, else one serving every device they are on."""
+        return self.serve(None if self.given else devices_of(t.data for t in items))
 
-    def serve(self, where: torch.device | None) -> Device:
-        """The device for tensors on ``where`` (the first device a save's tensors are on): as given, else one serving it.
+    def serve(self, where: torch.device | Sequence[torch.device] | None) -> Device:
+        """The device for tensors on ``where`` (a device, or every device a save's tensors are on): as given, else one serving them.
 
         Example::
 
             staging.serve(torch.device("cpu"))  # CpuDevice, unless a device was given
+            staging.serve((gpu0, gpu1))  # a DeviceSet serving both devices
         """
         if not self.given and where is not None:
-            if self.device is None or not self.device.serves(where):
-                self.device = device_for(where)
+            wanted = tuple(where) if isinstance(where, (tuple, list)) else (torch.device(where),)
+            wanted = tuple(w for w in wanted if torch.device(w).type != "cpu")
+            if self.device is None or not all(self.device.serves(w) for w in wanted or (torch.device("cpu"),)):
+                self.device = device_for(wanted or None)
         elif self.device is None:
             self.device = device_for(None)
         return self.device

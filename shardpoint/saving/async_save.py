@@ -27,8 +27,10 @@ Modes:
   copy happened to finish first. The commit waits for the fence.
 
 Device: the saver stages through one :class:`~shardpoint.device.Device`,
-given as ``device=`` or learned from the first tensor of the first state it
-sees. Its staging ring is host memory that device copies into at full speed,
+given as ``device=`` or learned from the devices of the state's tensors (a
+state on several devices of the process gets a
+:class:`~shardpoint.device.DeviceSet`: each tensor is copied by its own).
+Its staging ring is host memory those devices copy into at full speed,
 allocated once and reused by every save.
 
 Coordination (the save id, the gather of chunk records, the commit) runs on a
@@ -69,6 +71,7 @@ from . import SaveOptions, SaveTransaction, check_state
 from .options import save_options, take_keywords
 from .agree import AgreedFailure
 from .background import BackgroundSave
+from ..adapters.stepped import step_updates
 from ..engine.inflight import track_save
 from ..dist import Comm, close_at_exit, destroy_private_group, private_group
 from ..engine.staging import SaverStaging, StagingRing
@@ -88,8 +91,11 @@ class Prewarmed:
     ``group``: the private coordination group exists (``False`` with no
     process group or a world of one, which need none); ``workers``: worker
     threads running; ``staged_bytes``: staging bytes already touched (0
-    without a state); ``state_bytes``: this rank's bytes of the given state;
-    ``seconds``: how long pre-warming took.
+    without a state); ``state_bytes``: this rank's bytes of the given state,
+    as it will be saved (with the optimizer state the optimizers will make
+    at their first step); ``seconds``: how long pre-warming took;
+    ``expected_bytes``: the part of ``state_bytes`` that does not exist
+    yet (optimizer state estimated, or ``expect_bytes`` beyond the plan).
     """
 
     group: bool
@@ -97,6 +103,7 @@ class Prewarmed:
     staged_bytes: int
     state_bytes: int
     seconds: float
+    expected_bytes: int = 0
 
 
 class AsyncSaver:
@@ -112,8 +119,9 @@ class AsyncSaver:
     still inside their save call, run first.
 
     ``staging_bytes``: the host staging budget (None: 2 GiB, or this rank's
-    state when larger). ``device``: what the state is copied from (default:
-    the device of its first tensor; see :mod:`shardpoint.device`).
+    state when larger). ``device``: what the state is copied from, one
+    device or a list (default: the devices of its tensors; see
+    :mod:`shardpoint.device`).
 
     ``prewarm`` (default) starts the worker threads and allocates the
     staging buffer now, locally: constructing the saver is not a collective,
@@ -172,39 +180,50 @@ class AsyncSaver:
             if not (self.staging.auto and ring.device.pins):  # an automatic budget on an accelerator waits for the state's size
                 ring.warm(0)
 
-    def prewarm(self, state: MutableMapping[str, Any] | None = None, process_group: Any = None) -> Prewarmed:
+    def prewarm(self, state: MutableMapping[str, Any] | None = None, process_group: Any = None, *,
+                expect_bytes: int | None = None) -> Prewarmed:
         """Make now what the first save would make; return what is ready (also kept as ``self.prewarmed``).
 
         Makes the private coordination group for ``process_group`` (default:
         the saver's), starts the worker threads and allocates the staging
         buffer. With ``state`` it also plans the save of ``state`` (the plan
-        is cached for the saves that follow) and touches as many staging
-        bytes as this rank's part of it (at most ``staging_bytes``), so the
-        first save's copy takes no page faults. Collective when a process
-        group is active: every rank of the group calls it, in the same order
-        relative to other group creations. Calling it again is cheap.
+        is cached for the saves that follow) and sizes and touches the
+        staging memory for this rank's part of it (at most
+        ``staging_bytes``), so the first save allocates nothing and its copy
+        takes no page faults. An optimizer that has not stepped yet counts
+        with the state it will make at its first step
+        (:mod:`~shardpoint.adapters.expected_state`: AdamW's two moments, SGD's
+        momentum buffer...). ``expect_bytes`` gives this rank's bytes to
+        save instead, where the estimate cannot know them (an optimizer of
+        another kind). Collective when a process group is active: every
+        rank of the group calls it, in the same order relative to other
+        group creations. Calling it again is cheap.
 
         Example::
 
             saver = sp.AsyncSaver(prewarm=False)
-            saver.prewarm({"model": model, "optimizer": opt})
+            saver.prewarm({"model": model, "optimizer": torch.optim.AdamW(model.parameters())})
         """
         t0 = time.monotonic()
         base = Comm.resolve(self._pg_arg if process_group is None else process_group)
         comm = self._coordination(base)
         self._workers()
-        need = 0
+        need, expected = 0, 0
         if state is not None:
             check_state(state)
             try:
                 plan = SaveTransaction("prewarm", state, SaveOptions()).rehearse(base, comm, self._cache(base, process_group))
                 need = sum(t.nbytes for t in plan.mine)
+                expected = step_updates(state).state_to_come(plan.tensors)
                 self.staging.adopt(plan.mine)
             except (CheckpointError, AgreedFailure) as e:  # the save itself will raise it, with its path
                 log.debug("pre-warming could not plan the state: %s", e)  # an agreed failure: on every rank alike
+        if expect_bytes is not None:
+            expected = max(0, int(expect_bytes) - need)
+        need += expected
         ring = self.staging.ring_for(need)
         ring.warm(need)
-        self.prewarmed = Prewarmed(comm is not base, 2, ring.warm_bytes, need, time.monotonic() - t0)
+        self.prewarmed = Prewarmed(comm is not base, 2, ring.warm_bytes, need, time.monotonic() - t0, expected)
         log.debug("rank %s pre-warmed its saver in %.3fs: %s", comm.rank, self.prewarmed.seconds, self.prewarmed)
         return self.prewarmed
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, MutableMapping
@@ -94,6 +95,8 @@ class BackgroundSave(SaveTransaction):
         self.mode = mode
         self.staging: Staging | None = None  # made by the stage phase
         self.snapshot_started = 0.0
+        self._lazy_lock = threading.Lock()  # one thread queues lazy copies at a time: the copier or the step's hook
+        self._lazy_next = 0  # the next lazy item to queue
 
     # --- prepare ----------------------------------------------------------------------------------
 
@@ -113,7 +116,7 @@ class BackgroundSave(SaveTransaction):
             ordered = run_guarded(self._copy_order)
             if ordered.ok:
                 order, live = ordered.value
-                ordered = run_guarded(functools.partial(self._refuse_capture, staging.serve(order.where)))
+                ordered = run_guarded(functools.partial(self._refuse_capture, staging.serve(order.devices)))
             if not ordered.ok:  # as a failed preparation: the other ranks still meet this one at the commit
                 if self.comm.world == 1:
                     raise ordered.exc
@@ -205,6 +208,7 @@ class BackgroundSave(SaveTransaction):
         st = self.staging
         write, handle = st.write, st.handle
         self.snapshot_started = time.monotonic()
+        self._lazy_next = st.split  # the lazy items follow the ones copied here
         if write is not None:
             try:
                 write.copy(0, st.split, last=(st.split == len(write.items)))
@@ -219,6 +223,8 @@ class BackgroundSave(SaveTransaction):
             return
         live = st.live or tuple(self.updates.live(self.plan.context))
         handle.guard(SnapshotGuard.record(live, st.ring.device, st.sampled if st.live else None))
+        if write is not None and st.split < len(write.items):
+            handle.queue_copies_with(self.queue_lazy)
         for hook in self.updates.add_pre_hooks(handle.step_pre_hook):
             handle.add_hook(hook)
 
@@ -228,8 +234,8 @@ class BackgroundSave(SaveTransaction):
         write, handle = st.write, st.handle
         copies = write is not None and st.split < len(write.items)
         try:
-            if copies:
-                write.copy(st.split, len(write.items), last=True)
+            while copies and self._queue_next():  # one item at a time: the step's hook may take over between two
+                pass
         except BaseException as e:  # noqa: BLE001
             log.debug("lazy snapshot copy failed: %s", e)
         finally:
@@ -242,6 +248,33 @@ class BackgroundSave(SaveTransaction):
             finally:
                 mark_phase(self.result, "lazy_copy", self.snapshot_started)
                 handle.mark_copied()
+
+    def queue_lazy(self) -> Any:
+        """Queue every lazy copy not queued yet, on the calling thread (the step pre-hook's); the event completing all.
+
+        A failed copy fails the save at ``wait()``, never the step that called this.
+        """
+        try:
+            while self._queue_next():
+                pass
+        except BaseException as e:  # noqa: BLE001 - the writer reports it via wait()
+            log.debug("lazy snapshot copy failed: %s", e)
+        return self.staging.write.last_event
+
+    def _queue_next(self) -> bool:
+        """Queue the next lazy item's copies (with its small neighbours: one batch); False once none is left.
+
+        An item that fails is not retried.
+        """
+        write = self.staging.write
+        with self._lazy_lock:
+            i, n = self._lazy_next, len(write.items)
+            if i >= n:
+                return False
+            j = write.batch_end(i, n)
+            self._lazy_next = j
+            write.copy(i, j, last=(j == n))
+            return True
 
     def copy_then_finish(self, pool: cf.Executor) -> None:
         """One hand-off from the training thread: this worker starts the writer, then copies the lazy part.

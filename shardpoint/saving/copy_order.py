@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from ..device.tensors import device_of
+from ..device.tensors import devices_of
 from ..engine.snapshot_guard import largest
 from ..engine.staging import optimizer_order
 from ..items import SaveTensor
@@ -46,7 +46,8 @@ class CopyOrder:
     ``lazy`` the names copied lazily wherever they are written (replica
     digests of them wait for the lazy worker too);
     ``nbytes`` and ``eager_nbytes`` count all items and the first ``split``;
-    ``where`` is the device of the first item not in host memory (else the host).
+    ``where`` is the device of the first item not in host memory (else the host),
+    ``devices`` every device the items are on (empty: all on the host).
 
     Example::
 
@@ -60,6 +61,7 @@ class CopyOrder:
     nbytes: int = 0
     eager_nbytes: int = 0
     where: torch.device = torch.device("cpu")
+    devices: tuple[torch.device, ...] = ()
 
 
 def copy_order(mine: Sequence[SaveTensor], lazy: set[str] | frozenset[str],
@@ -76,5 +78,6 @@ def copy_order(mine: Sequence[SaveTensor], lazy: set[str] | frozenset[str],
     items = tuple([t for t in mine if t.fqn not in lazy] + later)
     split = len(items) - len(later)
     sizes = [t.nbytes for t in items]
+    devices = devices_of(t.data for t in items)
     return CopyOrder(items, split, largest(t for _, t in live), frozenset(lazy), sum(sizes), sum(sizes[:split]),
-                     device_of(t.data for t in items))
+                     devices[0] if devices else torch.device("cpu"), devices)

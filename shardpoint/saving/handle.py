@@ -103,6 +103,7 @@ class AsyncSaveHandle:
         self._guarded = False
         self._verdict: Verdict | None = None  # the guard's verdict, taken at the fence; read by the commit
         self._rest: Callable[[TornSnapshotError | None], None] | None = None  # the commit waiting for the fence
+        self._queue_rest: Callable[[], Any] | None = None  # queues the lazy copies not queued yet; their last event
 
     # --- what the save transaction tells the handle -----------------------------------------------
 
@@ -163,6 +164,18 @@ class AsyncSaveHandle:
             handle.add_hook(opt.register_step_pre_hook(handle.step_pre_hook))
         """
         self._hooks.append(hook)
+
+    def queue_copies_with(self, queue_rest: Callable[[], Any]) -> None:
+        """How the step pre-hook queues, itself, the lazy copies the copier has not queued yet.
+
+        ``queue_rest()`` queues them on the calling thread and returns the event
+        completing every lazy copy (None: none); set before the hook is added.
+
+        Example::
+
+            handle.queue_copies_with(lambda: write.last_event)
+        """
+        self._queue_rest = queue_rest
 
     def guard(self, guard: SnapshotGuard | None) -> None:
         """Check ``guard`` at the fence, and hold the commit until then (the saver calls this).
@@ -354,12 +367,17 @@ class AsyncSaveHandle:
     def before_step(self) -> None:
         """The lazy save's optimizer step pre-hook: the step's updates run only after the snapshot copy.
 
-        On an asynchronous device the step's work waits for the copy's event
-        on the device: the host waits only until every copy is queued (not
-        run), then goes on, and the guard's verdict is taken there without
-        waiting for the device (its comparisons are queued on it and read by
-        the writer before the commit); the save is FENCED once the copies
-        complete. Elsewhere this is :meth:`fence`.
+        On an asynchronous device the order is expressed with events only:
+        copies the copier has not queued yet are queued here, on the calling
+        thread (queuing a copy costs microseconds; the copier, a lower
+        priority thread, may not have run), the step's work waits for the
+        last copy's event on the device, and the host goes on. The guard's
+        verdict is taken there without waiting for the device (its
+        comparisons are queued on it and read by the writer before the
+        commit); the save is FENCED once the copies complete. The host waits
+        only where the state is larger than the staging ring, for the space
+        the writer frees. Elsewhere this is :meth:`fence`: the copies are
+        complete before the step.
 
         Example::
 
@@ -369,8 +387,13 @@ class AsyncSaveHandle:
         if dev is None or not dev.asynchronous:
             return self.fence()
         with self._cond:
-            self._cond.wait_for(lambda: self._phase.order >= SavePhase.QUEUED.order)
-            event = self._copy_event
+            queued, event = self._phase.order >= SavePhase.QUEUED.order, self._copy_event
+        if not queued and self._queue_rest is not None:
+            event = self._queue_rest()
+        elif not queued:  # no way to queue them here: wait until the copier has
+            with self._cond:
+                self._cond.wait_for(lambda: self._phase.order >= SavePhase.QUEUED.order)
+                event = self._copy_event
         if event is None:
             return self.fence()
         dev.order_after(event)

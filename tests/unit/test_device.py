@@ -90,7 +90,7 @@ def test_host_buffers_are_counted_while_held():
     cpu = CpuDevice()
     a = sim.host_buffer(1000)
     b = cpu.host_buffer(1000)
-    assert (sim.pinned_bytes, cpu.pinned_bytes) == (1024, 0)  # held as the allocator rounds it: a power of two
+    assert (sim.pinned_bytes, cpu.pinned_bytes) == (4096, 0)  # held in whole pages of its own mapping
     assert (a.numel(), b.numel(), a.dtype) == (1000, 1000, torch.uint8)
     sim.free_host_buffer(a)
     assert sim.pinned_bytes == 0 and sim.host_allocations == 1
@@ -150,10 +150,17 @@ def test_optimizer_order_puts_copies_in_update_order():
     assert [it.data for it in got] == [p0, m0, p1, m1, other]
 
 
-def test_accelerator_accounting_counts_what_the_pinned_allocator_hands_out():
-    # Only the size rule: no accelerator is needed to check it.
+def test_accelerator_accounting_counts_what_the_host_memory_takes():
+    # Only the size rules: no accelerator is needed to check them.
+    class Cached:
+        owned = None  # a device whose buffers come from the framework's cache: powers of two
+
+    class Owned:
+        owned = object()  # CUDA: the library's own registered mapping, whole pages
+
     rule = AcceleratorDevice.held_size
-    assert [rule(None, n) for n in (0, 1, 4096, 4097, 2_420_000_000)] == [0, 1, 4096, 8192, 1 << 32]
+    assert [rule(Cached(), n) for n in (0, 1, 4096, 4097, 2_420_000_000)] == [0, 1, 4096, 8192, 1 << 32]
+    assert [rule(Owned(), n) for n in (1, 4096, 4097, 2_420_000_000)] == [4096, 4096, 8192, 2_420_002_816]
 
 
 def test_a_device_without_an_index_is_the_local_ranks_when_several_are_visible(monkeypatch):

@@ -97,11 +97,11 @@ def test_the_ring_grows_to_hold_a_large_state_when_left_automatic():
     sim = SimulatedDevice(delay=0.0)
     saver = sp.AsyncSaver(device=sim, prewarm=False)
     saver.staging.host_limit = 64 << 30
-    ring = saver.staging.ring_for(int(3.5 * (1 << 30)))  # more than the default budget: the allocator's block, 1.14x
-    assert ring.capacity == saver.staging_bytes == 4 << 30 and ring.allocations == 0  # not touched yet
+    ring = saver.staging.ring_for(int(3.5 * (1 << 30)))  # more than the default budget: the state, in whole pages
+    assert ring.capacity == saver.staging_bytes == int(3.5 * (1 << 30)) and ring.allocations == 0  # not touched yet
     small = saver.staging.ring_for(int(3.5 * (1 << 20)))  # never allocated: sized again for the smaller state
     small.warm(0)
-    assert small.capacity == 4 << 20 and saver.staging.ring_for(1 << 20) is small  # allocated: kept
+    assert small.capacity == int(3.5 * (1 << 20)) and saver.staging.ring_for(1 << 20) is small  # allocated: kept
     fixed = sp.AsyncSaver(staging_bytes=1 << 20, device=sim, prewarm=False)
     assert fixed.staging.ring_for(3 << 30).capacity == 1 << 20  # a given budget is kept
     saver.close()
