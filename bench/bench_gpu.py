@@ -33,8 +33,9 @@ It measures, for shardpoint and for DCP on the same tensors:
   compared bit for bit with a copy taken at its call;
 - **pinned memory**: the peak and the end-of-mode bytes held by PyTorch's
   pinned host allocator (its own statistics, reset before each mode; memory
-  pinned outside that allocator is not in them), and what the shardpoint
-  saver counts;
+  pinned outside that allocator is not in them), and, for shardpoint, which
+  on CUDA registers its own staging memory outside that allocator, the
+  bytes the saver holds and the peak of its registered memory;
 - **device checks** (CUDA only), bit for bit: a save called on a side
   stream, a state spread over several GPUs of the process (where there are
   several), and a graph captured in global mode on the training thread
@@ -293,8 +294,13 @@ class Mode:
         else:
             dcp.load(self.dcp_state(), checkpoint_id=path)
 
-    def pinned(self) -> int:
-        return self.saver.device.pinned_bytes if self.saver is not None and self.saver.device is not None else 0
+    def pinned(self) -> tuple[int, int | None]:
+        """(bytes the saver holds now, the peak of its own registered memory) for shardpoint; (0, None) for DCP."""
+        dev = self.saver.device if self.saver is not None else None
+        if dev is None:
+            return 0, None
+        owned = getattr(dev, "owned", None)  # CUDA: the library's registered memory, outside PyTorch's statistics
+        return dev.pinned_bytes, None if owned is None else owned.peak_held
 
     def close(self) -> None:
         if self.saver is not None:
@@ -344,7 +350,7 @@ def loop_mode(args, dev, model, opt, step, name: str, root: str) -> dict:
     with torch.no_grad():  # training goes on from where it was
         for t, a in zip(tensors_of(model, opt), after):
             t.copy_(a)
-    pinned = mode.pinned()
+    pinned, own_peak = mode.pinned()
     peak, held = _pinned_stats()
     mode.close()
     del ref, after
@@ -354,6 +360,7 @@ def loop_mode(args, dev, model, opt, step, name: str, root: str) -> dict:
     return {
         "stall": _median(stalls[1:]), "stall_first": stalls[0], "lost": _median(lost[1:]), "lost_first": lost[0],
         "durable": _median(durable[1:]), "exact": exact, "pinned": pinned, "pinned_peak": peak, "pinned_held": held,
+        "registered_peak": own_peak,
         "note": mode.note,
     }
 
@@ -518,6 +525,8 @@ def report(info, lim, sync, exact, loops, extra=None) -> str:
             row(f"{m[3:]}: pinned peak (allocator)", e.get("pinned_peak"), d.get("pinned_peak"), None, "GB")
     pins = {m: loops[m]["pinned"] for m in loops if m.startswith("sp")}
     lines.append(f"{'pinned memory counted by the saver':34} " + ", ".join(f"{m[3:]} {fmt(v, 'GB')}" for m, v in pins.items()))
+    own = {m: loops[m].get("registered_peak") for m in loops if m.startswith("sp")}
+    lines.append(f"{'saver registered memory, peak':34} " + ", ".join(f"{m[3:]} {fmt(v, 'GB')}" for m, v in own.items()))
     held = {m: loops[m].get("pinned_held") for m in loops}
     lines.append(f"{'pinned held at mode end (allocator)':34} " + ", ".join(f"{m} {fmt(v, 'GB')}" for m, v in held.items()))
     ex = {f"sync {k}": v for k, v in exact.items()} | {m: loops[m]["exact"] for m in loops} | extra

@@ -10,6 +10,7 @@ import torch
 import shardpoint as sp
 from shardpoint.testing import build, full_state, launch
 from tests.dist.incremental_cases import CFG, _data_sizes, manifest_refs
+from tests.unit.compaction_runs import referenced_bytes, stored_data_bytes
 
 pytestmark = pytest.mark.dist
 
@@ -63,6 +64,11 @@ def test_background_saves_reference_per_rank_and_a_lazy_incremental_manager_keep
         assert r["referenced_run"][0] == 0 and all(n >= r["frozen"] > 0 for n in r["referenced_run"][1:]), r
     run = os.path.join(root, "run")
     assert sorted(n for n in os.listdir(run) if n.startswith("step_")) == ["step_00000001", "step_00000003"]
+    # Step 1's folder holds what step 3 references and nothing more (but the 64-byte alignment of each chunk).
+    st = sp.LocalStorage(run)
+    chunks = sum(len(t.chunks) for t in sp.read_manifest(os.path.join(run, "step_00000003"), chunks=True).tensors.values())
+    assert 0 <= stored_data_bytes(st) - referenced_bytes(st, [3]) < 64 * chunks
+    assert all(n.startswith("data/") and n.endswith(".bin") for n in st.child("step_00000001").list("")), st.child("step_00000001").list("")
     want = torch.load(os.path.join(root, "want_run.pt"))
     model, opt = build("single", CFG, seed=7)
     sp.load(os.path.join(run, "step_00000003"), {"model": model, "optimizer": opt})
