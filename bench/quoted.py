@@ -171,7 +171,7 @@ def report_figure(fig: Figure, quoted: float | None, fresh: float | None, fresh_
         fresh, note = fresh * BIG_BYTES / fresh_bytes, f" (scaled from {fresh_bytes / 1e6:.0f} MB)"
     digits = 3 if not fig.unit else (1 if fig.unit == "ms" else 2)
     line = R.compare_line(f"{fig.label}{note}:", fresh, quoted, fig.unit, f"quoted in {fig.file}", factor, digits)
-    return f"{line}\n    quoted figure from: {piece_command(fig.piece)}"
+    return f"{line}\n    re-measure at full size with: {piece_command(fig.piece)}"
 
 
 def run_quick(run: str, world: int, tmp: str) -> dict | None:
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
         for fig, q in figs:
             where = f"{fig.file}: row {' | '.join(fig.row)!r}, column {fig.column!r}"
             print(f"{fig.label}: quoted {'NOT FOUND' if q is None else f'{q:g} {fig.unit}'.strip()} ({where})")
-            print(f"    quoted figure from: {piece_command(fig.piece)}")
+            print(f"    re-measure at full size with: {piece_command(fig.piece)}")
         for run in runs:
             print(f"quick run {run}: python {' '.join(quick_command(run, args.world))} --json <tmp>")
         return 0
