@@ -140,19 +140,20 @@ class Comm:
         """
         self.announce(op, path, timeout).wait()
 
-    def announce(self, op: str, path: str, timeout: float | None = None) -> Ticket:
-        """Post this rank's entry into ``op`` on ``path`` without waiting; the ticket's ``wait()`` is :meth:`enter`'s wait.
+    def announce(self, op: str, path: str, timeout: float | None = None, later: bool = False) -> Ticket:
+        """Post this rank's entry into ``op`` on ``path`` without waiting for the others; the ticket's ``wait()`` is :meth:`enter`'s wait.
 
-        An asynchronous save posts its entry on the training thread and waits
-        for the other ranks in the background, before its first exchange with
-        them. Where the group has no store to wait on, the ranks exchange
-        their entries now (a collective) and the ticket has nothing left to wait for.
+        An asynchronous save (``later=True``) only hands its entry to the
+        process's posting thread, and waits for the other ranks in the
+        background, before its first exchange with them. Where the group has
+        no store to wait on, the ranks exchange their entries now (a
+        collective) and the ticket has nothing left to wait for.
 
         Example::
 
-            ticket = comm.announce("async_save", "file:///ck"); ...; ticket.wait()
+            ticket = comm.announce("async_save", "file:///ck", later=True); ...; ticket.wait()
         """
-        from .runtime.handshake import Entry, Ticket, announce, collective_timeout, mismatch_message
+        from .runtime.handshake import Entry, Ticket, collective_timeout, mismatch_message, post
 
         if not self.active or self.world == 1:
             return Ticket()
@@ -160,7 +161,7 @@ class Comm:
         seconds = collective_timeout(timeout)
         store = _group_store(self.group)
         if store is not None:
-            return announce(store, self.rank, self.world, entry, seconds)
+            return post(store, self.rank, self.world, entry, seconds, wait=not later)
         # No store to wait on with a timeout: still name a disagreement, without one.
         tags = self.all_gather(entry.tag())
         for r, t in enumerate(tags):

@@ -17,9 +17,9 @@ plain ``barrier``), breaking that one too. Store operations time out
 cleanly and leave the other ranks' collectives alone, so after the error
 the ranks can meet again (a barrier, the next save).
 
-Protocol, per group, with a counter per rank in the store (no process-wide
-state), in two halves so that an asynchronous save can post its entry on
-the training thread and wait for the others in the background:
+Protocol, per group, with a counter per rank in the store, in two halves so
+that an asynchronous save can hand its entry over on the training thread
+and wait for the others in the background:
 
 - :func:`announce` (never waits): a rank takes its next *slot* ``k``,
   skipping slots that an earlier timeout abandoned before this rank got
@@ -35,7 +35,14 @@ the training thread and wait for the others in the background:
 
 Every rank compares before it counts itself in, so once a slot goes every
 disagreement is posted. Cost: about ten store round trips per rank (well
-under a millisecond on one host), half of them in each half.
+under a millisecond on an idle host), half of them in each half.
+
+Entries are posted by one thread per process (:class:`Poster`), in the
+order the calls were made: an asynchronous save only hands its entry over
+(:func:`post`) and returns, so its round trips never land on the training
+thread, which may wait for a core to answer each one when ranks share
+cores; a blocking call posts through the same thread and waits for its own
+post, so a rank's slots are taken in call order whichever thread calls.
 
 The timeout is, in order: the call's ``collective_timeout`` argument, the
 environment variable ``SHARDPOINT_COLLECTIVE_TIMEOUT`` (seconds), or
@@ -53,6 +60,7 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import datetime
 import os
 import threading
@@ -64,7 +72,7 @@ from ..errors import DistributedError
 
 __all__ = [
     "DEFAULT_TIMEOUT", "TIMEOUT_ENV", "Entry", "Ticket", "Arrival", "collective_timeout", "mismatch_message",
-    "timeout_message", "announce", "await_entry", "enter",
+    "timeout_message", "announce", "await_entry", "enter", "Poster", "Posted", "post",
 ]
 
 DEFAULT_TIMEOUT = 600.0
@@ -267,6 +275,74 @@ def enter(store, rank: int, world: int, entry: Entry, timeout: float) -> None:
     """Wait until every rank of the group has entered ``entry``; raise :class:`DistributedError` otherwise.
 
     ``store`` is the group's key-value store (keys are scoped to the group).
-    :func:`announce`, then :func:`await_entry`.
+    :func:`announce` (through the process's :class:`Poster`), then :func:`await_entry`.
     """
-    await_entry(announce(store, rank, world, entry, timeout))
+    await_entry(_POSTER.now(store, rank, world, entry, timeout))
+
+
+class Posted(Ticket):
+    """An entry handed to the process's :class:`Poster`; :meth:`wait` waits for its post, then for the other ranks.
+
+    A post that failed (the store's error) raises at every ``wait()``.
+    """
+
+    def __init__(self, future: "cf.Future[Arrival]"):
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result().wait()
+
+
+class Poster:
+    """One thread that posts this process's entries (:func:`announce`) in the order they were handed over.
+
+    :meth:`later` returns at once (the caller waits for the other ranks
+    through the :class:`Posted` ticket); :meth:`now` posts after everything
+    handed over before it, and returns the arrival. The thread starts with
+    the first post and again after a fork.
+
+    Example::
+
+        ticket = Poster().later(store, 0, 2, Entry("async_save", "file:///ck"), 600.0)
+        ticket.wait()
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: cf.ThreadPoolExecutor | None = None
+
+    def _executor(self) -> cf.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(1, "shardpoint-enter")
+            return self._pool
+
+    def later(self, store, rank: int, world: int, entry: Entry, timeout: float) -> Posted:
+        """Hand ``entry`` over to be posted after every earlier one; never waits."""
+        return Posted(self._executor().submit(announce, store, rank, world, entry, timeout))
+
+    def now(self, store, rank: int, world: int, entry: Entry, timeout: float) -> Arrival:
+        """Post ``entry`` after every earlier one, and return its arrival."""
+        return self._executor().submit(announce, store, rank, world, entry, timeout).result()
+
+    def forget(self) -> None:
+        """In a forked child: the parent's thread is not there; the next post starts a new one."""
+        self._lock = threading.Lock()
+        self._pool = None
+
+
+# One per process by necessity: a rank's slots must be taken in call order, whichever thread calls.
+_POSTER = Poster()
+os.register_at_fork(after_in_child=_POSTER.forget)
+
+
+def post(store, rank: int, world: int, entry: Entry, timeout: float, wait: bool = True) -> Ticket:
+    """Post this rank's ``entry`` in call order: now (``wait=True``: the arrival), or on the poster thread (a :class:`Posted`).
+
+    Example::
+
+        ticket = post(store, 0, 2, Entry("async_save", "file:///ck"), 600.0, wait=False); ...; ticket.wait()
+    """
+    if wait:
+        return _POSTER.now(store, rank, world, entry, timeout)
+    return _POSTER.later(store, rank, world, entry, timeout)

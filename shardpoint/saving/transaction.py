@@ -172,7 +172,7 @@ class SaveTransaction:
         # exchange before the write (see shardpoint.saving.agree), so all must decide alike.
         op = self.op if self.options.replicated_over is None else f"{self.op} with replicated_over"
         op = f"{op} with layouts" if self.options.layouts else op  # rules, too, make the ranks agree before the write
-        entry = base.announce(op, where, self.options.collective_timeout)
+        entry = base.announce(op, where, self.options.collective_timeout, later=self.background)
         if not self.background:
             entry.wait()
         # A background save waits in its writer, or before its agreement's first exchange: not on the training thread.

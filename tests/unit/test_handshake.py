@@ -13,7 +13,7 @@ import shardpoint as sp
 from shardpoint.dist import LOCAL, Comm
 from shardpoint.errors import DistributedError
 from shardpoint.runtime.handshake import (
-    DEFAULT_TIMEOUT, TIMEOUT_ENV, Entry, announce, collective_timeout, enter, mismatch_message, timeout_message,
+    DEFAULT_TIMEOUT, TIMEOUT_ENV, Entry, announce, collective_timeout, enter, mismatch_message, post, timeout_message,
 )
 
 
@@ -138,3 +138,65 @@ def test_without_a_store_a_disagreement_is_still_named(monkeypatch):
     c.enter("save", "a")  # agreement
     with pytest.raises(DistributedError, match="rank 0 is in save of a, rank 1 is in load of a"):
         c.enter("load", "a")
+
+
+class _GatedStore:
+    """A store whose ``add`` waits for ``gate`` and records the threads that used it."""
+
+    def __init__(self, store, gate: threading.Event):
+        self.store, self.gate, self.threads = store, gate, set()
+
+    def __getattr__(self, name):
+        fn = getattr(self.store, name)
+
+        def call(*args, **kwargs):
+            self.threads.add(threading.current_thread().name)
+            if name == "add":
+                self.gate.wait(10)
+            return fn(*args, **kwargs)
+        return call
+
+
+def test_a_later_post_returns_before_any_store_round_trip_and_waits_behind_nothing_on_the_caller(stores):
+    gate = threading.Event()
+    s0, s1 = _GatedStore(stores(), gate), stores()
+    e = Entry("async_save", "file:///a")
+    t0 = time.monotonic()
+    ticket = post(s0, 0, 2, e, 5.0, wait=False)  # the store answers nothing until the gate opens
+    assert time.monotonic() - t0 < 0.5
+    assert threading.current_thread().name not in s0.threads
+    gate.set()
+    assert _run([ticket.wait, lambda: enter(s1, 1, 2, e, 5.0)]) == [None, None]
+    # The post ran on the poster thread; the wait's half ran on the waiting thread; the caller's thread on neither.
+    assert "shardpoint-enter_0" in s0.threads and threading.current_thread().name not in s0.threads
+
+
+def test_posts_follow_call_order_whichever_thread_calls(stores):
+    # Rank 0 hands an async save's entry over, then enters a blocking load at once; its post is slow. Rank 1 makes
+    # the same two calls in the same order. Posted out of order, rank 0's first slot would hold the load: a mismatch.
+    gate = threading.Event()
+    s0, s1 = _GatedStore(stores(), gate), stores()
+    a, b = Entry("async_save", "file:///a"), Entry("load", "file:///b")
+    threading.Timer(0.3, gate.set).start()
+
+    def rank0():
+        ticket = post(s0, 0, 2, a, 5.0, wait=False)
+        enter(s0, 0, 2, b, 5.0)
+        ticket.wait()
+
+    def rank1():
+        enter(s1, 1, 2, a, 5.0)
+        enter(s1, 1, 2, b, 5.0)
+
+    assert _run([rank0, rank1]) == [None, None]
+
+
+def test_a_failed_post_fails_every_wait_of_its_ticket(stores):
+    class Broken:
+        def add(self, *args):
+            raise RuntimeError("store unreachable")
+
+    ticket = post(Broken(), 0, 2, Entry("async_save", "file:///a"), 5.0, wait=False)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="store unreachable"):
+            ticket.wait()

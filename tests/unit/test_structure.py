@@ -864,6 +864,8 @@ PROCESS_REGISTRIES = {
     "device/tensors.py": {"_accelerators"},
     # The DeepSpeed engine owning each module, weakly held: set by the engine's wrapper, read by the adapter.
     "adapters/deepspeed/detect.py": {"_OWNERS"},
+    # The thread that posts this process's entries into collective calls, so a rank's slots follow call order.
+    "runtime/handshake.py": {"_POSTER"},
     # Handles of asynchronous saves that the interpreter's exit hook must finish.
     "saving/handle.py": {"_awaiting"},
     # The saver behind ``shardpoint.async_save``: one per process, like the saves it tracks.
