@@ -29,6 +29,8 @@ from typing import Iterator
 __all__ = ["path_key", "track_save", "wait_for_saves", "saves_in_flight", "saving"]
 
 # Process-wide on purpose: a load or save of a path waits for every save of it in this process, whoever started it.
+# Keyed by the path as the save spelled it; resolved (path_key) only when looked up, so that a save's call
+# stays free of filesystem work (resolving a path makes a system call per component).
 _lock = threading.Lock()
 _running: dict[str, list[threading.Event]] = {}
 
@@ -57,12 +59,25 @@ def track_save(path: str, finished: threading.Event) -> None:
 
         track_save(handle.path, finished_event)
     """
-    key = path_key(path)
+    spelled = _spelling(path)  # resolved when looked up: the save's call makes no filesystem round trip
     with _lock:
-        live = [e for e in _running.get(key, ()) if not e.is_set()]
+        live = [e for e in _running.get(spelled, ()) if not e.is_set()]
         live.append(finished)
-        _running[key] = live
+        _running[spelled] = live
         _prune()
+
+
+def _spelling(path: str) -> str:
+    """``path`` made absolute, not resolved (a later change of directory does not change what it names)."""
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        return text
+    return os.path.abspath(text[len("file://"):] if text.startswith("file://") else text)
+
+
+def _live(key: str) -> list[threading.Event]:
+    """The unfinished saves whose path, as spelled when tracked, resolves to ``key`` (call with the lock held)."""
+    return [e for spelled, events in _running.items() if path_key(spelled) == key for e in events if not e.is_set()]
 
 
 def saves_in_flight(path: str) -> int:
@@ -73,7 +88,7 @@ def saves_in_flight(path: str) -> int:
         if saves_in_flight("ckpt/last"): print("a save of ckpt/last is still being written")
     """
     with _lock:
-        return sum(not e.is_set() for e in _running.get(path_key(path), ()))
+        return len(_live(path_key(path)))
 
 
 def wait_for_saves(path: str, timeout: float | None = None) -> bool:
@@ -88,9 +103,9 @@ def wait_for_saves(path: str, timeout: float | None = None) -> bool:
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         with _lock:
-            live = [e for e in _running.get(key, ()) if not e.is_set()]
+            live = _live(key)
             if not live:
-                _running.pop(key, None)
+                _prune()
                 return True
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:

@@ -20,19 +20,25 @@ def _data_sizes(path: str) -> dict[int, int]:
     return {int(n[-9:-4]): os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if n.endswith(".bin")}
 
 
-def save_job(rank: int, world: int, root: str) -> dict:
-    """FSDP2 on two ranks: a base, a save where only rank 1's shard of one weight changed, then a resharded (DDP) save."""
+def _base_then_one_changed_shard(rank: int, root: str):
+    """FSDP2 after one step, saved to ``root/a``; then rank 1's shard of the first matrix changed (rank 0's not)."""
     model, opt = build("fsdp2", CFG, seed=0)
     train_step(model, opt, 0, CFG)
     state = {"model": model, "optimizer": opt}
-    a, b, c = (os.path.join(root, n) for n in "abc")
-    sp.save(a, state, block_size=BLOCK)
+    sp.save(os.path.join(root, "a"), state, block_size=BLOCK)
     name, p = next((n, p) for n, p in model.named_parameters() if p.dim() == 2)
     local = p.to_local()
     if rank == 1:
         with torch.no_grad():
             local.add_(1.0)
     changed = local.numel() * local.element_size() if rank == 1 else 0
+    return model, opt, state, name, changed
+
+
+def save_job(rank: int, world: int, root: str) -> dict:
+    """FSDP2 on two ranks: a base, a save where only rank 1's shard of one weight changed, then a resharded (DDP) save."""
+    model, opt, state, name, changed = _base_then_one_changed_shard(rank, root)
+    a, b, c = (os.path.join(root, n) for n in "abc")
     rb = sp.save(b, state, block_size=BLOCK, base=a)
     want_b = full_state(model, opt)
     # The same values on another layout: every chunk lies elsewhere, so all is written.
@@ -55,16 +61,8 @@ def manifest_refs(path: str) -> list:
 def async_save_job(rank: int, world: int, root: str) -> dict:
     """FSDP2 on two ranks, background saves with base=: eager (rank 1 changed one shard), lazy (nothing changed since),
     then a lazy incremental manager over three training steps with a frozen embedding (``keep_last=1``)."""
-    model, opt = build("fsdp2", CFG, seed=0)
-    train_step(model, opt, 0, CFG)
-    state = {"model": model, "optimizer": opt}
+    model, opt, state, _, changed = _base_then_one_changed_shard(rank, root)
     a, b, c = (os.path.join(root, n) for n in "abc")
-    sp.save(a, state, block_size=BLOCK)
-    _, p = next((n, p) for n, p in model.named_parameters() if p.dim() == 2)
-    local = p.to_local()
-    if rank == 1:
-        with torch.no_grad():
-            local.add_(1.0)
     saver = sp.AsyncSaver()
     try:
         rb = saver.save(b, state, mode="eager", block_size=BLOCK, base=a).wait()
@@ -88,6 +86,6 @@ def async_save_job(rank: int, world: int, root: str) -> dict:
     if rank == 0:
         torch.save(want_b, os.path.join(root, "want_b.pt"))
         torch.save(want_run, os.path.join(root, "want_run.pt"))
-    return {"changed": local.numel() * local.element_size() if rank == 1 else 0, "referenced_b": rb.bytes_referenced,
+    return {"changed": changed, "referenced_b": rb.bytes_referenced,
             "referenced_c": rc.bytes_referenced, "written_c": rc.bytes_written, "frozen": frozen,
             "referenced_run": [h.wait().bytes_referenced for h in handles]}

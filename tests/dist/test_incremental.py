@@ -15,6 +15,15 @@ from tests.unit.compaction_runs import referenced_bytes, stored_data_bytes
 pytestmark = pytest.mark.dist
 
 
+def _loads_as(path: str, want: dict) -> None:
+    """The checkpoint at ``path`` loads into one process as ``want``, bit for bit, with no tensor more or less."""
+    model, opt = build("single", CFG, seed=7)
+    sp.load(path, {"model": model, "optimizer": opt})
+    got = full_state(model, opt)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+
+
 def test_each_rank_references_its_own_unchanged_chunks_and_a_reshard_writes_in_full(tmp_path):
     root = str(tmp_path)
     r0, r1 = launch(2, "tests.dist.incremental_cases:save_job", {"root": root})
@@ -33,11 +42,7 @@ def test_each_rank_references_its_own_unchanged_chunks_and_a_reshard_writes_in_f
     assert sum(ch.nbytes for _, ch in shared) < 0.05 * m.total_bytes
     want = torch.load(os.path.join(root, "want_b.pt"))
     for path in (b, c):
-        model, opt = build("single", CFG, seed=7)
-        sp.load(path, {"model": model, "optimizer": opt})
-        got = full_state(model, opt)
-        assert sorted(got) == sorted(want)
-        assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+        _loads_as(path, want)
 
 
 def test_background_saves_reference_per_rank_and_a_lazy_incremental_manager_keeps_what_it_references(tmp_path):
@@ -55,10 +60,7 @@ def test_background_saves_reference_per_rank_and_a_lazy_incremental_manager_keep
     assert {e[1] for e in manifest_refs(c)} == {"../a", "../b"}
     want = torch.load(os.path.join(root, "want_b.pt"))
     for path in (b, c):
-        model, opt = build("single", CFG, seed=7)
-        sp.load(path, {"model": model, "optimizer": opt})
-        got = full_state(model, opt)
-        assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+        _loads_as(path, want)
     # The manager: each save after the first references at least the frozen embeddings, on each rank.
     for r in (r0, r1):
         assert r["referenced_run"][0] == 0 and all(n >= r["frozen"] > 0 for n in r["referenced_run"][1:]), r
@@ -69,8 +71,4 @@ def test_background_saves_reference_per_rank_and_a_lazy_incremental_manager_keep
     chunks = sum(len(t.chunks) for t in sp.read_manifest(os.path.join(run, "step_00000003"), chunks=True).tensors.values())
     assert 0 <= stored_data_bytes(st) - referenced_bytes(st, [3]) < 64 * chunks
     assert all(n.startswith("data/") and n.endswith(".bin") for n in st.child("step_00000001").list("")), st.child("step_00000001").list("")
-    want = torch.load(os.path.join(root, "want_run.pt"))
-    model, opt = build("single", CFG, seed=7)
-    sp.load(os.path.join(run, "step_00000003"), {"model": model, "optimizer": opt})
-    got = full_state(model, opt)
-    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    _loads_as(os.path.join(run, "step_00000003"), torch.load(os.path.join(root, "want_run.pt")))

@@ -20,21 +20,35 @@ pytest.importorskip("moto")
 BLOCK = 1 << 16
 
 
+def _frozen_and_adapter() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"model": {"frozen": torch.randn(1 << 20, generator=g), "adapter": torch.randn(64, 64, generator=g)}}
+
+
+def _base_saved_then_adapter_changed(proxy, bucket: str):
+    """A run on S3 through ``proxy`` with ``s1`` saved; the adapter then changed. (run, state, first request to count)."""
+    run = S3Storage(f"s3://{bucket}/{uuid.uuid4().hex}", s3_options(proxy.endpoint))
+    st = _frozen_and_adapter()
+    sp.save(run.child("s1"), st, block_size=BLOCK)
+    st["model"]["adapter"].add_(1)
+    return run, st, len(proxy.log)
+
+
+def _uploaded_only_the_adapter(proxy, first: int, result) -> None:
+    """What went up since request ``first``: the adapter, indexes and manifest; nothing under the base."""
+    puts = [req for req, _ in proxy.log[first:] if req.method in ("PUT", "POST")]
+    uploaded = sum(req.length for req in puts)
+    adapter = 64 * 64 * 4
+    assert result.bytes_referenced == (1 << 20) * 4
+    assert adapter <= uploaded < adapter + 64_000  # no 4 MiB body, no server-side copy
+    assert not any("s1" in req.target for req in puts)
+
+
 def test_incremental_save_on_s3_uploads_only_what_changed(s3_endpoint, bucket):
     with FaultProxy(s3_endpoint) as proxy:
-        run = S3Storage(f"s3://{bucket}/{uuid.uuid4().hex}", s3_options(proxy.endpoint))
-        g = torch.Generator().manual_seed(0)
-        st = {"model": {"frozen": torch.randn(1 << 20, generator=g), "adapter": torch.randn(64, 64, generator=g)}}
-        sp.save(run.child("s1"), st, block_size=BLOCK)
-        st["model"]["adapter"].add_(1)
-        first = len(proxy.log)
+        run, st, first = _base_saved_then_adapter_changed(proxy, bucket)
         r = sp.save(run.child("s2"), st, block_size=BLOCK, base=run.child("s1"))
-        puts = [req for req, _ in proxy.log[first:] if req.method in ("PUT", "POST")]
-        uploaded = sum(req.length for req in puts)
-        adapter = 64 * 64 * 4
-        assert r.bytes_referenced == (1 << 20) * 4
-        assert adapter <= uploaded < adapter + 64_000  # the adapter, indexes and manifest: no 4 MiB body, no copy
-        assert not any("s1" in req.target for req in puts)  # nothing is written under the base
+        _uploaded_only_the_adapter(proxy, first, r)
         out = sp.load(run.child("s2"), {}, strict=False)
         assert torch.equal(out["model"]["frozen"], st["model"]["frozen"])
         assert torch.equal(out["model"]["adapter"], st["model"]["adapter"])
@@ -50,23 +64,13 @@ def test_incremental_save_on_s3_uploads_only_what_changed(s3_endpoint, bucket):
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
 def test_background_incremental_save_on_s3_uploads_only_what_changed(s3_endpoint, bucket, mode):
     with FaultProxy(s3_endpoint) as proxy:
-        run = S3Storage(f"s3://{bucket}/{uuid.uuid4().hex}", s3_options(proxy.endpoint))
-        g = torch.Generator().manual_seed(0)
-        st = {"model": {"frozen": torch.randn(1 << 20, generator=g), "adapter": torch.randn(64, 64, generator=g)}}
-        sp.save(run.child("s1"), st, block_size=BLOCK)
-        st["model"]["adapter"].add_(1)
-        first = len(proxy.log)
+        run, st, first = _base_saved_then_adapter_changed(proxy, bucket)
         saver = sp.AsyncSaver(prewarm=False)
         try:
             r = saver.save(run.child("s2"), st, mode=mode, block_size=BLOCK, base=run.child("s1")).wait()
         finally:
             saver.close()
-        puts = [req for req, _ in proxy.log[first:] if req.method in ("PUT", "POST")]
-        uploaded = sum(req.length for req in puts)
-        adapter = 64 * 64 * 4
-        assert r.bytes_referenced == (1 << 20) * 4
-        assert adapter <= uploaded < adapter + 64_000  # the adapter, indexes and manifest: the frozen part is not sent
-        assert not any("s1" in req.target for req in puts)
+        _uploaded_only_the_adapter(proxy, first, r)
         out = sp.load(run.child("s2"), {}, strict=False)
         assert torch.equal(out["model"]["frozen"], st["model"]["frozen"])
         assert torch.equal(out["model"]["adapter"], st["model"]["adapter"])

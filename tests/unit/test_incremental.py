@@ -14,18 +14,9 @@ import shardpoint as sp
 from shardpoint.errors import CorruptCheckpointError, FormatError, MissingBaseError, UnsupportedStateError
 from shardpoint.format.refs import RefFiles, check_base, join_base, parse_refs
 from shardpoint.storage import MemoryStorage
+from tests.unit.incremental_states import data_bytes, lora_pair
 
 BLOCK = 1 << 12
-
-
-def _state(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return {"model": {"frozen": torch.randn(256, 64, generator=g), "adapter": torch.randn(8, 8, generator=g)}, "step": 1}
-
-
-def _data_bytes(folder: str) -> int:
-    d = os.path.join(folder, "data")
-    return sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if n.endswith(".bin"))
 
 
 def _load(path):
@@ -77,52 +68,52 @@ def test_parse_refs_rejects_unlisted_index_and_bad_names():
 # --- saves and loads on local disk ----------------------------------------------------------------
 
 def test_without_base_the_format_is_unchanged(tmp_path):
-    sp.save(str(tmp_path / "a"), _state(), block_size=BLOCK)
+    sp.save(str(tmp_path / "a"), lora_pair(), block_size=BLOCK)
     doc = json.loads((tmp_path / "a" / "manifest.json").read_bytes())
     assert doc["format_version"] == 3 and "refs" not in doc
 
 
 def test_unchanged_chunks_are_referenced_and_changed_ones_written(tmp_path):
-    st = _state()
+    st = lora_pair()
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     sp.save(a, st, block_size=BLOCK)
     st["model"]["adapter"].add_(1)
     r = sp.save(b, st, block_size=BLOCK, base=a)
     adapter_bytes = st["model"]["adapter"].numel() * 4
-    assert _data_bytes(b) == adapter_bytes  # only the adapter
+    assert data_bytes(b) == adapter_bytes  # only the adapter
     assert r.bytes_referenced == st["model"]["frozen"].numel() * 4
     doc = json.loads((tmp_path / "b" / "manifest.json").read_bytes())
     assert doc["format_version"] == 4 and {e[1] for e in doc["refs"]} == {"../a"}
     out = _load(b)
     assert torch.equal(out["model"]["frozen"], st["model"]["frozen"])
     assert torch.equal(out["model"]["adapter"], st["model"]["adapter"])
-    assert sp.references_outside(b) == {"../a": {doc["refs"][0][2]: _data_bytes(a)}}
+    assert sp.references_outside(b) == {"../a": {doc["refs"][0][2]: data_bytes(a)}}
 
 
 def test_a_frozen_tensor_that_changed_is_written(tmp_path):
-    st = _state()
+    st = lora_pair()
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     sp.save(a, st, block_size=BLOCK)
     st["model"]["frozen"].requires_grad_(False)[3, 5] += 1.0  # "frozen", but changed by one element
     sp.save(b, st, block_size=BLOCK, base=a)
-    assert _data_bytes(b) >= st["model"]["frozen"].numel() * 4
+    assert data_bytes(b) >= st["model"]["frozen"].numel() * 4
     assert torch.equal(_load(b)["model"]["frozen"], st["model"]["frozen"])
 
 
 def test_another_block_size_or_shape_is_written_in_full(tmp_path):
-    st = _state()
+    st = lora_pair()
     a, b, c = (str(tmp_path / n) for n in "abc")
     sp.save(a, st, block_size=BLOCK)
     sp.save(b, st, block_size=BLOCK * 2, base=a)
     assert "refs" not in json.loads((tmp_path / "b" / "manifest.json").read_bytes())
     st["model"]["frozen"] = st["model"]["frozen"].reshape(128, 128)
     sp.save(c, st, block_size=BLOCK, base=a)
-    assert _data_bytes(c) >= 256 * 64 * 4  # the reshaped tensor: nothing at the same place
+    assert data_bytes(c) >= 256 * 64 * 4  # the reshaped tensor: nothing at the same place
     assert torch.equal(_load(c)["model"]["frozen"], st["model"]["frozen"])
 
 
 def test_chains_are_flat_and_survive_removing_the_middle(tmp_path):
-    st = _state()
+    st = lora_pair()
     a, b, c = (str(tmp_path / n) for n in "abc")
     sp.save(a, st, block_size=BLOCK)
     st["model"]["adapter"].add_(1)
@@ -137,7 +128,7 @@ def test_chains_are_flat_and_survive_removing_the_middle(tmp_path):
 
 
 def test_a_removed_base_fails_before_loading_anything_and_names_it(tmp_path):
-    st = _state()
+    st = lora_pair()
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     sp.save(a, st, block_size=BLOCK)
     sp.save(b, st, block_size=BLOCK, base=a)
@@ -153,7 +144,7 @@ def test_a_removed_base_fails_before_loading_anything_and_names_it(tmp_path):
 
 
 def test_a_damaged_shared_block_fails_every_load_that_reads_it(tmp_path):
-    st = _state()
+    st = lora_pair()
     a, b, c = (str(tmp_path / n) for n in "abc")
     sp.save(a, st, block_size=BLOCK)
     sp.save(b, st, block_size=BLOCK, base=a)
@@ -170,7 +161,7 @@ def test_a_damaged_shared_block_fails_every_load_that_reads_it(tmp_path):
 
 
 def test_base_elsewhere_is_refused(tmp_path):
-    st = _state()
+    st = lora_pair()
     sp.save(str(tmp_path / "a"), st, block_size=BLOCK)
     with pytest.raises(UnsupportedStateError, match="same storage"):
         sp.save(MemoryStorage().child("b"), st, base=str(tmp_path / "a"))
@@ -187,7 +178,7 @@ def test_consolidate_makes_a_self_contained_copy_and_exports_read_through(tmp_pa
     from shardpoint.convert.torchfile import export_torch
     from shardpoint.convert.verify import verify_checkpoint
 
-    st = _state()
+    st = lora_pair()
     a, b, out = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "out")
     sp.save(a, st, block_size=BLOCK)
     st["model"]["adapter"].mul_(2)
@@ -207,7 +198,7 @@ def test_consolidate_makes_a_self_contained_copy_and_exports_read_through(tmp_pa
 
 def test_memory_storage_references_siblings():
     run = MemoryStorage()
-    st = _state()
+    st = lora_pair()
     sp.save(run.child("s1"), st, block_size=BLOCK)
     st["model"]["adapter"].add_(3)
     r = sp.save(run.child("s2"), st, block_size=BLOCK, base=run.child("s1"))
@@ -228,7 +219,7 @@ def test_hf_and_dcp_exports_read_through_references(tmp_path):
 
     from shardpoint.convert import export_dcp, export_hf
 
-    st = _state()
+    st = lora_pair()
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     sp.save(a, st, block_size=BLOCK)
     st["model"]["adapter"].sub_(1)
@@ -246,7 +237,7 @@ def test_hf_and_dcp_exports_read_through_references(tmp_path):
 
 
 def test_a_base_at_the_saved_path_itself_is_refused(tmp_path):
-    st = _state()
+    st = lora_pair()
     a = str(tmp_path / "a")
     sp.save(a, st, block_size=BLOCK)
     with pytest.raises(UnsupportedStateError, match="cannot be referenced"):

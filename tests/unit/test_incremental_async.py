@@ -17,19 +17,10 @@ from shardpoint.manager.retention import Retention, StepsInUse
 from shardpoint.manager.steplock import StepLock
 from shardpoint.saving.incremental import ChosenBase
 from shardpoint.storage import MemoryStorage
+from tests.unit.incremental_states import data_bytes, lora_pair
 
 BLOCK = 1 << 12
 MODES = ["eager", "lazy"]
-
-
-def _state(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return {"model": {"frozen": torch.randn(256, 64, generator=g), "adapter": torch.randn(8, 8, generator=g)}, "step": 1}
-
-
-def _data_bytes(folder: str) -> int:
-    d = os.path.join(folder, "data")
-    return sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if n.endswith(".bin"))
 
 
 def _where(path) -> dict[str, set[str]]:
@@ -60,15 +51,15 @@ def _same(path, state) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_background_save_writes_only_the_changed_chunks(tmp_path, mode):
-    st = _state()
+    st = lora_pair()
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     sp.save(a, st, block_size=BLOCK)
     st["model"]["adapter"].add_(1)
     r = _async_save(b, st, mode, base=a)
-    assert _data_bytes(b) == 8 * 8 * 4  # the adapter alone
+    assert data_bytes(b) == 8 * 8 * 4  # the adapter alone
     assert r.bytes_referenced == 256 * 64 * 4
     assert _where(b) == {"written": {"model.adapter"}, "referenced": {"model.frozen"}}
-    assert sp.references_outside(b) == {"../a": {n: _data_bytes(a) for n in sp.references_outside(b)["../a"]}}
+    assert sp.references_outside(b) == {"../a": {n: data_bytes(a) for n in sp.references_outside(b)["../a"]}}
     _same(b, st)
 
 
@@ -84,20 +75,20 @@ def test_small_tensors_staged_together_are_compared_one_by_one(tmp_path, mode):
         st["model"][name.split(".")[1]][5, 7] += 1.0
     r = _async_save(b, st, mode, base=a)
     assert _where(b) == {"written": changed, "referenced": {f"model.t{k:02d}" for k in range(40)} - changed}
-    assert _data_bytes(b) == len(changed) * 16 * 16 * 4
+    assert data_bytes(b) == len(changed) * 16 * 16 * 4
     assert r.bytes_referenced == (40 - len(changed)) * 16 * 16 * 4
     _same(b, st)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_changed_frozen_tensor_is_written_and_an_unchanged_rank_writes_no_data_file(tmp_path, mode):
-    st = _state()
+    st = lora_pair()
     a, b, c = (str(tmp_path / n) for n in "abc")
     sp.save(a, st, block_size=BLOCK)
     st["model"]["frozen"].requires_grad_(False)[200, 5] += 1.0  # "frozen", changed in one late block
     r = _async_save(b, st, mode, base=a)
     assert _where(b) == {"written": {"model.frozen"}, "referenced": {"model.adapter"}} and r.bytes_referenced == 8 * 8 * 4
-    assert _data_bytes(b) == 256 * 64 * 4
+    assert data_bytes(b) == 256 * 64 * 4
     _same(b, st)
     r = _async_save(c, st, mode, base=b)  # nothing changed since b: every chunk is referenced
     assert r.bytes_referenced == (256 * 64 + 64) * 4
@@ -107,7 +98,7 @@ def test_a_changed_frozen_tensor_is_written_and_an_unchanged_rank_writes_no_data
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_comparison_reads_the_state_at_the_call(tmp_path, mode):
-    st = _state()
+    st = lora_pair()
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     sp.save(a, st, block_size=BLOCK)
     at_call = {k: v.clone() for k, v in st["model"].items()}
@@ -147,7 +138,7 @@ def test_pieces_are_held_across_blocks_and_a_chunk_larger_than_the_ring_is_writt
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_missing_base_fails_at_wait_naming_it(tmp_path, mode):
-    st = _state()
+    st = lora_pair()
     gone, b = str(tmp_path / "gone"), str(tmp_path / "b")
     saver = sp.AsyncSaver(prewarm=False)
     try:
@@ -160,7 +151,7 @@ def test_a_missing_base_fails_at_wait_naming_it(tmp_path, mode):
 
 
 def test_a_base_removed_while_the_save_runs_fails_it_naming_the_base(tmp_path, monkeypatch):
-    st = _state()
+    st = lora_pair()
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     sp.save(a, st, block_size=BLOCK)
     write = StagedWrite.write
@@ -183,7 +174,7 @@ def test_a_base_removed_while_the_save_runs_fails_it_naming_the_base(tmp_path, m
 @pytest.mark.parametrize("mode", MODES)
 def test_memory_storage_and_a_chosen_base(mode):
     run = MemoryStorage()
-    st = _state()
+    st = lora_pair()
     sp.save(run.child("s1"), st, block_size=BLOCK)
     st["model"]["adapter"].add_(2)
     r = _async_save(run.child("s2"), st, mode, base=ChosenBase(lambda: run.child("s1")))
@@ -199,7 +190,7 @@ def test_memory_storage_and_a_chosen_base(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_manager_background_incremental_saves_keep_every_kept_step_loadable(tmp_path, mode):
     root = str(tmp_path)
-    st, saved, results = _state(), {}, {}
+    st, saved, results = lora_pair(), {}, {}
     mgr = sp.CheckpointManager(root, interval=1, keep_last=2, mode=mode, incremental=True, prewarm=False,
                                save_options={"block_size": BLOCK})
     try:
@@ -214,18 +205,18 @@ def test_manager_background_incremental_saves_keep_every_kept_step_loadable(tmp_
     assert mgr.steps() == [5, 6]
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_00000001", "step_00000005", "step_00000006"]
     assert ["data/" + n for n in os.listdir(os.path.join(root, "step_00000001", "data"))] == sorted(referenced_by(sp.LocalStorage(root), [5, 6])["step_00000001"])
-    assert _data_bytes(os.path.join(root, "step_00000001")) >= 256 * 64 * 4
+    assert data_bytes(os.path.join(root, "step_00000001")) >= 256 * 64 * 4
     for step in range(2, 7):
         assert results[step].wait().bytes_referenced == 256 * 64 * 4, step
     for step in (5, 6):
         path = os.path.join(root, f"step_{step:08d}")
-        assert _data_bytes(path) == 8 * 8 * 4  # the adapter alone
+        assert data_bytes(path) == 8 * 8 * 4  # the adapter alone
         _same(path, saved[step])
 
 
 def test_manager_base_removed_by_hand_falls_back_to_the_next_newest_step_or_a_full_write(tmp_path):
     root = str(tmp_path)
-    st = _state()
+    st = lora_pair()
     path = lambda step: os.path.join(root, f"step_{step:08d}")  # noqa: E731
     mgr = sp.CheckpointManager(root, interval=1, keep_last=None, mode="lazy", incremental=True, prewarm=False,
                                save_options={"block_size": BLOCK})
@@ -250,7 +241,7 @@ def test_manager_base_removed_by_hand_falls_back_to_the_next_newest_step_or_a_fu
 
 def test_a_chosen_base_is_protected_from_retention_until_released(tmp_path):
     run = sp.LocalStorage(str(tmp_path))
-    st = _state()
+    st = lora_pair()
     for step in (1, 2):
         sp.save(run.child(f"step_{step:08d}"), st, block_size=BLOCK)
     in_use = StepsInUse()
