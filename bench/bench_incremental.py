@@ -156,6 +156,7 @@ def main(argv=None) -> int:
           f"(ratio {out['save_time_ratio']:.3f})")
     print(f"load of save {args.saves}: {out['load_s_incremental']:.3f} s, consolidated copy {out['load_s_consolidated']:.3f} s "
           f"(ratio {out['load_time_ratio']:.3f})")
+    print(f"the loop's stall per incremental save ({args.mode}): {out['blocked_s_incremental_median']:.3f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
