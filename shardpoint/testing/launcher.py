@@ -21,6 +21,8 @@ import torch
 
 __all__ = ["LaunchError", "launch", "launcher_main", "flip_byte"]
 
+STDERR_TAIL = 24000  # enough for every thread's stack of two hung ranks, as the hang dump prints them
+
 
 class LaunchError(RuntimeError):
     """A launched rank failed; the message carries every failing rank's traceback."""
@@ -139,7 +141,7 @@ def launch(world: int, target: str, args: dict | None = None, timeout: float = 3
         if failures:
             raise LaunchError(
                 f"{target} on {world} ranks failed (exit {proc.returncode}):\n" + "\n".join(failures)
-                + f"\n--- stderr tail ---\n{proc.stderr[-3000:]}"
+                + f"\n--- stderr tail ---\n{proc.stderr[-STDERR_TAIL:]}"
             )
         return results
 
