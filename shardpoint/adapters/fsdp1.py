@@ -34,6 +34,7 @@ from torch import nn
 from ..errors import UnsupportedStateError
 from ..geometry import Box
 from .base import Adapter, AdapterContext, ContextFacts, LoadPart, LoadTarget, ParamView, SavePart, SaveTensor
+from .graph import submodules
 from .tensors import load_target, save_tensor
 
 __all__ = [
@@ -144,7 +145,7 @@ def is_fsdp1(m: Any) -> bool:
         return False  # nothing can be wrapped in FSDP1 before FSDP1 was imported
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    return isinstance(m, FSDP) or any(isinstance(x, FSDP) for x in m.modules())
+    return isinstance(m, FSDP) or any(isinstance(x, FSDP) for x in submodules(m))
 
 
 @dataclass

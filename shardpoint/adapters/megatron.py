@@ -59,6 +59,7 @@ from ..errors import UnsupportedStateError
 from ..geometry import Box
 from .base import Adapter, AdapterContext, ContextFacts, LoadPart, LoadTarget, ParamShard, SavePart, SaveTensor
 from .experts import GroupedWeight, megatron_expert_prefixes, megatron_grouped_experts, rename_prefix
+from .graph import submodules
 from .module import unwrap_module
 
 __all__ = ["MegatronAdapter", "MegatronShard", "is_megatron", "megatron_names", "megatron_shards", "megatron_global_shapes"]
@@ -82,7 +83,7 @@ def is_megatron(m: Any) -> bool:
     m = unwrap_module(m)
     if any(getattr(p, "tensor_model_parallel", False) for p in m.parameters()):
         return True
-    return any(type(x).__module__.startswith("megatron.core") for x in m.modules())
+    return any(type(x).__module__.startswith("megatron.core") for x in submodules(m))
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..format.values import encode_value
 from .base import AdapterContext, SavePart
+from .graph import submodules
 
 __all__ = ["module_fingerprint", "optimizer_fingerprint", "refresh_groups"]
 
@@ -73,7 +74,7 @@ def module_fingerprint(m: nn.Module) -> tuple | None:
         module_fingerprint(model) == module_fingerprint(model)  # True while nothing was swapped
     """
     out = []
-    for sub in m.modules():
+    for sub in submodules(m):
         if not _known_hooks(sub) or type(sub).get_extra_state is not nn.Module.get_extra_state:
             return None
         ps = tuple((n, _tensor_fp(p)) for n, p in sub._parameters.items())

@@ -80,6 +80,9 @@ class GuardedTensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The data a distributed tensor holds on this rank (writes through ``.data`` land there)."""
+    local = getattr(t, "_local_tensor", None)  # a DTensor's shard: what to_local() returns, without its autograd Function
+    if isinstance(local, torch.Tensor):
+        return local
     to_local = getattr(t, "to_local", None)
     if to_local is None:
         return t
