@@ -344,6 +344,7 @@ class AsyncSaver:
             handle.add_future(pool.submit(tx.finish))
         tx.snapshot()
         self._inflight = handle
+        track_save(handle.path, handle.finished_event)  # a load of this path in this process waits for the commit
         mark_phase(tx.result, "blocked", tx.t0)
         # Workers are woken last: once running they compete for the GIL, and
         # nothing of the training thread's own work should be left by then.
@@ -355,7 +356,6 @@ class AsyncSaver:
                 handle.add_future(pool.submit(tx.copy_lazy))
             if not early:
                 handle.add_future(pool.submit(tx.finish))
-        track_save(handle.path, handle.finished_event)  # a load of this path in this process waits for the commit
         # A failure of this rank alone before the write surfaces at wait(), with the other ranks' (at the commit):
         # raised here, it would leave this rank out of step with ranks that still wait for this save.
         return handle
