@@ -14,6 +14,7 @@ from shardpoint.engine.load import ReadTuning, execute_reads
 from shardpoint.geometry import Box
 from shardpoint.items import LoadTarget
 from shardpoint.storage import storage_for
+from shardpoint.testing import flip_byte
 from tests.unit.device_copies import pageable_copies_into
 
 
@@ -44,12 +45,15 @@ def _targets(state: dict[str, torch.Tensor], rank: int) -> tuple[list[LoadTarget
     return targets, want
 
 
-def shared_load_job(rank: int, world: int, root: str, window: int) -> dict:
+def shared_load_job(rank: int, world: int, root: str, window: int, corrupt: bool = False) -> dict:
     """Load replicated and column-sharded tensors with shared reads onto the simulated device; count pageable copies."""
     path = os.path.join(root, "ck")
     state = _state()
     if rank == 0:
         sp.save(path, {"extra": state}, process_group=sp.LOCAL)
+        if corrupt:  # a span one rank reads for both fails its checksum there
+            chunk = sp.read_manifest(path).tensors["extra.big3"].chunks[0]
+            flip_byte(os.path.join(path, chunk.file), chunk.offset + 1000)
     dist.barrier()
     targets, want = _targets(state, rank)
     storage = storage_for(path)
@@ -58,6 +62,8 @@ def shared_load_job(rank: int, world: int, root: str, window: int) -> dict:
         with pageable_copies_into(sim, [t.dest for t in targets]) as count:
             stats = execute_reads(storage, sp.read_manifest(path), targets, storage.url, True, Comm.resolve(None),
                                   ReadTuning(share=True, window=window, device=sim))
+    except sp.CorruptCheckpointError as e:
+        return {"error": str(e), "pinned_after": sim.pinned_bytes}
     finally:
         sim.close()
     return {

@@ -18,3 +18,10 @@ def test_spans_read_once_and_sent_land_on_the_device_from_the_ring(tmp_path, win
         assert r["pageable"] == 0 and r["sim_pageable"] == 0, r
         assert r["shared_spans"] == 17 and r["pinned_after"] == 0
     assert sum(r["received"] for r in results) > 0
+
+
+def test_a_span_failing_its_checksum_fails_every_rank_and_frees_the_rings(tmp_path):
+    results = launch(2, "tests.dist.load_device_cases:shared_load_job", {"root": str(tmp_path), "window": 1 << 20, "corrupt": True})
+    for r in results:
+        assert "extra.big3" in r["error"], r  # the reader names it; the other rank points to the reader's error
+        assert r["pinned_after"] == 0
