@@ -23,6 +23,10 @@ accelerator punishes show up on a CPU:
   from pageable memory does; :attr:`SimulatedDevice.pageable_copies` counts them.
   So does a copy from or to a strided view of page-locked memory: the
   framework packs it through a pageable temporary first;
+- a copy into a strided tensor on the device (a transposed or column
+  block view) goes through a contiguous device temporary of the copy's
+  size, as the framework makes one; :attr:`SimulatedDevice.largest_temporary`
+  is the largest such temporary, or one :meth:`byte_view` made;
 - host buffers are the library's own registered memory
   (:attr:`SimulatedDevice.pinned`, an
   :class:`~shardpoint.device.host_memory.OwnedHostMemory` whose registration
@@ -128,7 +132,8 @@ class SimulatedDevice(Device):
     framework's caching allocator other users share, ``captures`` the graph
     captures running, ``waits`` the host's waits for the device per thread.
     ``placements`` maps each placed storage to the device it lives on, for
-    this device and its siblings.
+    this device and its siblings. ``largest_temporary`` is the most bytes
+    one device temporary of a copy held.
 
     Example::
 
@@ -155,6 +160,7 @@ class SimulatedDevice(Device):
         self.host = HostCache()
         self.pool = DevicePool()
         self.pageable_copies = 0
+        self.largest_temporary = 0  # bytes of the largest device temporary a copy made
         self.events = 0  # completion events of queued copies
         self._queued: SimEvent | None = None  # the last copy queued
         self.foreign_copies = 0
@@ -239,6 +245,7 @@ class SimulatedDevice(Device):
         with self.capture_guard():  # a temporary is an allocation on the copy queue
             self.captures.unsafe("a device allocation")
         out = self.pool.temporary(t.detach())
+        self.largest_temporary = max(self.largest_temporary, out.numel())
         if self._places:
             self.place(out)  # made on this device, as the tensor it copies
         return out, True
@@ -343,6 +350,8 @@ class SimulatedDevice(Device):
         return self._submit(dst, src, dst, src)
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
+        if not dst.is_contiguous() and self.owns(dst):  # the framework copies into a contiguous temporary, then scatters
+            self.largest_temporary = max(self.largest_temporary, dst.numel() * dst.element_size())
         return self._submit(dst, src, src, dst)
 
     def order_after(self, event: CopyEvent) -> None:

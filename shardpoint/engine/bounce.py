@@ -15,8 +15,17 @@ and copy synchronously. Its span's slot therefore comes with a packing
 area in the same ring of device-ready host memory: the loading thread packs each such
 region there, in row-major blocks that fit the area
 (:func:`~shardpoint.engine.blocks.row_blocks`), and the device copies the
-packed bytes asynchronously (a strided destination is scattered on the
-device).
+packed bytes asynchronously.
+
+A strided destination (a transposed or column-block view on the device)
+is filled through a contiguous device temporary the size of what one copy
+carries, then scattered on the device: so each copy into one carries at
+most :data:`DEVICE_BLOCK` bytes, in ``row_blocks``, and the temporary
+stays that small whatever the region's size.
+
+A slot may hold a batch of neighbouring small spans (one read) or a span
+also sent to other ranks: it comes free once its copies and any other
+work handed to :meth:`BounceRing.land` (the sends) are complete.
 """
 
 from __future__ import annotations
@@ -32,9 +41,11 @@ from ..items import LoadTarget
 from .blocks import row_blocks
 from .staging import Slot, StagingRing
 
-__all__ = ["BounceRing", "BounceSlot", "ALIGN", "aligned"]
+__all__ = ["BounceRing", "BounceSlot", "ALIGN", "DEVICE_BLOCK", "aligned"]
 
 ALIGN = 64  # slot alignment in bytes: every dtype's element size divides it
+DEVICE_BLOCK = 4 << 20
+"""The most bytes one copy into a strided device destination carries: the bound of its device temporary."""
 
 
 def aligned(n: int) -> int:
@@ -81,6 +92,21 @@ class _Packer:
         out = self.area[self.pos : self.pos + n]
         self.pos += size
         return out
+
+
+class _Joined(CopyEvent):
+    """Completes once ``event`` and every handle (a send of the slot's bytes) completed."""
+
+    def __init__(self, event: CopyEvent, holds: Sequence):
+        self.event, self.holds = event, list(holds)
+
+    def synchronize(self) -> None:
+        for h in self.holds:
+            h.wait()
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        return all(h.is_completed() for h in self.holds) and self.event.query()
 
 
 class BounceRing:
@@ -138,12 +164,16 @@ class BounceRing:
         while self._inflight and self._inflight[0][1].query():
             self.ring.release(self._inflight.popleft()[0])
 
-    def land(self, slot: BounceSlot, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def land(self, slot: BounceSlot, copies: Sequence[tuple[torch.Tensor, torch.Tensor]], holds: Sequence = ()) -> None:
         """Queue each ``(device view, host view of slot)`` copy; the slot comes free when they complete.
 
         A strided host view is packed into the slot's packing area first
         (block by block where the area is smaller), so that every copy the
-        device runs reads contiguous bytes of the ring.
+        device runs reads contiguous bytes of the ring. ``holds`` are other
+        readers of the slot (handles with ``wait()``, which may be called again
+        once done, and ``is_completed()``, as sends of its bytes to other
+        ranks): the slot waits for them too.
+        Every slot taken is landed once, in order, even with no copies.
         """
         packer = _Packer(slot.pack) if slot.pack.numel() else None
         for dst, src in copies:
@@ -157,11 +187,18 @@ class BounceRing:
                 packed = packer.take(part.numel() * part.element_size()).view(part.dtype).view(part.shape)
                 packed.copy_(part)  # on the host, into the ring
                 packer.last = self._queue(dst[idx], packed)
-        self._inflight.append((slot.slot, self._last_event()))
+        ev = self._last_event()
+        self._inflight.append((slot.slot, _Joined(ev, holds) if holds else ev))
 
     def _queue(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
-        ev = self.device.copy_to_device(dst, src, self.after)
-        self.landed_bytes += src.numel() * src.element_size()
+        nbytes = src.numel() * src.element_size()
+        if dst.is_contiguous() or nbytes <= DEVICE_BLOCK:
+            parts = [(dst, src)]
+        else:  # the same row-major blocks of both (of a contiguous src, each block is contiguous too)
+            parts = [(dst[idx], src[idx]) for idx in row_blocks(dst.shape, dst.element_size(), DEVICE_BLOCK)]
+        for d, s in parts:
+            ev = self.device.copy_to_device(d, s, self.after)
+        self.landed_bytes += nbytes
         self._last = ev
         return ev
 
@@ -171,6 +208,9 @@ class BounceRing:
             if self._last is not None:
                 self.device.order_after(self._last)
                 self._last.synchronize()  # the ring's memory is in use until then
+            for _slot, ev in self._inflight:
+                if isinstance(ev, _Joined):
+                    ev.synchronize()  # sends still reading a slot
         finally:
             self._inflight.clear()
             self.ring.free()

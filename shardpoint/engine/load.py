@@ -10,7 +10,8 @@ need). This module binds the plan to the target tensors and runs it:
   through bounce buffers, :mod:`.bounce`); ranks walk the files
   in staggered orders (:func:`~shardpoint.planning.reads.order_reads`); or
 - shared, "read once" (:mod:`.read_shared`): each span needed by several
-  ranks is read by one of them and sent to the others over the process group.
+  ranks is read by one of them and sent to the others over the process group
+  (spans bound for an accelerator land in bounce rings there too).
 """
 
 from __future__ import annotations
@@ -153,6 +154,11 @@ def _plan(manifest: Manifest, targets: Sequence[LoadTarget], where: str, verify:
     return reads
 
 
+def _bounce_window(window: int) -> int:
+    """The read-ahead of spans landing on an accelerator: at least :data:`BOUNCE_WINDOW` unless set."""
+    return max(window, BOUNCE_WINDOW) if window == DEFAULT_WINDOW else window
+
+
 def _execute_reads(job: ReadJob, manifest: Manifest, comm, share, auto: bool, device) -> LoadStats:
     storage, targets, where, verify, stats, recorder = job.storage, job.targets, job.where, job.verify, job.stats, job.rec
     t_plan = time.monotonic()
@@ -170,7 +176,9 @@ def _execute_reads(job: ReadJob, manifest: Manifest, comm, share, auto: bool, de
             # Still take part in the exchange (with nothing), so no peer waits for this rank.
             exchange_only(comm)
             raise
-        execute_shared(job, reads, comm, dict(manifest.files), manifest.world_size)
+        if device is not None:  # spans land in bounce rings: as many reads in flight as the local path
+            job = dataclasses.replace(job, window=_bounce_window(job.window), threads=max(job.threads, BOUNCE_THREADS))
+        execute_shared(job, reads, comm, dict(manifest.files), manifest.world_size, device)
     else:
         reads = _plan(manifest, targets, where, verify, stats, coalesce)
         if group:
@@ -180,7 +188,7 @@ def _execute_reads(job: ReadJob, manifest: Manifest, comm, share, auto: bool, de
         if device is None:
             execute_local(job, reads)
             return stats
-        window = max(job.window, BOUNCE_WINDOW) if job.window == DEFAULT_WINDOW else job.window
+        window = _bounce_window(job.window)
         bounce = BounceRing(device, window)
         try:
             execute_local(dataclasses.replace(job, window=window, threads=max(job.threads, BOUNCE_THREADS)), reads, bounce)

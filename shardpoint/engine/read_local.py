@@ -32,7 +32,7 @@ from ..planning.reads import ChunkRead, at_blocks, batch_reads, extent, fault_pi
 from ..storage.base import ShortReadError, Storage
 from ..format.datafile import ALIGN, verify_blocks
 from .io import dest_view, read_chunk_into, short_file_error
-from .bounce import BounceRing, aligned
+from .bounce import ALIGN as SLOT_ALIGN, BounceRing, aligned
 
 __all__ = ["LoadStats", "ReadJob", "execute_local", "fetch", "whole_span", "count_read", "copy_timed", "copy_pairs", "map_span", "fault_in",
            "strided_bytes"]
@@ -199,11 +199,15 @@ def _fetch_one(storage: Storage, r: ChunkRead, block: int, verify: bool, where: 
     return buf
 
 
-def _fetch_group(storage: Storage, group: Sequence[ChunkRead], where: str, rec) -> list[torch.Tensor]:
-    """One request for a group of neighbouring spans; a view of the buffer per span (not verified)."""
+def _fetch_group(storage: Storage, group: Sequence[ChunkRead], where: str, rec, into: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """One request for a group of neighbouring spans; a view of the buffer (or of ``into``) per span (not verified)."""
     a, b = extent(group)
-    buf = torch.empty(b - a, dtype=torch.uint8)
+    buf = torch.empty(b - a, dtype=torch.uint8) if into is None else into[: b - a]
     first = group[0]
+    parts = []
+    for r in group:
+        o = r.chunk.offset + r.lo - a
+        parts.append(buf[o : o + r.hi - r.lo])
     try:
         t0 = time.monotonic()
         read_chunk_into(storage, first.chunk, a - first.chunk.offset, memoryview(buf.numpy()), first.fqn, where)
@@ -211,13 +215,11 @@ def _fetch_group(storage: Storage, group: Sequence[ChunkRead], where: str, rec) 
             rec.add("read", t0, time.monotonic(), b - a)
     except CorruptCheckpointError:
         # Span by span: names the damaged chunk, and lets tiered storage fall back per span.
-        return [fetch(storage, r, 0, False, where, None, rec) for r in group]
-    parts = []
-    for r in group:
-        o = r.chunk.offset + r.lo - a
-        part = buf[o : o + r.hi - r.lo]
-        parts.append(part if o % r.itemsize == 0 else part.clone())  # typed views need aligned offsets
-    return parts
+        return [fetch(storage, r, 0, False, where, None if into is None else part, rec) for r, part in zip(group, parts)]
+    if into is not None:
+        return parts  # placed in the bounce slot so that every span starts on its element boundary
+    # Typed views need aligned offsets.
+    return [part if (r.chunk.offset + r.lo - a) % r.itemsize == 0 else part.clone() for r, part in zip(group, parts)]
 
 
 def _verified(storage: Storage, r: ChunkRead, buf: torch.Tensor, block: int, where: str, into: torch.Tensor | None, rec) -> torch.Tensor:
@@ -285,6 +287,11 @@ def _size(group: Sequence[ChunkRead]) -> int:
     return b - a if len(group) > 1 else group[0].hi - group[0].lo
 
 
+def _pad(g) -> int:
+    """Where a group's bytes start in its bounce slot: each span then lies as aligned as in its file."""
+    return extent(g)[0] % SLOT_ALIGN if len(g) > 1 else 0
+
+
 def _submit(pool, job: ReadJob, g, slot):
     """Start fetching group ``g``; what the loading thread needs to finish it."""
     storage, targets, block, verify, where, stats, rec = job.storage, job.targets, job.block, job.verify, job.where, job.stats, job.rec
@@ -302,7 +309,7 @@ def _submit(pool, job: ReadJob, g, slot):
         fut = pool.submit(fetch, storage, g[0], block, pv, where, into, rec)
         count_read(stats, g[0])
     else:
-        fut = pool.submit(_fetch_group, storage, g, where, rec)
+        fut = pool.submit(_fetch_group, storage, g, where, rec, None if slot is None else slot.view[_pad(g) :])
         for r in g:
             count_read(stats, r)
         gap = _size(g) - sum(r.hi - r.lo for r in g)
@@ -312,10 +319,12 @@ def _submit(pool, job: ReadJob, g, slot):
 
 
 def _bounce_slot(bounce: BounceRing | None, g, targets, pending: list):
-    """A bounce slot for ``g`` when it lands on the device; ``False`` to wait for earlier spans first."""
-    if bounce is None or len(g) != 1 or not bounce.serves(targets, [j.target for j in g[0].jobs]):
+    """A bounce slot for ``g`` (a span, or a group of small ones) when it lands on the device; ``False`` to wait for earlier spans first."""
+    if bounce is None or not bounce.serves(targets, [j.target for r in g for j in r.jobs]):
         return None
-    slot = bounce.slot(g[0].hi - g[0].lo, strided_bytes(g[0], targets))
+    if len(g) > 1 and any((r.chunk.offset + r.lo) % r.itemsize for r in g):
+        return None  # a span off its element boundary in the file: its typed view would need a copy
+    slot = bounce.slot(_pad(g) + _size(g), sum(strided_bytes(r, targets) for r in g))
     return False if slot is None and pending else slot
 
 
@@ -330,10 +339,10 @@ def execute_local(job: ReadJob, reads: Sequence[ChunkRead], bounce: BounceRing |
     straight into it; the rest are viewed in a mapping of the file where
     the backend offers one (:func:`map_span`, :func:`fault_in`), else read
     into a buffer. With ``bounce``, a span bound for its device is read
-    into a bounce slot and its copies are queued on the device.
+    into a bounce slot (a batch of small spans into one) and its copies are
+    queued on the device.
     """
-    storage, targets, block, verify, where, stats, rec = job.storage, job.targets, job.block, job.verify, job.where, job.stats, job.rec
-    window = job.window
+    targets, rec, window = job.targets, job.rec, job.window
     groups = batch_reads(reads, ALIGN)
     with ThreadPoolExecutor(max(1, job.threads), thread_name_prefix="shardpoint-read") as pool:
         pending: list = []
@@ -356,15 +365,25 @@ def execute_local(job: ReadJob, reads: Sequence[ChunkRead], bounce: BounceRing |
             ahead -= _size(g)
             if len(g) == 1:
                 bufs = [bufs]
-            for r, buf in zip(g, bufs):
-                if verify and not pv:
-                    buf = _verified(storage, r, buf, block, where, direct, rec)
-                if direct is not None:
-                    stats.direct_reads += 1
-                elif slot is not None:
-                    t0 = time.monotonic()
-                    bounce.land(slot, copy_pairs(r, buf, targets))
-                    if rec is not None:
-                        rec.add("copy", t0, time.monotonic(), r.hi - r.lo)
-                else:
-                    copy_timed(r, buf, targets, rec)
+            _finish(job, g, bufs, direct, pv, slot, bounce)
+
+
+def _finish(job: ReadJob, g, bufs, direct, pv: bool, slot, bounce: BounceRing | None) -> None:
+    """On the loading thread: verify what the reader did not, then copy ``g``'s spans (a slot's with one landing)."""
+    targets, rec = job.targets, job.rec
+    pairs: list = []
+    for r, buf in zip(g, bufs):
+        if job.verify and not pv:
+            # Read again where it lies (the slot, the destination), if it fails its checksums.
+            buf = _verified(job.storage, r, buf, job.block, job.where, buf if slot is not None else direct, rec)
+        if direct is not None:
+            job.stats.direct_reads += 1
+        elif slot is not None:
+            pairs.extend(copy_pairs(r, buf, targets))
+        else:
+            copy_timed(r, buf, targets, rec)
+    if slot is not None:
+        t0 = time.monotonic()
+        bounce.land(slot, pairs)
+        if rec is not None:
+            rec.add("copy", t0, time.monotonic(), sum(r.hi - r.lo for r in g))

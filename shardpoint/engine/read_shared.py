@@ -21,7 +21,9 @@ from ..errors import CorruptCheckpointError
 from ..planning.reads import ChunkRead, order_reads
 from ..planning.sharing import REPLY_COLUMNS, ROW_COLUMNS, SharedSpan, collect_replies, owner_replies, route_rows, span_rows
 from ..format.datafile import verify_blocks
-from .read_local import ReadJob, copy_timed, count_read, execute_local, fetch, whole_span
+from ..device import Device
+from .bounce import BounceRing, BounceSlot
+from .read_local import ReadJob, copy_pairs, copy_timed, count_read, execute_local, fetch, strided_bytes, whole_span
 
 __all__ = ["route_sharing", "exchange_only", "execute_shared"]
 
@@ -57,6 +59,7 @@ def exchange_only(comm: Comm) -> None:
 
 def execute_shared(
     job: ReadJob, reads: Sequence[ChunkRead], comm: Comm, sizes: Mapping[str, int] | None = None, saved_world: int = 1,
+    device: Device | None = None,
 ) -> None:
     """Read each span once across the ranks that need it; send it to the others.
 
@@ -66,8 +69,13 @@ def execute_shared(
     ahead into buffers, both bounded by ``window`` bytes. Every rank walks the
     shared spans in the same order and only ever waits on an earlier or the
     current span, so the exchange cannot deadlock.
+
+    With ``device``, spans bound for it are read or received into bounce
+    rings (one for the local spans, one for the exchange, each half the
+    window) and copied to the device in the background; a slot a rank sends
+    from comes free once its sends and copies are complete.
     """
-    targets, stats, rec, window = job.targets, job.stats, job.rec, job.window
+    stats, rec, window = job.stats, job.rec, job.window
     file_index = {f: i for i, f in enumerate(sorted(sizes or {}))}
     by_id, rows = span_rows(reads, file_index)
     tc = time.monotonic()
@@ -78,27 +86,29 @@ def execute_shared(
     me = comm.rank
     local = order_reads([r for sid, r in by_id.items() if sid not in shared_ids], me, comm.world, sizes or {}, saved_world)
     errors: list[BaseException] = []
+    half = max(1, window // 2)
+    # Made on the caller's thread: their copies are ordered after what it queued before the load.
+    rings = (BounceRing(device, half), BounceRing(device, half)) if device is not None else (None, None)
     # Unshared spans: the ordinary prefetching path, beside the exchange.
     local_pool = ThreadPoolExecutor(1, thread_name_prefix="shardpoint-local")
-    local_done = local_pool.submit(execute_local, dataclasses.replace(job, window=window // 2), local)
-    ex = _Exchange(job, comm, mine, by_id, errors, max(1, window // 2))
+    local_done = local_pool.submit(execute_local, dataclasses.replace(job, window=window // 2), local, rings[0])
+    ex = _Exchange(job, comm, mine, by_id, errors, half, rings[1])
     try:
         for i, sp in enumerate(mine):
             ex.post_ahead(i)
-            kind, work, buf = ex.posted.pop(0)
+            kind, work, buf, slot = ex.posted.pop(0)
             ex.ahead -= sp.size
             stats.shared_spans += 1
             ok = ex.finish_read(sp, work, buf) if kind == "read" else ex.finish_recv(sp, work, buf)
-            if ok and not errors:
-                try:
-                    copy_timed(by_id[sp.sid], buf[: sp.size], targets, rec)
-                except Exception as e:  # noqa: BLE001
-                    errors.append(e)
+            ex.deliver(sp, buf, slot, ok and not errors)
         for h, _n in ex.sends:
             h.wait()
     finally:
         ex.pool.shutdown(wait=True)
         local_pool.shutdown(wait=True)
+        for ring in rings:
+            if ring is not None:
+                ring.finish()
     try:
         local_done.result()
     except Exception as e:  # noqa: BLE001
@@ -107,15 +117,31 @@ def execute_shared(
         raise errors[0]
 
 
+class _Send:
+    """A send's handle that may be waited for more than once (by the ring and the exchange); a process group's may not."""
+
+    def __init__(self, handle):
+        self.handle, self.done = handle, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.handle.wait()
+            self.done = True
+
+    def is_completed(self) -> bool:
+        return self.done or bool(self.handle.is_completed())
+
+
 class _Exchange:
     """The shared spans' traffic on one rank: reads and receives posted ahead, sends bounded in flight."""
 
-    def __init__(self, job: ReadJob, comm, mine, by_id, errors, half):
+    def __init__(self, job: ReadJob, comm, mine, by_id, errors, half, bounce: BounceRing | None = None):
         self.storage, self.comm, self.mine, self.by_id = job.storage, comm, mine, by_id
+        self.targets, self.bounce, self.last_sends = job.targets, bounce, []
         self.block, self.verify, self.where, self.stats, self.rec, self.errors = job.block, job.verify, job.where, job.stats, job.rec, errors
         self.half = half
         self.pool = ThreadPoolExecutor(max(1, job.threads), thread_name_prefix="shardpoint-shared")
-        # Per span: ("read", future, buf) or ("recv", work, buf). Posted ahead in plan order.
+        # Per span: ("read", future, buf, slot) or ("recv", work, buf, slot). Posted ahead in plan order.
         self.posted: list = []
         self.ahead = 0
         self.nxt = 0
@@ -132,13 +158,49 @@ class _Exchange:
         mine, me = self.mine, self.comm.rank
         while self.nxt < len(mine) and (self.nxt <= i or self.ahead + mine[self.nxt].size <= self.half):
             q = mine[self.nxt]
-            buf = torch.empty(q.size + 1, dtype=torch.uint8)  # last byte: 1 = good data, 0 = reader failed
+            slot = self._slot(q)
+            if slot is False:
+                if self.nxt > i:
+                    break  # room comes free as span i and those before it land: post this one then
+                slot = None  # larger than the ring: read into host memory
+            # Last byte: 1 = good data, 0 = reader failed.
+            buf = torch.empty(q.size + 1, dtype=torch.uint8) if slot is None else slot.view
             if q.reader == me:
-                self.posted.append(("read", self.pool.submit(self._fetch_whole, self.by_id[q.sid], buf), buf))
+                self.posted.append(("read", self.pool.submit(self._fetch_whole, self.by_id[q.sid], buf), buf, slot))
             else:
-                self.posted.append(("recv", self.comm.irecv(buf, q.reader), buf))
+                self.posted.append(("recv", self.comm.irecv(buf, q.reader), buf, slot))
             self.ahead += q.size
             self.nxt += 1
+
+    def _slot(self, q) -> BounceSlot | None | bool:
+        """A bounce slot for span ``q``; None when its targets are not on the ring's device, False when no room comes free."""
+        r = self.by_id[q.sid]
+        if self.bounce is None or not self.bounce.serves(self.targets, [j.target for j in r.jobs]):
+            return None
+        got = self.bounce.slot(q.size + 1, strided_bytes(r, self.targets))
+        return False if got is None else got
+
+    def deliver(self, sp, buf: torch.Tensor, slot: BounceSlot | None, good: bool) -> None:
+        """Copy a good span into its targets (from its slot, queued on the device); land every slot, in order."""
+        r = self.by_id[sp.sid]
+        pairs: list = []
+        t0 = time.monotonic()
+        try:
+            if good and slot is None:
+                copy_timed(r, buf[: sp.size], self.targets, self.rec)
+            elif good:
+                pairs = copy_pairs(r, buf[: sp.size], self.targets)
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(e)
+        if slot is None:
+            return
+        holds, self.last_sends = self.last_sends, []
+        try:
+            self.bounce.land(slot, pairs, holds)
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(e)
+        if self.rec is not None and pairs:
+            self.rec.add("copy", t0, time.monotonic(), r.hi - r.lo)
 
     def finish_read(self, sp, work, buf: torch.Tensor) -> bool:
         """A span this rank read: send it (or the failure mark) to every other needer; whether it is good."""
@@ -150,9 +212,11 @@ class _Exchange:
             self.errors.append(e)
             buf[sp.size] = 0
             ok = False
+        self.last_sends = []
         for q in sp.needers:
             if q != self.comm.rank:
-                self.sends.append((self.comm.isend(buf, q), sp.size))
+                self.last_sends.append(_Send(self.comm.isend(buf, q)))
+                self.sends.append((self.last_sends[-1], sp.size))
                 self.in_flight += sp.size
                 self.stats.bytes_sent += sp.size
         while self.in_flight > self.half and self.sends:
