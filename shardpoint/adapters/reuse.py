@@ -10,8 +10,9 @@ part is built from (:meth:`~shardpoint.adapters.Adapter.fingerprint`), and
 the saver's cache (:class:`~shardpoint.saving.reuse.SaveCache`) reuses the
 part while the fingerprint is unchanged.
 
-The fingerprint is the object graph, not names: every submodule's parameter
-and buffer objects (by identity), each tensor's storage pointer, shape,
+The fingerprint is the object graph and the names in it: every submodule
+(by identity) with the names of its children, its parameter and buffer
+objects (by identity, with their names), each tensor's storage pointer, shape,
 strides and dtype (a ``param.data = ...`` swap keeps the object but changes
 these), the optimizer's parameter list, the parameters' names and the
 identity of every state tensor. Whatever the graph does not capture gives no
@@ -79,7 +80,7 @@ def module_fingerprint(m: nn.Module) -> tuple | None:
             return None
         ps = tuple((n, _tensor_fp(p)) for n, p in sub._parameters.items())
         bs = tuple((n, _tensor_fp(b)) for n, b in sub._buffers.items())
-        out.append((id(sub), len(sub._modules), ps, bs, frozenset(sub._non_persistent_buffers_set)))
+        out.append((id(sub), tuple(sub._modules), ps, bs, frozenset(sub._non_persistent_buffers_set)))
     return tuple(out)
 
 

@@ -83,6 +83,20 @@ def test_swapped_tensors_are_noticed(tmp_path):
     assert "optimizer" not in _check_no_stale.values
 
 
+def test_renamed_submodules_are_noticed(tmp_path):
+    m = nn.Module()
+    m.enc, m.dec = nn.Linear(4, 4), nn.Linear(4, 4)
+    saver = sp.AsyncSaver(staging_bytes=1 << 20)
+    saver.save(str(tmp_path / "a"), {"model": m}).wait()
+    enc, dec = m.enc, m.dec
+    # The same module objects under swapped names, in the same order: only the names changed.
+    m._modules.clear()
+    m.dec, m.enc = enc, dec
+    saver.save(str(tmp_path / "b"), {"model": m}).wait()
+    assert torch.equal(sp.read_tensor(str(tmp_path / "b"), "model.dec.weight"), enc.weight.detach())
+    assert torch.equal(sp.read_tensor(str(tmp_path / "b"), "model.enc.weight"), dec.weight.detach())
+
+
 def test_non_tensor_optimizer_state_is_not_reused(tmp_path):
     m = _model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
