@@ -12,8 +12,10 @@ and a barrier; the first two are the warm-up (the first builds the plan, the
 second the kept copy order). Printed per mode: the median and min of the
 warm calls on the slowest rank, on ``--world`` FSDP2 ranks and in one
 process, their ratio, and the goal (the ranks' call within 3x the one
-process's, plus 5 ms). Lazy calls leave the copy to a worker; eager calls
-include the copy of the state's bytes.
+process's, plus 5 ms), and the median CPU time the training thread spent in
+the call on each rank: where the ranks share fewer cores than they are, the
+call's wall time exceeds its CPU time. Lazy calls leave the copy to a
+worker; eager calls include the copy of the state's bytes.
 
     python bench/bench_call.py                       # 2 FSDP2 ranks, lazy and eager
     python bench/bench_call.py --world 4 --modes lazy --json call.json
@@ -47,21 +49,22 @@ def calls_job(rank: int, world: int, root: str, layout: str, mode: str, saves: i
     train_step(model, opt, 0, cfg)
     state = {"model": model, "optimizer": opt}
     saver = sp.AsyncSaver()
-    calls = []
+    calls, cpu = [], []
     try:
         for i in range(saves):
             train_step(model, opt, i + 1, cfg)
             saver.wait()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             handle = saver.save(os.path.join(root, f"{layout}_{mode}_{i}"), state, mode=mode)
             calls.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
             handle.fence()
         saver.wait()
     finally:
         saver.close()
     moments = sum(sum(1 for v in st.values() if hasattr(v, "shape") and v.dim() > 0) for st in opt.state.values())
-    return {"calls": calls, "tensors": len(list(model.parameters())) + moments}
+    return {"calls": calls, "cpu": cpu, "tensors": len(list(model.parameters())) + moments}
 
 
 def measure(world: int, layout: str, mode: str, args: argparse.Namespace) -> dict:
@@ -72,7 +75,9 @@ def measure(world: int, layout: str, mode: str, args: argparse.Namespace) -> dic
         ranks = launch(world, "bench_call:calls_job", {"root": root, "layout": layout, "mode": mode, "saves": args.saves,
                                                          "dim": args.dim, "layers": args.layers}, timeout=args.timeout)
     warm = [max(r["calls"][i] for r in ranks) for i in range(2, args.saves)]
-    return {"median_ms": statistics.median(warm) * 1e3, "min_ms": min(warm) * 1e3, "tensors": ranks[0]["tensors"]}
+    cpu = [statistics.median(r["cpu"][2:]) * 1e3 for r in ranks]
+    return {"median_ms": statistics.median(warm) * 1e3, "min_ms": min(warm) * 1e3, "tensors": ranks[0]["tensors"],
+            "cpu_ms_per_rank": cpu}
 
 
 def main() -> None:
@@ -100,6 +105,8 @@ def main() -> None:
               f"FSDP2 x{args.world} {ranks['median_ms']:6.2f} ms [min {ranks['min_ms']:.2f}]  "
               f"ratio {ranks['median_ms'] / one['median_ms']:.2f}x  goal <= {goal:.1f} ms: "
               f"{'met' if ranks['median_ms'] <= goal else 'NOT met'}  ({one['tensors']} tensors)", flush=True)
+        print(f"       training-thread CPU per call: one process {one['cpu_ms_per_rank'][0]:.2f} ms, "
+              f"per rank {', '.join(f'{c:.2f}' for c in ranks['cpu_ms_per_rank'])} ms", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
