@@ -99,8 +99,8 @@ def execute_shared(
             kind, work, buf, slot = ex.posted.pop(0)
             ex.ahead -= sp.size
             stats.shared_spans += 1
-            ok = ex.finish_read(sp, work, buf) if kind == "read" else ex.finish_recv(sp, work, buf)
-            ex.deliver(sp, buf, slot, ok and not errors)
+            ok, sends = ex.finish_read(sp, work, buf) if kind == "read" else (ex.finish_recv(sp, work, buf), ())
+            ex.deliver(sp, buf, slot, ok and not errors, sends)
         for h, _n in ex.sends:
             h.wait()
     finally:
@@ -137,7 +137,7 @@ class _Exchange:
 
     def __init__(self, job: ReadJob, comm, mine, by_id, errors, half, bounce: BounceRing | None = None):
         self.storage, self.comm, self.mine, self.by_id = job.storage, comm, mine, by_id
-        self.targets, self.bounce, self.last_sends = job.targets, bounce, []
+        self.targets, self.bounce = job.targets, bounce
         self.block, self.verify, self.where, self.stats, self.rec, self.errors = job.block, job.verify, job.where, job.stats, job.rec, errors
         self.half = half
         self.pool = ThreadPoolExecutor(max(1, job.threads), thread_name_prefix="shardpoint-shared")
@@ -180,7 +180,7 @@ class _Exchange:
         got = self.bounce.slot(q.size + 1, strided_bytes(r, self.targets))
         return False if got is None else got
 
-    def deliver(self, sp, buf: torch.Tensor, slot: BounceSlot | None, good: bool) -> None:
+    def deliver(self, sp, buf: torch.Tensor, slot: BounceSlot | None, good: bool, sends: Sequence = ()) -> None:
         """Copy a good span into its targets (from its slot, queued on the device); land every slot, in order."""
         r = self.by_id[sp.sid]
         pairs: list = []
@@ -194,16 +194,15 @@ class _Exchange:
             self.errors.append(e)
         if slot is None:
             return
-        holds, self.last_sends = self.last_sends, []
         try:
-            self.bounce.land(slot, pairs, holds)
+            self.bounce.land(slot, pairs, sends)  # the slot is read by the sends of its bytes too
         except Exception as e:  # noqa: BLE001
             self.errors.append(e)
         if self.rec is not None and pairs:
             self.rec.add("copy", t0, time.monotonic(), r.hi - r.lo)
 
-    def finish_read(self, sp, work, buf: torch.Tensor) -> bool:
-        """A span this rank read: send it (or the failure mark) to every other needer; whether it is good."""
+    def finish_read(self, sp, work, buf: torch.Tensor) -> tuple[bool, list[_Send]]:
+        """A span this rank read: send it (or the failure mark) to every other needer; whether it is good, and the sends."""
         ok = True
         try:
             work.result()
@@ -212,18 +211,18 @@ class _Exchange:
             self.errors.append(e)
             buf[sp.size] = 0
             ok = False
-        self.last_sends = []
+        sends = []
         for q in sp.needers:
             if q != self.comm.rank:
-                self.last_sends.append(_Send(self.comm.isend(buf, q)))
-                self.sends.append((self.last_sends[-1], sp.size))
+                sends.append(_Send(self.comm.isend(buf, q)))
+                self.sends.append((sends[-1], sp.size))
                 self.in_flight += sp.size
                 self.stats.bytes_sent += sp.size
         while self.in_flight > self.half and self.sends:
             h, n = self.sends.pop(0)
             h.wait()
             self.in_flight -= n
-        return ok
+        return ok, sends
 
     def finish_recv(self, sp, work, buf: torch.Tensor) -> bool:
         """A span another rank read: wait for it, check its mark and checksums; whether it is good."""
