@@ -20,7 +20,7 @@ Example (``CounterAdapter`` as in :class:`Adapter`'s example)::
 from __future__ import annotations
 
 from .base import Adapter, AdapterContext, ContextFacts, LoadPart, LoadTarget, ParamShard, ParamView, Replicas, SavePart, SaveTensor
-from .context import build_context, implied_rules, may_imply_rules, resolve_replicas
+from .context import StateFacts, build_context, gather_facts, implied_rules, may_imply_rules, resolve_replicas
 from .deepspeed.moe import deepspeed_expert_rules
 from .module import unwrap_module
 from .registry import adapter_for, default_adapters, register_adapter, registered_adapters, unregister_adapter
@@ -38,6 +38,8 @@ __all__ = [
     "ParamView",
     "Replicas",
     "build_context",
+    "gather_facts",
+    "StateFacts",
     "implied_rules",
     "may_imply_rules",
     "resolve_replicas",

@@ -357,11 +357,10 @@ class Adapter(abc.ABC):
     def fingerprint(self, key: str, obj: Any, ctx: AdapterContext) -> Hashable | None:
         """What :meth:`save` builds ``obj``'s part from, for a repeated save to compare.
 
-        A saver keeps the part with this fingerprint and reuses it while the
-        fingerprint of the next save is equal (see
-        :class:`~shardpoint.saving.reuse.SaveCache`); it must therefore change
-        whenever :meth:`save` would return other tensors or another value. By
-        default there is none (``None``): the part is built at every save.
+        A saver reuses the part, context facts and live tensors kept with it
+        while the next save's is equal (:class:`~shardpoint.saving.reuse.SaveCache`),
+        so it changes whenever :meth:`save`, :meth:`context_facts` or
+        :meth:`step_updates` would give something else. By default: ``None``.
         """
         return None
 

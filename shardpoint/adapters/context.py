@@ -12,12 +12,13 @@ copies of plain tensors, for layouts where that is not the whole group
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .base import AdapterContext, ParamShard, ParamView, Replicas
+from .base import Adapter, AdapterContext, ParamShard, ParamView, Replicas
 from .registry import default_adapters
 
-__all__ = ["build_context", "may_imply_rules", "implied_rules", "resolve_replicas", "resolve_patterns", "is_name_pattern"]
+__all__ = ["StateFacts", "gather_facts", "build_context", "may_imply_rules", "implied_rules", "resolve_replicas", "resolve_patterns", "is_name_pattern"]
 
 
 def _global_rank() -> int:
@@ -104,6 +105,73 @@ def resolve_replicas(replicated_over: Any, keys: Sequence[str]) -> dict[str, Rep
     return {k: r for k in keys}
 
 
+@dataclass(frozen=True)
+class StateFacts:
+    """The entries' :class:`ContextFacts` of one state, merged, and which adapter gave each entry's.
+
+    ``answered`` maps each state key to the adapter whose
+    :meth:`~shardpoint.adapters.Adapter.context_facts` answered for it
+    (``None``: none did). A saver keeps these across saves: while every
+    entry that gave facts is the same object, claimed by the adapter that
+    gave them, with an unchanged fingerprint, they are the same facts
+    (:mod:`shardpoint.saving.prepare`).
+
+    Example::
+
+        facts = gather_facts({"model": model, "optimizer": opt})
+        facts.answered["model"].name  # 'module'
+    """
+
+    names: Mapping[int, str]
+    views: Mapping[int, tuple[ParamView, ...]]
+    shards: Mapping[int, ParamShard]
+    live: Mapping[int, frozenset[str]]
+    answered: Mapping[str, Adapter | None]
+
+    def context(self, rank: int, world: int, allow_pickle: bool = False, replicated_over: Any = None,
+                keys: Sequence[str] = ()) -> AdapterContext:
+        """The :class:`AdapterContext` of these facts for one save or load (``keys``: the state's, for ``replicated_over``).
+
+        Example::
+
+            ctx = facts.context(rank=0, world=1)
+        """
+        return AdapterContext(
+            rank, world, self.names, allow_pickle, self.views, resolve_replicas(replicated_over, list(keys)),
+            resolve_patterns(replicated_over), self.live, self.shards,
+        )
+
+
+def gather_facts(state: Mapping[str, Any], adapters: Sequence[Adapter] | None = None) -> StateFacts:
+    """Every entry's facts, from the first of ``adapters`` (default: the registered ones) that answers for it.
+
+    A parameter named by an earlier entry keeps that name.
+
+    Example::
+
+        gather_facts({"model": model}).names[id(model.weight)]  # 'model.weight'
+    """
+    adapters = default_adapters() if adapters is None else adapters
+    names: dict[int, str] = {}
+    views: dict[int, tuple[ParamView, ...]] = {}
+    shards: dict[int, ParamShard] = {}
+    live: dict[int, frozenset[str]] = {}
+    answered: dict[str, Adapter | None] = {}
+    for key, obj in state.items():
+        answered[key], facts = next(((a, f) for a in adapters if (f := a.context_facts(key, obj, state)) is not None), (None, None))
+        if facts is None:
+            continue
+        for i, name in facts.names.items():
+            names.setdefault(i, name)
+        for i, v in facts.views.items():
+            views.setdefault(i, v)
+        for i, sh in facts.shards.items():
+            shards.setdefault(i, sh)
+        for i, ks in facts.live_group_keys.items():
+            live[i] = live.get(i, frozenset()) | ks
+    return StateFacts(names, views, shards, live, answered)
+
+
 def build_context(
     state: Mapping[str, Any], rank: int, world: int, allow_pickle: bool = False, replicated_over: Any = None
 ) -> AdapterContext:
@@ -118,27 +186,7 @@ def build_context(
         ctx = build_context({"model": model, "optimizer": opt}, rank=0, world=1)
         ctx.param_names[id(model.weight)]  # 'model.weight'
     """
-    adapters = default_adapters()
-    names: dict[int, str] = {}
-    views: dict[int, tuple[ParamView, ...]] = {}
-    shards: dict[int, ParamShard] = {}
-    live: dict[int, frozenset[str]] = {}
-    for key, obj in state.items():
-        facts = next((f for a in adapters if (f := a.context_facts(key, obj, state)) is not None), None)
-        if facts is None:
-            continue
-        for i, name in facts.names.items():
-            names.setdefault(i, name)
-        for i, v in facts.views.items():
-            views.setdefault(i, v)
-        for i, sh in facts.shards.items():
-            shards.setdefault(i, sh)
-        for i, ks in facts.live_group_keys.items():
-            live[i] = live.get(i, frozenset()) | ks
-    return AdapterContext(
-        rank, world, names, allow_pickle, views, resolve_replicas(replicated_over, list(state)),
-        resolve_patterns(replicated_over), live, shards,
-    )
+    return gather_facts(state).context(rank, world, allow_pickle, replicated_over, list(state))
 
 
 def may_imply_rules(state: Mapping[str, Any]) -> bool:

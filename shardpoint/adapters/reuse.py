@@ -41,11 +41,14 @@ _STRIDED = torch.strided
 
 
 def _tensor_fp(t: Any) -> tuple | None:
-    if not isinstance(t, torch.Tensor):
-        return None
     local = getattr(t, "_local_tensor", None)  # a DTensor's shard
-    x = local if local is not None else t
-    if x.layout is not _STRIDED:  # sparse and other layouts have no single storage to compare
+    if local is not None:
+        x = local
+    elif isinstance(t, torch.Tensor):
+        x = t
+    else:
+        return None
+    if getattr(x, "layout", None) is not _STRIDED:  # sparse and other layouts have no single storage to compare
         return None
     return (id(t), id(local), x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
 

@@ -46,7 +46,7 @@ Example::
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -55,7 +55,7 @@ from ..device import CopyEvent, CpuDevice, Device, device_for
 from ..errors import TornSnapshotError
 
 __all__ = [
-    "SnapshotGuard", "GuardedTensor", "Verdict", "QueuedComparison", "torn_error", "SAMPLE_ELEMENTS", "FINGERPRINTED",
+    "SnapshotGuard", "Watch", "GuardedTensor", "Verdict", "QueuedComparison", "torn_error", "SAMPLE_ELEMENTS", "FINGERPRINTED",
     "largest",
 ]
 
@@ -90,19 +90,27 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         return to_local()
 
 
+def _sample_view(t: torch.Tensor) -> torch.Tensor | None:
+    """The strided view of ``t``'s data that its fingerprint copies, or None where sampling is not cheap and exact."""
+    t = _local(t)
+    if t.device.type == "meta" or not t.is_contiguous() or t.numel() == 0:
+        return None
+    flat = t.reshape(-1)
+    return flat[::max(1, flat.numel() // SAMPLE_ELEMENTS)]
+
+
+def _sampled(view: torch.Tensor) -> torch.Tensor:
+    # Compared as bytes: NaN equals itself, and -0.0 differs from 0.0.
+    return view.clone().view(torch.uint8)
+
+
 def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
     """A strided sample of ``t``'s raw bytes, or None where sampling is not cheap and exact.
 
     On an accelerator the sample is queued on the caller's device queue: no wait here.
     """
-    t = _local(t)
-    if t.device.type == "meta" or not t.is_contiguous() or t.numel() == 0:
-        return None
-    flat = t.reshape(-1)
-    stride = max(1, flat.numel() // SAMPLE_ELEMENTS)
-    sample = flat[::stride].clone()
-    # Compared as bytes: NaN equals itself, and -0.0 differs from 0.0.
-    return sample.view(torch.uint8)
+    view = _sample_view(t)
+    return None if view is None else _sampled(view)
 
 
 def largest(tensors: Iterable[torch.Tensor], n: int = FINGERPRINTED) -> frozenset[int]:
@@ -114,6 +122,49 @@ def largest(tensors: Iterable[torch.Tensor], n: int = FINGERPRINTED) -> frozense
     """
     sizes = [_local(t).numel() for t in tensors]
     return frozenset(heapq.nlargest(n, range(len(sizes)), key=sizes.__getitem__))
+
+
+@dataclass(frozen=True)
+class Watch:
+    """What a guard watches: names and tensors, in parallel, and the positions it samples.
+
+    Made once per kept copy order (:mod:`shardpoint.saving.copy_order`), so
+    a repeated save only reads versions and takes its samples.
+
+    Example::
+
+        watch = Watch.of([("model.w", w)]); watch.names  # ('model.w',)
+    """
+
+    names: tuple[str, ...] = ()
+    tensors: tuple[torch.Tensor, ...] = ()
+    sampled: frozenset[int] = frozenset()
+    views: Mapping[int, torch.Tensor | None] | None = None
+
+    def steady(self) -> "Watch":
+        """This watch with the views its samples copy made now, for a watch kept while its tensors stay put.
+
+        Only for a watch kept while every tensor keeps its storage, shape and
+        strides (a saver's copy order, while the entries' fingerprints hold):
+        a view made now then still views the data a fresh one would.
+
+        Example::
+
+            watch = Watch.of([("model.w", w)]).steady()
+        """
+        return replace(self, views={i: _sample_view(self.tensors[i]) for i in sorted(self.sampled)})
+
+    @staticmethod
+    def of(pairs: Iterable[tuple[str, torch.Tensor]], sampled: frozenset[int] | None = None) -> "Watch":
+        """The watch of ``(name, tensor)`` pairs; ``sampled`` defaults to the :func:`largest`.
+
+        Example::
+
+            Watch.of([("a", a), ("b", b)], frozenset({1}))
+        """
+        pairs = tuple(pairs)
+        tensors = tuple(t for _, t in pairs)
+        return Watch(tuple(n for n, _ in pairs), tensors, largest(tensors) if sampled is None else frozenset(sampled))
 
 
 class SnapshotGuard:
@@ -146,13 +197,22 @@ class SnapshotGuard:
 
             guard = SnapshotGuard.record([("model.w", w), ("optimizer.state.model.w.exp_avg", m)])
         """
-        pairs = list(tensors)
-        names = [n for n, _ in pairs]
-        ts = [t for _, t in pairs]
-        if sampled is None:
-            sampled = largest(ts)
-        prints = {i: fp for i in sorted(sampled) if (fp := _fingerprint(ts[i])) is not None}
-        return cls(names, ts, [t._version for t in ts], prints, device)
+        return cls.take(Watch.of(tensors, sampled), device)
+
+    @classmethod
+    def take(cls, watch: Watch, device: Device | None = None) -> "SnapshotGuard":
+        """Watch ``watch``'s tensors as they are now: their versions, and samples of those it samples.
+
+        Example::
+
+            guard = SnapshotGuard.take(Watch.of([("model.w", w)]))
+        """
+        ts = watch.tensors
+        if watch.views is not None:
+            prints = {i: _sampled(v) for i, v in watch.views.items() if v is not None}
+        else:
+            prints = {i: fp for i in sorted(watch.sampled) if (fp := _fingerprint(ts[i])) is not None}
+        return cls(watch.names, ts, [t._version for t in ts], prints, device)
 
     @property
     def watched(self) -> list[GuardedTensor]:

@@ -23,13 +23,13 @@ from ..adapters.stepped import StepUpdates, step_updates
 from .handle import AsyncSaveHandle
 from ..dist import run_guarded
 from ..engine.pipeline import StagedWrite
-from ..engine.snapshot_guard import SnapshotGuard
+from ..engine.snapshot_guard import SnapshotGuard, Watch
 from ..engine.staging import SaverStaging, StagingRing
 from ..errors import CheckpointError, GraphCaptureError
 from ..planning.describe import RankReport
 from .agree import AgreedFailure, unwrap
 from .copy_order import CopyOrder, copy_order
-from .reuse import SameItems, SaveCache
+from .reuse import Same, SameItems, SaveCache
 from .incremental import open_base, resolve_base
 from .staged_base import StagedReuse
 from ..items import dtype_name
@@ -49,9 +49,9 @@ class Staging:
     ``write``: the staged data file (``None``: nothing of this rank's to
     write, or its preparation failed); its items ``[0, split)`` are copied
     before the call returns, the rest lazily. ``deferred``: replica digests
-    left for the lazy worker. ``live``: the tensors the steps update, which
-    a lazy save's guard watches (empty for an eager save), and ``sampled``
-    the positions among them the guard fingerprints.
+    left for the lazy worker. ``watch``: the tensors the steps update, which
+    a lazy save's guard watches (none for an eager save), and the positions
+    among them it samples.
 
     Example::
 
@@ -63,8 +63,7 @@ class Staging:
     write: StagedWrite | None = None
     split: int = 0
     deferred: bool = False
-    live: tuple = ()
-    sampled: frozenset[int] = frozenset()
+    watch: Watch = Watch()
     eager_nbytes: int = 0
 
     @property
@@ -111,16 +110,16 @@ class BackgroundSave(SaveTransaction):
 
     def stage(self, staging: SaverStaging, piece_bytes: int) -> AsyncSaveHandle:
         """Size the staging ring for this save, order what it copies, and make the handle."""
-        order, live = CopyOrder((), 0, frozenset()), ()
+        order = CopyOrder((), 0)
         if self.prepared.ok:
             ordered = run_guarded(self._copy_order)
             if ordered.ok:
-                order, live = ordered.value
+                order = ordered.value
                 ordered = run_guarded(functools.partial(self._refuse_capture, staging.serve(order.devices)))
             if not ordered.ok:  # as a failed preparation: the other ranks still meet this one at the commit
                 if self.comm.world == 1:
                     raise ordered.exc
-                self.prepared, order = ordered, CopyOrder((), 0, frozenset())
+                self.prepared, order = ordered, CopyOrder((), 0)
         ring = staging.ring_for(order.nbytes)
         ring.reopen()
         handle = AsyncSaveHandle(self.where, self.result, device=ring.device)
@@ -140,20 +139,34 @@ class BackgroundSave(SaveTransaction):
             write = StagedWrite(self.storage, name, list(order.items), ring, self.comm.rank, self.options.block_size, piece_bytes,
                                 recorder=self.result.recorder)
             write.after = ring.device.snapshot_point()  # here, on the training thread: copies read the state as of the call
-        self.staging = Staging(handle, ring, write, order.split, deferred, live, order.sampled, order.eager_nbytes)
+        self.staging = Staging(handle, ring, write, order.split, deferred, order.watch, order.eager_nbytes)
         return handle
 
-    def _copy_order(self) -> tuple[CopyOrder, tuple]:
-        """What to copy in which order, and the live tensors the steps update (empty unless part of the save is lazy).
+    def _copy_order(self) -> CopyOrder:
+        """What to copy in which order, with the live tensors the steps update (none unless part of the save is lazy).
 
-        The order is kept by the saver while the plan's items and the live tensors are the same objects.
+        The order is kept by the saver while the plan's items are the same
+        objects and so are the stepped entries' kept parts (or, without
+        them, the live tensors).
         """
         mine = self.plan.mine
-        lazy = frozenset(self.plan.lazy_ok) if self.mode == "lazy" and not self._graph_stepped() else frozenset()
-        live = tuple(self.updates.live(self.plan.context)) if lazy else ()
-        fingerprint = (SameItems(mine), lazy, SameItems(t for _, t in live))
+        lazy = self.plan.lazy_ok if self.mode == "lazy" and not self._graph_stepped() else frozenset()
         cache = self.cache if self.cache is not None else SaveCache()
-        return cache.reuse("copy order", fingerprint, lambda: copy_order(mine, lazy, live))[0], live
+        parts = self._stepped_parts(cache) if lazy else ()
+        if parts is not None:  # the same parts: every live tensor keeps its storage, shape and strides
+            fingerprint = (Same(mine), lazy, SameItems(parts))
+            return cache.reuse("copy order", fingerprint, lambda: copy_order(mine, lazy, self._live(lazy), steady=True))[0]
+        live = self._live(lazy)
+        fingerprint = (Same(mine), lazy, SameItems(t for _, t in live))
+        return cache.reuse("copy order", fingerprint, lambda: copy_order(mine, lazy, live))[0]
+
+    def _live(self, lazy: frozenset[str]) -> tuple:
+        return tuple(self.updates.live(self.plan.context)) if lazy else ()
+
+    def _stepped_parts(self, cache: SaveCache) -> tuple | None:
+        """The parts this save kept for its stepped entries; ``None`` if one has none (it is made at every save)."""
+        parts = tuple(cache.kept(("part", key)) for key, _obj, _adapter in self.updates.stepped)
+        return None if any(p is None for p in parts) else parts
 
     @functools.cached_property
     def updates(self) -> StepUpdates:
@@ -221,8 +234,8 @@ class BackgroundSave(SaveTransaction):
         if not st.lazy:
             handle.mark_copied()
             return
-        live = st.live or tuple(self.updates.live(self.plan.context))
-        handle.guard(SnapshotGuard.record(live, st.ring.device, st.sampled if st.live else None))
+        watch = st.watch if st.watch.tensors else Watch.of(self.updates.live(self.plan.context))
+        handle.guard(SnapshotGuard.take(watch, st.ring.device))
         if write is not None and st.split < len(write.items):
             handle.queue_copies_with(self.queue_lazy)
         for hook in self.updates.add_pre_hooks(handle.step_pre_hook):

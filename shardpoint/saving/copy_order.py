@@ -12,8 +12,10 @@ Between two checkpoints of one run nothing of that changes, so a saver keeps
 the result under the one reuse rule (:mod:`shardpoint.saving.reuse`): its
 fingerprint is the save plan it was made from (by identity: a reused plan
 holds the very same tensors), whether the lazy part is copied lazily, and
-the live tensors, by identity and in order (with them, the bytes to copy
-and the device they are on, facts of the same tensors). The order and the samples only
+the live tensors, which it holds: found again only where a stepped entry's
+part was made anew (see the slot's fingerprint in :mod:`shardpoint.saving.reuse`;
+with them, the bytes to copy and the device they are on, facts of the same
+tensors). The order and the samples only
 make the save faster and its guard sharper; what is copied and what is
 checked at the fence is the same with any order.
 
@@ -31,7 +33,7 @@ from typing import Sequence
 import torch
 
 from ..device.tensors import devices_of
-from ..engine.snapshot_guard import largest
+from ..engine.snapshot_guard import Watch
 from ..engine.staging import optimizer_order
 from ..items import SaveTensor
 
@@ -40,9 +42,10 @@ __all__ = ["CopyOrder", "copy_order"]
 
 @dataclass(frozen=True)
 class CopyOrder:
-    """What one save copies, in order: ``items[:split]`` at the call, the rest lazily; ``sampled``: the guard's samples.
+    """What one save copies, in order: ``items[:split]`` at the call, the rest lazily; ``watch``: what its guard watches.
 
-    ``sampled`` holds positions in the live tensors the order was made from;
+    ``watch`` holds the live tensors the steps update, in their order, and
+    the positions among them the guard samples;
     ``lazy`` the names copied lazily wherever they are written (replica
     digests of them wait for the lazy worker too);
     ``nbytes`` and ``eager_nbytes`` count all items and the first ``split``;
@@ -51,12 +54,12 @@ class CopyOrder:
 
     Example::
 
-        CopyOrder((a, b), 1, frozenset({0})).items[1]  # copied lazily
+        CopyOrder((a, b), 1, Watch.of([("b", b)])).items[1]  # copied lazily
     """
 
     items: tuple[SaveTensor, ...]
     split: int
-    sampled: frozenset[int]
+    watch: Watch = Watch()
     lazy: frozenset[str] = frozenset()
     nbytes: int = 0
     eager_nbytes: int = 0
@@ -65,8 +68,12 @@ class CopyOrder:
 
 
 def copy_order(mine: Sequence[SaveTensor], lazy: set[str] | frozenset[str],
-               live: Sequence[tuple[str, torch.Tensor]]) -> CopyOrder:
+               live: Sequence[tuple[str, torch.Tensor]], steady: bool = False) -> CopyOrder:
     """This rank's items with the ``lazy`` names last, in the order the steps update ``live``.
+
+    ``steady``: the order is kept only while every live tensor keeps its
+    storage, shape and strides, so its guard's sample views are made once
+    (:meth:`~shardpoint.engine.snapshot_guard.Watch.steady`).
 
     Example::
 
@@ -79,5 +86,6 @@ def copy_order(mine: Sequence[SaveTensor], lazy: set[str] | frozenset[str],
     split = len(items) - len(later)
     sizes = [t.nbytes for t in items]
     devices = devices_of(t.data for t in items)
-    return CopyOrder(items, split, largest(t for _, t in live), frozenset(lazy), sum(sizes), sum(sizes[:split]),
+    watch = Watch.of(live)
+    return CopyOrder(items, split, watch.steady() if steady else watch, frozenset(lazy), sum(sizes), sum(sizes[:split]),
                      devices[0] if devices else torch.device("cpu"), devices)

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..adapters import AdapterContext, SaveTensor, adapter_for, build_context, default_adapters, implied_rules, may_imply_rules
+from ..adapters import AdapterContext, SaveTensor, StateFacts, adapter_for, default_adapters, gather_facts, implied_rules, may_imply_rules
 from ..adapters.stepped import step_updates
 from ..dist import Comm
 from ..engine.commit import write_index
@@ -37,7 +37,7 @@ from ..runtime.rank_local import rank_local_tensors
 from ..storage import Storage
 from .agree import AgreedFailure, Gate, Proposal, agree_save
 from .options import SaveOptions
-from .replicas import PendingTable, pending_table
+from .replicas import PendingTable, pending_table, replica_checked
 from .result import SaveResult
 from .reuse import Same, SameItems, SaveCache
 
@@ -130,8 +130,11 @@ def prepare_save(
             gate.close()  # no exchange before the write: a rank that fails reports at the commit
         rules = [*options.layouts, *implied_rules(state)]  # what the frameworks imply (MoE experts: at their global index)
         ta = time.monotonic()
-        ctx = build_context(state, comm.rank, comm.world, options.allow_pickle, options.replicated_over)
-        tensors, values, frameworks = _parts(state, ctx, rules, cache := cache or SaveCache())
+        cache = cache or SaveCache()
+        adapters = default_adapters()
+        claimed = {key: adapter_for(obj, adapters) for key, obj in state.items()}
+        ctx, known = _context(state, comm, options, adapters, claimed, cache)
+        tensors, values, frameworks = _parts(state, ctx, rules, cache, claimed, known)
         job = _Job(state, ctx, rules, comm, gate, where, rank_local, declared)
         plan, table, result.plan_cached = _checked_plan(job, tensors, cache)
         mark_phase(result, "plan", ta)
@@ -148,19 +151,73 @@ def prepare_save(
         raise
 
 
+def _context(state, comm: Comm, options: SaveOptions, adapters: list, claimed: dict, cache: SaveCache) -> tuple[AdapterContext, dict]:
+    """The save's adapter context, and the fingerprints of the entries whose adapters gave its facts.
+
+    The facts (parameter names, views, shards) of the kept context are
+    reused while they hold: the same registry, the same entries (objects,
+    types and claiming adapters), and every entry that gave facts, given
+    them by the adapter that claims it, with an unchanged fingerprint
+    (:meth:`~shardpoint.adapters.Adapter.fingerprint` covers what
+    :meth:`~shardpoint.adapters.Adapter.context_facts` reads). Replica facts
+    come from this save's options.
+    """
+    def context_of(facts: StateFacts) -> AdapterContext:
+        return facts.context(comm.rank, comm.world, options.allow_pickle, options.replicated_over, list(state))
+
+    kept = cache.kept("facts")
+    if kept is not None:
+        facts, kept_fps = kept
+        ctx = context_of(facts)
+        fps = _facts_fingerprints(state, facts, claimed, ctx)
+        if fps is not None and cache.holds("facts", _facts_fingerprint(state, adapters, claimed, fps)):
+            # Equal to this save's: the kept ones, so that the parts' fingerprints compare them by identity.
+            return ctx, kept_fps
+    facts = gather_facts(state, adapters)
+    ctx = context_of(facts)
+    fps = _facts_fingerprints(state, facts, claimed, ctx)
+    cache.keep("facts", None if fps is None else _facts_fingerprint(state, adapters, claimed, fps), (facts, fps))
+    return ctx, fps or {}
+
+
+def _facts_fingerprints(state, facts: StateFacts, claimed: dict, ctx: AdapterContext) -> dict | None:
+    """The fingerprint of each entry that gave ``facts``; ``None`` where they cannot be kept.
+
+    Facts given by an adapter other than the one claiming the entry, or by
+    an entry without a fingerprint, are gathered again at every save.
+    """
+    fps = {}
+    for key, obj in state.items():
+        by = facts.answered.get(key)
+        if by is None:
+            continue
+        if by is not claimed[key] or (fp := by.fingerprint(key, obj, ctx)) is None:
+            return None
+        fps[key] = fp
+    return fps
+
+
+def _facts_fingerprint(state, adapters: list, claimed: dict, fps: dict) -> tuple:
+    objs = tuple(state.values())
+    return (SameItems(adapters), tuple(state), SameItems(objs), tuple(map(type, objs)), SameItems(claimed.values()),
+            tuple(fps.items()))
+
+
 def _replica_facts(ctx: AdapterContext) -> tuple:
     return (ctx.rank, ctx.world, ctx.allow_pickle, tuple(sorted(ctx.replicas.items())), ctx.patterns)
 
 
-def _parts(state, ctx: AdapterContext, rules, cache: SaveCache) -> tuple[list[SaveTensor], dict, dict]:
-    """Every entry's tensors, values and framework names, each entry's part reused while its fingerprint holds."""
-    adapters = default_adapters()
+def _parts(state, ctx: AdapterContext, rules, cache: SaveCache, claimed: dict, known: dict) -> tuple[list[SaveTensor], dict, dict]:
+    """Every entry's tensors, values and framework names, each entry's part reused while its fingerprint holds.
+
+    ``known``: fingerprints already made under ``ctx`` (by :func:`_context`).
+    """
     tensors: list[SaveTensor] = []
     values, frameworks = {}, {}
     facts = _replica_facts(ctx)
     for key, obj in state.items():
-        adapter = adapter_for(obj, adapters)
-        fp = adapter.fingerprint(key, obj, ctx)
+        adapter = claimed[key]
+        fp = known[key] if key in known else adapter.fingerprint(key, obj, ctx)
         part, hit = cache.reuse(("part", key), None if fp is None else (obj, adapter.name, facts, fp),
                                 lambda: adapter.save(key, obj, ctx))
         if hit:
@@ -192,17 +249,18 @@ def _checked_plan(job: _Job, tensors: list[SaveTensor], cache: SaveCache) -> tup
     made: list = []
     plan, hit = cache.reuse("checked", fingerprint, lambda: _check_and_plan(job, tensors, cache, made))
     if hit:
-        return plan, _replicas_again(plan, job), True
+        return plan, _replicas_again(plan, job, cache), True
     if len(plan.tensors) != len(tensors) or any(a is not b for a, b in zip(plan.tensors, tensors)):
         cache.forget("checked")  # renamed or cut by the checks: made from more than the tensors
     table, writers_reused = made
     return plan, table, writers_reused
 
 
-def _replicas_again(plan: SavePlan, job: _Job) -> PendingTable | None:
+def _replicas_again(plan: SavePlan, job: _Job, cache: SaveCache) -> PendingTable | None:
     """The pending table of a reused plan; declared groups still run their agreement (every rank exchanges alike)."""
     if not job.declared:
-        return pending_table(plan.tensors, job.comm)
+        held = cache.reuse("held", Same(plan.tensors), lambda: replica_checked(plan.tensors))[0]
+        return pending_table(held, job.comm)
     return agree_save(Proposal.of(plan.tensors, plan.lazy_ok, (), job.comm.world), job.comm, job.gate).replicas
 
 

@@ -52,7 +52,7 @@ from ..planning.replicas import (
 
 __all__ = [
     "COPY_MARK", "Row", "ReplicaTable", "rows_of", "table_of", "PendingTable", "mismatches", "copied_names", "encode_rows", "suspicious",
-    "copy_name", "parse_copy_name", "pending_table",
+    "copy_name", "parse_copy_name", "pending_table", "replica_checked",
 ]
 
 
@@ -60,6 +60,16 @@ def _checked(t: SaveTensor) -> bool:
     # Copies compared: every replicated piece, and plain tensors a rank holds alone
     # (another group may hold the same name: see copied_names).
     return t.replica_count > 1 or t.placement == "local"
+
+
+def replica_checked(tensors: Iterable[SaveTensor]) -> tuple[SaveTensor, ...]:
+    """The tensors of ``tensors`` whose copies the replica check compares (a :class:`PendingTable` of them is the same).
+
+    Example::
+
+        held = replica_checked(plan.tensors)  # kept with the plan by a repeated save
+    """
+    return tuple(t for t in tensors if _checked(t))
 
 
 def rows_of(tensors: Iterable[SaveTensor], digests: bool = True) -> list[Row]:
@@ -118,7 +128,7 @@ class PendingTable:
     """
 
     def __init__(self, tensors: Iterable[SaveTensor], digests: bool = True):
-        self.tensors = [t for t in tensors if _checked(t)]
+        self.tensors = list(replica_checked(tensors))
         self.digests = digests
         self.found: list[tuple | None] = [None] * len(self.tensors)
         self.later: list[int] = []

@@ -17,6 +17,12 @@ a writer choice, a description): nothing assigns to them after they are
 kept, and a save that needs more makes a new value from them. The slots and
 their fingerprints are:
 
+- the context facts (``"facts"``, see
+  :class:`~shardpoint.adapters.context.StateFacts`): the registry, the
+  state's keys, objects (by identity), their types and claiming adapters,
+  and the fingerprint of each entry whose adapter gave facts (made under
+  the kept facts, so it holds exactly when those facts would be given
+  again);
 - an entry's part (``("part", key)``): the object itself, its adapter, the
   context's replica facts and the adapter's
   :meth:`~shardpoint.adapters.Adapter.fingerprint` (the object graph);
@@ -26,12 +32,16 @@ their fingerprints are:
   and declares groups;
 - the writer choice (``"plan"``): the tensors' names, shapes, dtypes,
   geometry and replica facts (:func:`~shardpoint.planning.writers.plan_signature`);
+- the tensors a reused plan's replica check compares (``"held"``): the
+  plan's tensors (by identity);
 - the description (``"described"``): the plan it describes (by identity)
   and the rank, world and group it is described on;
 - an asynchronous save's copy order (``"copy order"``, see
-  :mod:`shardpoint.saving.copy_order`): the items this rank writes (by
-  identity), the names it copies lazily, and the live tensors the steps
-  update (by identity, in order).
+  :mod:`shardpoint.saving.copy_order`), which holds the live tensors the
+  steps update: the items this rank writes (by identity), the names it
+  copies lazily, and the kept parts of the stepped entries (by identity: a
+  part reused means the same parameters, names and state); where a stepped
+  entry has no kept part, the live tensors themselves (by identity, in order).
 
 A save's :attr:`~shardpoint.SaveResult.plan_cached` says one thing: its
 writer choice was reused, from the checked plan or from the writer choice
@@ -121,16 +131,49 @@ class SaveCache:
         Returns the result and whether it was reused. Fingerprints are
         compared with ``==`` (objects in them by identity first), never hashed.
         """
-        kept = self._kept.get(slot)
-        if fingerprint is not None and kept is not None and kept[0] == fingerprint:
-            self.reused[slot[0] if isinstance(slot, tuple) else slot] += 1
-            return kept[1], True
+        if self.holds(slot, fingerprint):
+            return self._kept[slot][1], True
         value = make()
+        self.keep(slot, fingerprint, value)
+        return value, False
+
+    def holds(self, slot: Hashable, fingerprint: Any) -> bool:
+        """Whether ``slot`` keeps a result made under a fingerprint equal to ``fingerprint`` (counted as a reuse).
+
+        Example::
+
+            if cache.holds("facts", fp): facts = cache.kept("facts")
+        """
+        kept = self._kept.get(slot)
+        if fingerprint is None or kept is None or not kept[0] == fingerprint:
+            return False
+        self.reused[slot[0] if isinstance(slot, tuple) else slot] += 1
+        return True
+
+    def kept(self, slot: Hashable) -> Any | None:
+        """The result ``slot`` keeps, whatever its fingerprint (``None``: nothing kept).
+
+        For a result whose fingerprint is made with the kept result's help:
+        the caller makes it, then asks :meth:`holds`.
+
+        Example::
+
+            facts = cache.kept("facts")
+        """
+        kept = self._kept.get(slot)
+        return None if kept is None else kept[1]
+
+    def keep(self, slot: Hashable, fingerprint: Any, value: Any) -> None:
+        """Keep ``value`` in ``slot`` under ``fingerprint``; a ``None`` fingerprint keeps nothing there.
+
+        Example::
+
+            cache.keep("facts", fp, facts)
+        """
         if fingerprint is None:
             self._kept.pop(slot, None)
         else:
             self._kept[slot] = (fingerprint, value)
-        return value, False
 
     def forget(self, slot: Hashable) -> None:
         """Drop what ``slot`` keeps: a result found to depend on more than its fingerprint is not kept.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -149,3 +150,108 @@ def test_changing_plain_entries_keep_the_parts_and_the_plan(tmp_path):
     state = {"model": m2, "optimizer": opt2, "step": -1, "meta": {}}
     sp.load(str(tmp_path / "s2"), state)
     assert state["step"] == 2 and state["meta"] == {"i": [2]}
+
+
+def test_context_facts_are_reused_while_the_modules_hold(tmp_path):
+    m = nn.Module()
+    m.enc, m.dec = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m.dec(m.enc(torch.randn(2, 4))).sum().backward()
+    opt.step()
+    saver = sp.AsyncSaver(staging_bytes=1 << 20)
+    for i in range(3):
+        saver.save(str(tmp_path / f"s{i}"), {"model": m, "optimizer": opt}).wait()
+    assert saver._plan_cache.reused["facts"] == 2
+    # The same modules under swapped names: the optimizer's state follows the new names.
+    enc, dec = m.enc, m.dec
+    m._modules.clear()
+    m.dec, m.enc = enc, dec
+    saver.save(str(tmp_path / "swapped"), {"model": m, "optimizer": opt}).wait()
+    assert saver._plan_cache.reused["facts"] == 2  # gathered again
+    got = sp.read_tensor(str(tmp_path / "swapped"), "optimizer.state.model.dec.weight.exp_avg")
+    assert torch.equal(got, opt.state[enc.weight]["exp_avg"])
+    got = sp.read_tensor(str(tmp_path / "swapped"), "optimizer.state.model.enc.weight.exp_avg")
+    assert torch.equal(got, opt.state[dec.weight]["exp_avg"])
+
+
+def test_facts_an_adapter_gives_for_an_entry_it_does_not_claim_are_gathered_every_time(tmp_path):
+    from shardpoint.adapters import Adapter, ContextFacts, register_adapter, unregister_adapter
+
+    asked = []
+
+    class GroupKeys(Adapter):
+        """Claims nothing; declares a live param-group key of every torch optimizer."""
+
+        name = "group-keys"
+
+        def claims(self, obj):
+            return False
+
+        def save(self, key, obj, ctx):  # pragma: no cover - claims nothing
+            raise AssertionError
+
+        def load(self, key, obj, doc, tensors, ctx, where="<checkpoint>"):  # pragma: no cover
+            raise AssertionError
+
+        def context_facts(self, key, obj, state):
+            if not isinstance(obj, torch.optim.Optimizer):
+                return None
+            asked.append(key)
+            return ContextFacts(live_group_keys={id(obj): frozenset({"tag"})})
+
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _step(m, opt)
+    register_adapter(GroupKeys, before="whole")
+    try:
+        saver = sp.AsyncSaver(staging_bytes=1 << 20)
+        for i in range(3):
+            saver.save(str(tmp_path / f"s{i}"), {"model": m, "optimizer": opt}).wait()
+    finally:
+        unregister_adapter("group-keys")
+    assert saver._plan_cache.reused["facts"] == 0 and asked == ["optimizer"] * 3
+    assert _reused(saver) == 4  # the parts themselves are still reused
+
+
+def test_a_replaced_state_tensor_is_watched_by_the_next_lazy_save(tmp_path):
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _step(m, opt)
+    saver = sp.AsyncSaver(staging_bytes=1 << 20)
+    try:
+        for i in range(2):
+            saver.save(str(tmp_path / f"s{i}"), {"model": m, "optimizer": opt}, mode="lazy").wait()
+        p = m[2].weight
+        opt.state[p]["exp_avg"] = torch.full_like(p, 3.0)
+        h = saver.save(str(tmp_path / "torn"), {"model": m, "optimizer": opt}, mode="lazy")
+        opt.state[p]["exp_avg"].add_(1.0)  # before the fence: the new tensor is the one watched
+        with pytest.raises(sp.TornSnapshotError, match=r"optimizer\.state\.model\.2\.weight\.exp_avg"):
+            h.wait()
+        h = saver.save(str(tmp_path / "ok"), {"model": m, "optimizer": opt}, mode="lazy")
+        h.wait()
+        got = sp.read_tensor(str(tmp_path / "ok"), "optimizer.state.model.2.weight.exp_avg")
+        assert torch.equal(got, torch.full((4, 16), 4.0))
+    finally:
+        saver.close()
+
+
+def test_a_data_swap_between_lazy_saves_samples_the_new_storage(tmp_path):
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _step(m, opt)
+    saver = sp.AsyncSaver(staging_bytes=1 << 20)
+    try:
+        for i in range(2):
+            saver.save(str(tmp_path / f"s{i}"), {"model": m, "optimizer": opt}, mode="lazy").wait()
+        w = m[0].weight  # the largest tensor: sampled by the guard
+        with torch.no_grad():
+            w.data = torch.full_like(w, 5.0)
+        h = saver.save(str(tmp_path / "swapped"), {"model": m, "optimizer": opt}, mode="lazy")
+        h.wait()  # no change after the call: commits
+        assert torch.equal(sp.read_tensor(str(tmp_path / "swapped"), "model.0.weight"), torch.full((16, 16), 5.0))
+        h = saver.save(str(tmp_path / "torn"), {"model": m, "optimizer": opt}, mode="lazy")
+        w.data.mul_(2.0)  # through .data: no version bump, seen by the sample
+        with pytest.raises(sp.TornSnapshotError, match=r"model\.0\.weight"):
+            h.wait()
+    finally:
+        saver.close()
