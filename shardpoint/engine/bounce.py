@@ -130,6 +130,14 @@ class BounceRing:
         self._last: CopyEvent | None = None
         self.landed_bytes = 0
 
+    @property
+    def span_limit(self) -> int:
+        """The most bytes one span reads into a slot: a quarter of the ring, so reads of the next spans overlap its copies.
+
+        A larger span is cut into spans of this size (:func:`~shardpoint.planning.split.split_span`).
+        """
+        return max(ALIGN, self.ring.capacity // 4 // ALIGN * ALIGN)
+
     def serves(self, targets: Sequence[LoadTarget], indexes: Sequence[int]) -> bool:
         """Whether every target in ``indexes`` lives on this ring's device."""
         return bool(indexes) and all(self.device.owns(targets[i].dest) for i in indexes)

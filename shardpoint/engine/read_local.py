@@ -29,6 +29,7 @@ from ..items import LoadTarget
 from ..errors import CorruptCheckpointError
 from ..geometry import row_major_strides, runs_within
 from ..planning.reads import ChunkRead, at_blocks, batch_reads, extent, fault_pieces
+from ..planning.split import split_span
 from ..storage.base import ShortReadError, Storage
 from ..format.datafile import ALIGN, verify_blocks
 from .io import dest_view, read_chunk_into, short_file_error
@@ -343,6 +344,8 @@ def execute_local(job: ReadJob, reads: Sequence[ChunkRead], bounce: BounceRing |
     queued on the device.
     """
     targets, rec, window = job.targets, job.rec, job.window
+    if bounce is not None:
+        reads = _fitted(reads, bounce, job)
     groups = batch_reads(reads, ALIGN)
     with ThreadPoolExecutor(max(1, job.threads), thread_name_prefix="shardpoint-read") as pool:
         pending: list = []
@@ -366,6 +369,17 @@ def execute_local(job: ReadJob, reads: Sequence[ChunkRead], bounce: BounceRing |
             if len(g) == 1:
                 bufs = [bufs]
             _finish(job, g, bufs, direct, pv, slot, bounce)
+
+
+def _fitted(reads: Sequence[ChunkRead], bounce: BounceRing, job: ReadJob) -> list[ChunkRead]:
+    """``reads`` with every span bound for the ring's device cut to fit a slot (:func:`split_span`)."""
+    limit, out = bounce.span_limit, []
+    for r in reads:
+        if r.hi - r.lo > limit and bounce.serves(job.targets, [j.target for j in r.jobs]):
+            out.extend(split_span(r, limit, job.block, job.verify))
+        else:
+            out.append(r)
+    return out
 
 
 def _finish(job: ReadJob, g, bufs, direct, pv: bool, slot, bounce: BounceRing | None) -> None:

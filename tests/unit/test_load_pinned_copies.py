@@ -10,6 +10,9 @@ from :func:`~tests.unit.device_copies.pageable_copies_into`.
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -106,3 +109,31 @@ def test_any_batch_of_small_sub_boxes_loads_exact_from_the_ring(tmp_path_factory
         (r0, c0), (nr, nc) = t.box.offsets, t.box.sizes
         assert torch.equal(t.dest, v[r0 : r0 + nr, c0 : c0 + nc])
     assert pageable == 0 and sim.pageable_copies == 0
+
+
+def test_a_tensor_larger_than_the_ring_streams_through_it(tmp_path):
+    torch.manual_seed(6)
+    w = torch.randn(6144, 1024)  # 24 MiB through a ring of 16 MiB: cut into spans of about 4 MiB
+    v = torch.randn(6 << 20)  # 1-D, 24 MiB
+    path = str(tmp_path / "ck")
+    sp.save(path, {"extra": {"w": w, "v": v}})
+    for verify in (True, False):
+        whole, flat = _full("extra.w", w), _full("extra.v", v)
+        cols = LoadTarget("extra.w", torch.zeros(6144, 384), (6144, 1024), Box((0, 512), (6144, 384)))
+        sim, pageable = _load(path, [whole, cols, flat], window=16 << 20, verify=verify)
+        assert torch.equal(whole.dest, w) and torch.equal(cols.dest, w[:, 512:896]) and torch.equal(flat.dest, v)
+        assert pageable == 0 and sim.pageable_copies == 0  # before: 2, both spans from pageable memory
+
+
+def test_a_damaged_block_of_a_streamed_span_is_named(tmp_path):
+    from shardpoint.testing import flip_byte
+
+    torch.manual_seed(7)
+    w = torch.randn(6144, 1024)  # 24 MiB through a ring of 16 MiB
+    path = str(tmp_path / "ck")
+    sp.save(path, {"extra": {"w": w}})
+    chunk = sp.read_manifest(path).tensors["extra.w"].chunks[0]
+    flip_byte(os.path.join(path, chunk.file), chunk.offset + 13 * (1 << 20) + 17)
+    t = _full("extra.w", w)
+    with pytest.raises(sp.CorruptCheckpointError, match="extra.w"):
+        _load(path, [t], window=16 << 20)
