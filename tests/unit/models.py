@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import shardpoint as sp
+from shardpoint.adapters import Adapter
 
 
 def stack(width: int, hidden: int, out: int, seed: int = 0) -> nn.Sequential:
@@ -72,3 +73,27 @@ def reloaded(path: str, m: nn.Sequential) -> dict[str, torch.Tensor]:
     opt = stepped_adamw(m, steps=2)
     sp.load(path, {"model": m, "optimizer": opt})
     return flat(m, opt)
+
+
+class ClaimsNothing(Adapter):
+    """An adapter that claims no object: a base for tests of the abilities asked of every registered adapter.
+
+    Example::
+
+        class Tags(ClaimsNothing):
+            name = "tags"
+
+            def context_facts(self, key, obj, state):
+                return None
+    """
+
+    name = "claims-nothing"
+
+    def claims(self, obj):
+        return False
+
+    def save(self, key, obj, ctx):  # pragma: no cover - claims nothing
+        raise NotImplementedError
+
+    def load(self, key, obj, doc, tensors, ctx, where="<checkpoint>"):  # pragma: no cover - claims nothing
+        raise NotImplementedError

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import shardpoint as sp
-from tests.unit.models import stack, step
+from tests.unit.models import ClaimsNothing, stack, step
 
 
 def _model():
@@ -16,6 +16,14 @@ def _model():
 
 def _step(m, opt):
     step(m, opt, batch=8)
+
+
+def _stepped():
+    """The test model and its AdamW optimizer after one step (the optimizer has its state)."""
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _step(m, opt)
+    return m, opt
 
 
 def _reused(saver) -> int:
@@ -36,9 +44,7 @@ def _check(path, m, opt):
 
 
 def test_unchanged_state_reuses_parts_and_saves_current_values(tmp_path):
-    m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    m, opt = _stepped()
     saver = sp.AsyncSaver(staging_bytes=1 << 20)
     r1 = saver.save(str(tmp_path / "a"), {"model": m, "optimizer": opt}, mode="lazy").wait()
     assert _reused(saver) == 0 and not r1.plan_cached
@@ -52,9 +58,7 @@ def test_unchanged_state_reuses_parts_and_saves_current_values(tmp_path):
 
 
 def test_swapped_tensors_are_noticed(tmp_path):
-    m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    m, opt = _stepped()
     saver = sp.AsyncSaver(staging_bytes=1 << 20)
     saver.save(str(tmp_path / "a"), {"model": m, "optimizer": opt}).wait()
 
@@ -99,9 +103,7 @@ def test_renamed_submodules_are_noticed(tmp_path):
 
 
 def test_non_tensor_optimizer_state_is_not_reused(tmp_path):
-    m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    m, opt = _stepped()
     for s in opt.state.values():
         s["note"] = 1  # a plain value may change from step to step
     saver = sp.AsyncSaver(staging_bytes=1 << 20)
@@ -136,9 +138,7 @@ def test_save_cache_reuses_only_on_an_equal_fingerprint():
 
 
 def test_changing_plain_entries_keep_the_parts_and_the_plan(tmp_path):
-    m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    m, opt = _stepped()
     saver = sp.AsyncSaver(staging_bytes=1 << 20)
     for i in range(3):
         r = saver.save(str(tmp_path / f"s{i}"), {"model": m, "optimizer": opt, "step": i, "meta": {"i": [i]}}).wait()
@@ -175,23 +175,14 @@ def test_context_facts_are_reused_while_the_modules_hold(tmp_path):
 
 
 def test_facts_an_adapter_gives_for_an_entry_it_does_not_claim_are_gathered_every_time(tmp_path):
-    from shardpoint.adapters import Adapter, ContextFacts, register_adapter, unregister_adapter
+    from shardpoint.adapters import ContextFacts, register_adapter, unregister_adapter
 
     asked = []
 
-    class GroupKeys(Adapter):
-        """Claims nothing; declares a live param-group key of every torch optimizer."""
+    class GroupKeys(ClaimsNothing):
+        """Declares a live param-group key of every torch optimizer."""
 
         name = "group-keys"
-
-        def claims(self, obj):
-            return False
-
-        def save(self, key, obj, ctx):  # pragma: no cover - claims nothing
-            raise AssertionError
-
-        def load(self, key, obj, doc, tensors, ctx, where="<checkpoint>"):  # pragma: no cover
-            raise AssertionError
 
         def context_facts(self, key, obj, state):
             if not isinstance(obj, torch.optim.Optimizer):
@@ -199,9 +190,7 @@ def test_facts_an_adapter_gives_for_an_entry_it_does_not_claim_are_gathered_ever
             asked.append(key)
             return ContextFacts(live_group_keys={id(obj): frozenset({"tag"})})
 
-    m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+    m, opt = _stepped()
     register_adapter(GroupKeys, before="whole")
     try:
         saver = sp.AsyncSaver(staging_bytes=1 << 20)
@@ -213,14 +202,18 @@ def test_facts_an_adapter_gives_for_an_entry_it_does_not_claim_are_gathered_ever
     assert _reused(saver) == 4  # the parts themselves are still reused
 
 
-def test_a_replaced_state_tensor_is_watched_by_the_next_lazy_save(tmp_path):
-    m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
+def _warm_lazy(tmp_path):
+    """A stepped model, its optimizer, and a saver that made two lazy saves of them (its copy order kept)."""
+    m, opt = _stepped()
     saver = sp.AsyncSaver(staging_bytes=1 << 20)
+    for i in range(2):
+        saver.save(str(tmp_path / f"s{i}"), {"model": m, "optimizer": opt}, mode="lazy").wait()
+    return m, opt, saver
+
+
+def test_a_replaced_state_tensor_is_watched_by_the_next_lazy_save(tmp_path):
+    m, opt, saver = _warm_lazy(tmp_path)
     try:
-        for i in range(2):
-            saver.save(str(tmp_path / f"s{i}"), {"model": m, "optimizer": opt}, mode="lazy").wait()
         p = m[2].weight
         opt.state[p]["exp_avg"] = torch.full_like(p, 3.0)
         h = saver.save(str(tmp_path / "torn"), {"model": m, "optimizer": opt}, mode="lazy")
@@ -236,13 +229,8 @@ def test_a_replaced_state_tensor_is_watched_by_the_next_lazy_save(tmp_path):
 
 
 def test_a_data_swap_between_lazy_saves_samples_the_new_storage(tmp_path):
-    m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _step(m, opt)
-    saver = sp.AsyncSaver(staging_bytes=1 << 20)
+    m, opt, saver = _warm_lazy(tmp_path)
     try:
-        for i in range(2):
-            saver.save(str(tmp_path / f"s{i}"), {"model": m, "optimizer": opt}, mode="lazy").wait()
         w = m[0].weight  # the largest tensor: sampled by the guard
         with torch.no_grad():
             w.data = torch.full_like(w, 5.0)

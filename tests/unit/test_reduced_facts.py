@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 import shardpoint as sp
-from shardpoint.adapters import Adapter, may_imply_rules, register_adapter, unregister_adapter
+from shardpoint.adapters import may_imply_rules, register_adapter, unregister_adapter
 from shardpoint.saving.reduced import MARK, ReducedFact, fact_keys, fact_rows, mismatch_error
+from tests.unit.models import ClaimsNothing
 
 
 def test_fact_rows_travel_after_the_rows_and_come_back_apart():
@@ -32,17 +33,8 @@ def test_the_error_names_the_tensor_the_ranks_what_each_holds_and_the_fix():
     assert "rank(s) [0] hold float32[3] (mean), rank(s) [1] hold no tensor of that name" in absent
 
 
-class _Implies(Adapter):
+class _Implies(ClaimsNothing):
     name = "implies"
-
-    def claims(self, obj):
-        return False
-
-    def save(self, key, obj, ctx):  # pragma: no cover - claims nothing
-        raise NotImplementedError
-
-    def load(self, key, obj, doc, tensors, ctx, where="<checkpoint>"):  # pragma: no cover - claims nothing
-        raise NotImplementedError
 
     def implied_rules(self, state):
         raise RuntimeError("never asked of a plain save")
