@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from ..geometry import Box, row_major_strides
+from ..geometry import Box, row_major_strides, runs_within
 from .load_plan import ReadOp
 from .reads import ChunkRead, CopyJob
 
@@ -48,11 +48,10 @@ def _slab(op: ReadOp, d: int, a: int, b: int) -> ReadOp:
 
 def _bytes_of(op: ReadOp, itemsize: int) -> tuple[int, int]:
     """Chunk-relative bytes ``[first, end)`` from the region's first element to its last."""
-    st = row_major_strides(op.src.box.sizes)
-    rel = [o - c for o, c in zip(op.region.offsets, op.src.box.offsets)]
-    first = op.src.start + sum(r * t for r, t in zip(rel, st))
-    last = first + sum((s - 1) * t for s, t in zip(op.region.sizes, st))
-    return first * itemsize, (last + 1) * itemsize
+    run = runs_within(op.src.box, op.region)
+    first = op.src.start + run.base
+    end = first + sum((c - 1) * s for c, s in zip(run.counts, run.strides)) + run.length
+    return first * itemsize, end * itemsize
 
 
 def _windows(op: ReadOp, itemsize: int, lo: int, limit: int) -> list[tuple[int, ReadOp]]:
