@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from shardpoint.format.manifest import ChunkMeta
 from shardpoint.geometry import Box, Piece, row_major_strides
@@ -79,13 +79,19 @@ def test_the_spans_feed_every_element_once_and_hold_their_bytes(case):
 
 
 def _row(op: ReadOp, itemsize: int) -> int:
-    """Bytes from one row of ``op``'s region to the next, along its outermost dim with more than one index."""
+    """Bytes from one row of ``op``'s region to the next, along its outermost dim with more than one index.
+
+    A one-element region is one row of ``itemsize`` bytes: it may straddle a window's end too.
+    """
     d = next((i for i, s in enumerate(op.region.sizes) if s > 1), None)
-    return 0 if d is None else row_major_strides(op.src.box.sizes)[d] * itemsize
+    return itemsize if d is None else row_major_strides(op.src.box.sizes)[d] * itemsize
 
 
 @settings(max_examples=200, deadline=None)
 @given(spans())
+@example((ChunkRead("w", 0, ChunkMeta(Box((0,), (2,)), "data/f.bin", 0, 8, ("0" * 16,), None, 0), 0, 8, "x", 4,
+                    tuple(CopyJob(t, (ReadOp(0, Piece(Box((0,), (2,)), 0), Piece(Box((t,), (1,)), 0), Box((t,), (1,))),))
+                          for t in (0, 1)), None, 8), 5, 8, False))  # one-element regions, the second straddling the window
 def test_each_span_stays_near_the_limit_when_its_rows_fit(case):
     r, limit, block, verify = case
     row = max(_row(op, r.itemsize) for j in r.jobs for op in j.ops)
