@@ -15,7 +15,10 @@ process, their ratio, and the goal (the ranks' call within 3x the one
 process's, plus 5 ms), and the median CPU time the training thread spent in
 the call on each rank: where the ranks share fewer cores than they are, the
 call's wall time exceeds its CPU time. Lazy calls leave the copy to a
-worker; eager calls include the copy of the state's bytes.
+worker; eager calls include the copy of the state's bytes. As under a
+retention policy, only the :data:`KEEP` latest checkpoints stay on disk: a
+run that kept them all would fill the page cache with old checkpoints and
+time the kernel's reclaim inside later calls.
 
     python bench/bench_call.py                       # 2 FSDP2 ranks, lazy and eager
     python bench/bench_call.py --world 4 --modes lazy --json call.json
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -35,6 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 GOAL_FACTOR, GOAL_PLUS_MS = 3.0, 5.0
+KEEP = 2
 
 
 def calls_job(rank: int, world: int, root: str, layout: str, mode: str, saves: int, dim: int, layers: int) -> dict:
@@ -50,13 +55,16 @@ def calls_job(rank: int, world: int, root: str, layout: str, mode: str, saves: i
     state = {"model": model, "optimizer": opt}
     saver = sp.AsyncSaver()
     calls, cpu = [], []
+    path = lambda i: os.path.join(root, f"{layout}_{mode}_{i}")  # noqa: E731
     try:
         for i in range(saves):
             train_step(model, opt, i + 1, cfg)
             saver.wait()
+            if rank == 0 and i >= KEEP:  # every rank waited for save i - KEEP before the last barrier
+                shutil.rmtree(path(i - KEEP), ignore_errors=True)
             dist.barrier()
             t0, c0 = time.perf_counter(), time.thread_time()
-            handle = saver.save(os.path.join(root, f"{layout}_{mode}_{i}"), state, mode=mode)
+            handle = saver.save(path(i), state, mode=mode)
             calls.append(time.perf_counter() - t0)
             cpu.append(time.thread_time() - c0)
             handle.fence()

@@ -22,6 +22,14 @@ state-dict hooks other than FSDP2's reshard hook, and optimizers over
 FSDP1, DeepSpeed or Megatron parameters (views and shards in the context).
 Optimizer hyper-parameters (``lr`` changes every step under a scheduler) are
 encoded afresh at every reuse (:func:`refresh_groups`).
+
+A fingerprint is two flat tuples: the names and devices in the graph, and
+integers (identities, storage pointers, sizes, strides, dtypes by identity,
+and the count of everything that follows, so two different graphs never
+give the same sequence). The fingerprint is made at every save, just after
+a training step has pushed these objects out of the CPU caches, and
+compared with the kept one: flat tuples of integers are quicker to make and
+to compare than one small tuple per tensor.
 """
 
 from __future__ import annotations
@@ -40,17 +48,16 @@ __all__ = ["module_fingerprint", "optimizer_fingerprint", "refresh_groups"]
 _STRIDED = torch.strided
 
 
-def _tensor_fp(t: Any) -> tuple | None:
+def _tensor_codes(t: Any, codes: list[int], objs: list) -> bool:
+    """Append what identifies ``t`` and its data to ``codes`` (its device to ``objs``); False where it has no single storage to compare."""
     local = getattr(t, "_local_tensor", None)  # a DTensor's shard
-    if local is not None:
-        x = local
-    elif isinstance(t, torch.Tensor):
-        x = t
-    else:
-        return None
-    if getattr(x, "layout", None) is not _STRIDED:  # sparse and other layouts have no single storage to compare
-        return None
-    return (id(t), id(local), x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
+    x = t if local is None else local
+    if getattr(x, "layout", None) is not _STRIDED:  # not a tensor, or sparse and other layouts
+        return False
+    # dtypes are interned for the life of the process: their identities are codes.
+    codes += (id(t), id(local), x.data_ptr(), id(x.dtype), x.dim(), *x.shape, *x.stride())
+    objs.append(x.device)
+    return True
 
 
 def _known_hooks(sub: nn.Module) -> bool:
@@ -70,6 +77,18 @@ def _known_hooks(sub: nn.Module) -> bool:
     return True
 
 
+def _slots(d: dict, objs: list, codes: list[int]) -> bool:
+    """A module's parameters or buffers: their count, names, and each tensor (``None`` coded as its identity)."""
+    codes.append(len(d))
+    for n, t in d.items():
+        objs.append(n)
+        if t is None:
+            codes.append(id(None))
+        elif not _tensor_codes(t, codes, objs):
+            return False
+    return True
+
+
 def module_fingerprint(m: nn.Module) -> tuple | None:
     """What a module's saved part is built from, or ``None`` when that cannot be captured.
 
@@ -77,14 +96,17 @@ def module_fingerprint(m: nn.Module) -> tuple | None:
 
         module_fingerprint(model) == module_fingerprint(model)  # True while nothing was swapped
     """
-    out = []
+    objs: list = []
+    codes: list[int] = []
     for sub in submodules(m):
         if not _known_hooks(sub) or type(sub).get_extra_state is not nn.Module.get_extra_state:
             return None
-        ps = tuple((n, _tensor_fp(p)) for n, p in sub._parameters.items())
-        bs = tuple((n, _tensor_fp(b)) for n, b in sub._buffers.items())
-        out.append((id(sub), tuple(sub._modules), ps, bs, frozenset(sub._non_persistent_buffers_set)))
-    return tuple(out)
+        codes += (id(sub), len(sub._modules), len(sub._non_persistent_buffers_set))
+        objs.extend(sub._modules)
+        objs.extend(sorted(sub._non_persistent_buffers_set))
+        if not (_slots(sub._parameters, objs, codes) and _slots(sub._buffers, objs, codes)):
+            return None
+    return tuple(objs), tuple(codes)
 
 
 def _tensor_inside(v: Any) -> bool:
@@ -106,21 +128,25 @@ def optimizer_fingerprint(opt: torch.optim.Optimizer, ctx: AdapterContext) -> tu
     """
     if ctx.views or ctx.shards:
         return None  # FSDP1, DeepSpeed or Megatron parameters: state split through the context
-    out = []
+    state = {id(p): st for p, st in opt.state.items()}  # by identity: a tensor's __hash__ is a Python call
+    param_names = ctx.param_names
+    objs: list = []
+    codes: list[int] = [len(opt.param_groups)]
     for g in opt.param_groups:
         if any(_tensor_inside(v) for k, v in g.items() if k != "params"):
             return None
-        ids = []
-        for p in g["params"]:
-            st = []
-            for k, v in (opt.state.get(p) or {}).items():
-                fp = _tensor_fp(v)
-                if fp is None:  # a non-tensor state value may change every step
+        objs.append(tuple(sorted(k for k in g if k != "params")))
+        params = g["params"]
+        codes.append(len(params))
+        for p in params:
+            st = state.get(id(p)) or {}
+            codes += (id(p), len(st))
+            objs.append(param_names.get(id(p)))
+            for k, v in st.items():
+                objs.append(k)
+                if not _tensor_codes(v, codes, objs):  # a non-tensor state value may change every step
                     return None
-                st.append((k, fp))
-            ids.append((id(p), ctx.param_names.get(id(p)), tuple(st)))
-        out.append((tuple(sorted(k for k in g if k != "params")), tuple(ids)))
-    return tuple(out)
+    return tuple(objs), tuple(codes)
 
 
 def refresh_groups(key: str, opt: torch.optim.Optimizer, part: SavePart, ctx: AdapterContext) -> SavePart:

@@ -13,14 +13,16 @@ Two witnesses tell that a tensor changed:
 
 - its version counter (``tensor._version``), which every in-place operation
   on the tensor or on a view of it bumps, at no cost;
-- a sampled fingerprint (a strided sample of the raw bytes, at most
-  :data:`SAMPLE_ELEMENTS` elements) of the :data:`FINGERPRINTED` largest
-  tensors, which also sees writes through ``tensor.data``: those go to
+- a sampled fingerprint (the raw bytes of :data:`SAMPLE_RUNS` short runs
+  spread evenly over the tensor, :data:`SAMPLE_ELEMENTS` elements in all)
+  of the :data:`FINGERPRINTED` largest tensors, which also sees writes
+  through ``tensor.data``: those go to
   a tensor with a counter of its own. A loop that writes through ``.data``
   (WGAN-style clipping, an old EMA) does so to every parameter, so the
   largest few tell; sampling them all would cost the loop milliseconds per
-  save. A change that touches only unsampled elements is seen by the
-  version counter alone. On an accelerator the sample is gathered on the
+  save. Runs of neighbouring elements, not single elements spread as far
+  apart, keep the sample to a few memory pages of a cold tensor. A change
+  that touches only unsampled elements is seen by the version counter alone. On an accelerator the sample is gathered on the
   device, queued after the work before the call (the call does not wait
   for it).
 
@@ -55,12 +57,15 @@ from ..device import CopyEvent, CpuDevice, Device, device_for
 from ..errors import TornSnapshotError
 
 __all__ = [
-    "SnapshotGuard", "Watch", "GuardedTensor", "Verdict", "QueuedComparison", "torn_error", "SAMPLE_ELEMENTS", "FINGERPRINTED",
+    "SnapshotGuard", "Watch", "GuardedTensor", "Verdict", "QueuedComparison", "torn_error", "SAMPLE_ELEMENTS", "SAMPLE_RUNS", "FINGERPRINTED",
     "largest",
 ]
 
 SAMPLE_ELEMENTS = 1024
 """The most elements one tensor's fingerprint samples."""
+
+SAMPLE_RUNS = 16
+"""How many runs of neighbouring elements a fingerprint's sample is made of."""
 
 FINGERPRINTED = 8
 """How many of the largest host tensors also get a fingerprint."""
@@ -91,12 +96,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_view(t: torch.Tensor) -> torch.Tensor | None:
-    """The strided view of ``t``'s data that its fingerprint copies, or None where sampling is not cheap and exact."""
+    """The view of ``t``'s data that its fingerprint copies (runs spread evenly), or None where sampling is not cheap and exact."""
     t = _local(t)
     if t.device.type == "meta" or not t.is_contiguous() or t.numel() == 0:
         return None
     flat = t.reshape(-1)
-    return flat[::max(1, flat.numel() // SAMPLE_ELEMENTS)]
+    n = flat.numel()
+    if n <= SAMPLE_ELEMENTS:
+        return flat
+    step = n // SAMPLE_RUNS  # at least one run's length, as n exceeds SAMPLE_ELEMENTS
+    return flat[:SAMPLE_RUNS * step].view(SAMPLE_RUNS, step)[:, :SAMPLE_ELEMENTS // SAMPLE_RUNS]
 
 
 def _sampled(view: torch.Tensor) -> torch.Tensor:
@@ -105,7 +114,7 @@ def _sampled(view: torch.Tensor) -> torch.Tensor:
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
-    """A strided sample of ``t``'s raw bytes, or None where sampling is not cheap and exact.
+    """A sample of ``t``'s raw bytes (:func:`_sample_view`), or None where sampling is not cheap and exact.
 
     On an accelerator the sample is queued on the caller's device queue: no wait here.
     """

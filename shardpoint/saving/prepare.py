@@ -260,7 +260,7 @@ def _replicas_again(plan: SavePlan, job: _Job, cache: SaveCache) -> PendingTable
     """The pending table of a reused plan; declared groups still run their agreement (every rank exchanges alike)."""
     if not job.declared:
         held = cache.reuse("held", Same(plan.tensors), lambda: replica_checked(plan.tensors))[0]
-        return pending_table(held, job.comm)
+        return pending_table(held, job.comm, held=True)
     return agree_save(Proposal.of(plan.tensors, plan.lazy_ok, (), job.comm.world), job.comm, job.gate).replicas
 
 

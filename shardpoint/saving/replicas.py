@@ -127,8 +127,9 @@ class PendingTable:
         pending = PendingTable(prep.tensors); pending.start(); ...; pending.table().encoded
     """
 
-    def __init__(self, tensors: Iterable[SaveTensor], digests: bool = True):
-        self.tensors = list(replica_checked(tensors))
+    def __init__(self, tensors: Iterable[SaveTensor], digests: bool = True, held: bool = False):
+        # held: ``tensors`` are already the ones replica_checked picks (a repeated save keeps them).
+        self.tensors = list(tensors) if held else list(replica_checked(tensors))
         self.digests = digests
         self.found: list[tuple | None] = [None] * len(self.tensors)
         self.later: list[int] = []
@@ -174,13 +175,17 @@ class PendingTable:
         if self.started:
             return
         self.started = True
-        self.later = [i for i, t in enumerate(self.tensors) if t.fqn in later and t.data.is_cpu]
+        host, device = [], []
+        for i, t in enumerate(self.tensors):
+            if not t.data.is_cpu:
+                device.append(i)
+            elif t.fqn in later:
+                self.later.append(i)
+            else:
+                host.append(i)
         if not self.later:
             self.later_done.set()
-        deferred = set(self.later)
-        rest = [i for i in range(len(self.tensors)) if i not in deferred]
-        self.queue([i for i in rest if not self.tensors[i].data.is_cpu])  # read at the commit: no wait here
-        host = [i for i in rest if self.tensors[i].data.is_cpu]
+        self.queue(device)  # read at the commit: no wait here
         if host:
             self.thread = threading.Thread(target=self.digest, args=(host,), name="shardpoint-replica-digests", daemon=True)
             self.thread.start()
@@ -214,13 +219,14 @@ class PendingTable:
         return self.done
 
 
-def pending_table(tensors: Iterable[SaveTensor], comm: Any) -> PendingTable | None:
+def pending_table(tensors: Iterable[SaveTensor], comm: Any, held: bool = False) -> PendingTable | None:
     """This rank's :class:`PendingTable` for the commit; ``None`` on a world of one (nothing to compare).
 
     Not a collective: the digests are always compared at the commit, where
     rank 0 compares the tables (:func:`~shardpoint.planning.replicas.refusal`);
     the save says when they are computed. Copy names of declared groups are
     found before the write, by the save's agreement (:mod:`shardpoint.saving.agree`).
+    ``held``: ``tensors`` are already those :func:`replica_checked` picks.
 
     Example::
 
@@ -228,5 +234,5 @@ def pending_table(tensors: Iterable[SaveTensor], comm: Any) -> PendingTable | No
     """
     if not (bool(getattr(comm, "active", False)) and comm.world > 1):
         return None
-    return PendingTable(tensors, check_mode() != "off")
+    return PendingTable(tensors, check_mode() != "off", held)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shardpoint as sp
-from shardpoint.engine.snapshot_guard import FINGERPRINTED, SnapshotGuard
+from shardpoint.engine.snapshot_guard import FINGERPRINTED, SAMPLE_ELEMENTS, SAMPLE_RUNS, SnapshotGuard
 from tests.unit.models import differing, loads_back, stepped_linear
 
 
@@ -230,6 +230,27 @@ def test_guard_samples_only_the_largest():
     ts[0][1].data.add_(1)  # unsampled, through .data: invisible to both witnesses
     ts[-1][1].data.add_(1)  # sampled: seen
     assert guard.changed() == [f"t{FINGERPRINTED + 2}"]
+
+
+def test_guard_samples_runs_spread_over_the_tensor():
+    n = 100_003  # not a multiple of the runs: the last run starts before the end
+    t = torch.arange(n, dtype=torch.float64)
+    guard = SnapshotGuard.record([("t", t)])
+    (fp,) = (g.fingerprint for g in guard.watched)
+    step, run = n // SAMPLE_RUNS, SAMPLE_ELEMENTS // SAMPLE_RUNS
+    want = torch.cat([torch.arange(k * step, k * step + run, dtype=torch.float64) for k in range(SAMPLE_RUNS)])
+    assert torch.equal(fp.view(torch.float64).reshape(-1), want)  # the bytes of exactly these elements
+    t.data[run] += 1  # just after the first run: unsampled
+    assert guard.changed() == []
+    t.data[(SAMPLE_RUNS - 1) * step + run - 1] += 1  # the last element of the last run
+    assert guard.changed() == ["t"]
+
+
+def test_guard_samples_a_small_tensor_whole():
+    t = torch.zeros(SAMPLE_ELEMENTS)
+    guard = SnapshotGuard.record([("t", t)])
+    t.data[SAMPLE_ELEMENTS - 1] = -0.0  # the same value, other bytes
+    assert guard.changed() == ["t"]
 
 
 _EXIT_SCRIPT = """
