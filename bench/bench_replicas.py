@@ -111,7 +111,7 @@ def _without_check():
     @contextlib.contextmanager
     def patched():
         real = prepare.pending_table
-        prepare.pending_table = lambda tensors, comm: None
+        prepare.pending_table = lambda *args, **kwargs: None
         try:
             yield
         finally:
