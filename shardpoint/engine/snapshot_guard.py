@@ -16,15 +16,15 @@ Two witnesses tell that a tensor changed:
 - a sampled fingerprint (the raw bytes of :data:`SAMPLE_RUNS` short runs
   spread evenly over the tensor, :data:`SAMPLE_ELEMENTS` elements in all)
   of the :data:`FINGERPRINTED` largest tensors, which also sees writes
-  through ``tensor.data``: those go to
-  a tensor with a counter of its own. A loop that writes through ``.data``
-  (WGAN-style clipping, an old EMA) does so to every parameter, so the
-  largest few tell; sampling them all would cost the loop milliseconds per
-  save. Runs of neighbouring elements, not single elements spread as far
-  apart, keep the sample to a few memory pages of a cold tensor. A change
-  that touches only unsampled elements is seen by the version counter alone. On an accelerator the sample is gathered on the
-  device, queued after the work before the call (the call does not wait
-  for it).
+  through ``tensor.data``: those go to a tensor with a counter of its own.
+  A loop that writes through ``.data`` (WGAN-style clipping, an old EMA)
+  does so to every parameter, so the largest few tell; sampling them all
+  would cost the loop milliseconds per save. Runs of neighbouring elements,
+  not single elements spread as far apart, keep the sample to a few memory
+  pages of a cold tensor. A change that touches only unsampled elements is
+  seen by the version counter alone. On an accelerator the sample is
+  gathered on the device, queued after the work before the call (the call
+  does not wait for it).
 
 At the fence the guard gives a :class:`Verdict` (:meth:`SnapshotGuard.judge`)
 without waiting for the device: version counters are compared on the host;
