@@ -36,7 +36,7 @@ from .io import dest_view, read_chunk_into, short_file_error
 from .bounce import ALIGN as SLOT_ALIGN, BounceRing, aligned
 
 __all__ = ["LoadStats", "ReadJob", "execute_local", "fetch", "whole_span", "count_read", "copy_timed", "copy_pairs", "map_span", "fault_in",
-           "strided_bytes"]
+           "strided_bytes", "fit_spans"]
 
 
 @dataclass
@@ -345,7 +345,7 @@ def execute_local(job: ReadJob, reads: Sequence[ChunkRead], bounce: BounceRing |
     """
     targets, rec, window = job.targets, job.rec, job.window
     if bounce is not None:
-        reads = _fitted(reads, bounce, job)
+        reads = fit_spans(reads, bounce, job)
     groups = batch_reads(reads, ALIGN)
     with ThreadPoolExecutor(max(1, job.threads), thread_name_prefix="shardpoint-read") as pool:
         pending: list = []
@@ -371,8 +371,16 @@ def execute_local(job: ReadJob, reads: Sequence[ChunkRead], bounce: BounceRing |
             _finish(job, g, bufs, direct, pv, slot, bounce)
 
 
-def _fitted(reads: Sequence[ChunkRead], bounce: BounceRing, job: ReadJob) -> list[ChunkRead]:
-    """``reads`` with every span bound for the ring's device cut to fit a slot (:func:`split_span`)."""
+def fit_spans(reads: Sequence[ChunkRead], bounce: BounceRing, job: ReadJob) -> list[ChunkRead]:
+    """``reads`` with every span bound for the ring's device cut to fit a slot (:func:`split_span`).
+
+    The cut depends only on each span and the ring's size, so ranks that
+    read the same span cut it alike (the shared path relies on it).
+
+    Example::
+
+        reads = fit_spans(reads, bounce, job)   # each span on the device <= bounce.span_limit (+ checksum blocks)
+    """
     limit, out = bounce.span_limit, []
     for r in reads:
         if r.hi - r.lo > limit and bounce.serves(job.targets, [j.target for j in r.jobs]):

@@ -23,7 +23,7 @@ from ..planning.sharing import REPLY_COLUMNS, ROW_COLUMNS, SharedSpan, collect_r
 from ..format.datafile import verify_blocks
 from ..device import Device
 from .bounce import BounceRing, BounceSlot
-from .read_local import ReadJob, copy_pairs, copy_timed, count_read, execute_local, fetch, strided_bytes, whole_span
+from .read_local import ReadJob, copy_pairs, copy_timed, count_read, execute_local, fetch, fit_spans, strided_bytes, whole_span
 
 __all__ = ["route_sharing", "exchange_only", "execute_shared"]
 
@@ -68,47 +68,57 @@ def execute_shared(
     ones stream: readers prefetch and send point to point, needers receive
     ahead into buffers, both bounded by ``window`` bytes. Every rank walks the
     shared spans in the same order and only ever waits on an earlier or the
-    current span, so the exchange cannot deadlock.
+    current span, so the exchange cannot deadlock. A rank's own failure
+    (a read, a checksum, a copy) is recorded and the walk goes on, sending
+    failure marks, so no peer waits on it; only a failure of the transport
+    ends the walk early, and then the sends still in flight finish before
+    their memory is given back.
 
     With ``device``, spans bound for it are read or received into bounce
     rings (one for the local spans, one for the exchange, each half the
     window) and copied to the device in the background; a slot a rank sends
-    from comes free once its sends and copies are complete.
+    from comes free once its sends and copies are complete. A span larger
+    than a slot is first cut (:func:`~shardpoint.engine.read_local.fit_spans`);
+    the cut is the same on every rank, so it stays shared.
     """
-    stats, rec, window = job.stats, job.rec, job.window
-    file_index = {f: i for i, f in enumerate(sorted(sizes or {}))}
-    by_id, rows = span_rows(reads, file_index)
-    tc = time.monotonic()
-    mine = route_sharing(rows, comm)
-    if rec is not None:
-        rec.add("communicate", tc, time.monotonic())
-    shared_ids = {sp.sid for sp in mine}
-    me = comm.rank
-    local = order_reads([r for sid, r in by_id.items() if sid not in shared_ids], me, comm.world, sizes or {}, saved_world)
-    errors: list[BaseException] = []
-    half = max(1, window // 2)
+    half = max(1, job.window // 2)
     # Made on the caller's thread: their copies are ordered after what it queued before the load.
     rings = (BounceRing(device, half), BounceRing(device, half)) if device is not None else (None, None)
-    # Unshared spans: the ordinary prefetching path, beside the exchange.
-    local_pool = ThreadPoolExecutor(1, thread_name_prefix="shardpoint-local")
-    local_done = local_pool.submit(execute_local, dataclasses.replace(job, window=window // 2), local, rings[0])
-    ex = _Exchange(job, comm, mine, by_id, errors, half, rings[1])
     try:
-        for i, sp in enumerate(mine):
-            ex.post_ahead(i)
-            kind, work, buf, slot = ex.posted.pop(0)
-            ex.ahead -= sp.size
-            stats.shared_spans += 1
-            ok, sends = ex.finish_read(sp, work, buf) if kind == "read" else (ex.finish_recv(sp, work, buf), ())
-            ex.deliver(sp, buf, slot, ok and not errors, sends)
-        for h, _n in ex.sends:
-            h.wait()
+        _walk(job, reads, comm, sizes or {}, saved_world, rings, half)
     finally:
-        ex.pool.shutdown(wait=True)
-        local_pool.shutdown(wait=True)
         for ring in rings:
             if ring is not None:
                 ring.finish()
+
+
+def _walk(job: ReadJob, reads: Sequence[ChunkRead], comm: Comm, sizes: Mapping[str, int], saved_world: int,
+          rings: tuple[BounceRing | None, BounceRing | None], half: int) -> None:
+    if rings[1] is not None:
+        try:
+            reads = fit_spans(reads, rings[1], job)
+        except Exception:
+            exchange_only(comm)  # no peer waits for this rank's rows
+            raise
+    file_index = {f: i for i, f in enumerate(sorted(sizes))}
+    by_id, rows = span_rows(reads, file_index)
+    tc = time.monotonic()
+    mine = route_sharing(rows, comm)
+    if job.rec is not None:
+        job.rec.add("communicate", tc, time.monotonic())
+    shared_ids = {sp.sid for sp in mine}
+    local = order_reads([r for sid, r in by_id.items() if sid not in shared_ids], comm.rank, comm.world, sizes, saved_world)
+    errors: list[BaseException] = []
+    # Unshared spans: the ordinary prefetching path, beside the exchange.
+    local_pool = ThreadPoolExecutor(1, thread_name_prefix="shardpoint-local")
+    local_done = local_pool.submit(execute_local, dataclasses.replace(job, window=job.window // 2), local, rings[0])
+    ex = _Exchange(job, comm, mine, by_id, errors, half, rings[1])
+    try:
+        ex.run()
+    finally:
+        ex.settle()
+        ex.pool.shutdown(wait=True)
+        local_pool.shutdown(wait=True)
     try:
         local_done.result()
     except Exception as e:  # noqa: BLE001
@@ -148,6 +158,30 @@ class _Exchange:
         self.sends: list = []
         self.in_flight = 0
 
+    def run(self) -> None:
+        """Walk the shared spans in plan order: post ahead, finish the next, deliver it."""
+        for i, sp in enumerate(self.mine):
+            self.post_ahead(i)
+            kind, work, buf, slot = self.posted.pop(0)
+            self.ahead -= sp.size
+            self.stats.shared_spans += 1
+            ok, sends = self.finish_read(sp, work, buf) if kind == "read" else (self.finish_recv(sp, work, buf), ())
+            self.deliver(sp, buf, slot, ok and not self.errors, sends)
+
+    def settle(self) -> None:
+        """Wait for every send still in flight: the memory they read (a ring slot) is given back next.
+
+        After the walk this is where the last sends finish; after a transport
+        failure, a send's own error is kept behind the first one.
+        """
+        while self.sends:
+            h, n = self.sends.pop(0)
+            try:
+                h.wait()
+            except Exception as e:  # noqa: BLE001 - wait for the others all the same
+                self.errors.append(e)
+            self.in_flight -= n
+
     def _fetch_whole(self, r: ChunkRead, buf: torch.Tensor) -> None:
         whole = whole_span(r)  # other needers may need other runs
         fetch(self.storage, whole, self.block, self.verify, self.where, buf[:-1], self.rec)
@@ -177,7 +211,11 @@ class _Exchange:
         r = self.by_id[q.sid]
         if self.bounce is None or not self.bounce.serves(self.targets, [j.target for j in r.jobs]):
             return None
-        got = self.bounce.slot(q.size + 1, strided_bytes(r, self.targets))
+        try:
+            got = self.bounce.slot(q.size + 1, strided_bytes(r, self.targets))
+        except Exception as e:  # noqa: BLE001 - the span still takes part in the exchange, through host memory
+            self.errors.append(e)
+            return None
         return False if got is None else got
 
     def deliver(self, sp, buf: torch.Tensor, slot: BounceSlot | None, good: bool, sends: Sequence = ()) -> None:

@@ -4,18 +4,24 @@ A load onto a device reads each span into a slot of its bounce ring and
 copies it from there. A span larger than the ring (one tensor of several
 hundred megabytes: an embedding, an LM head) would otherwise be read into
 an ordinary buffer and copied from it without the ring.
-:func:`split_span` cuts it along the outermost dimension of its regions
-that has more than one index: each copy region becomes slabs of whole rows,
-and each slab goes to the window of ``limit`` bytes its first byte lies in.
-Each resulting span covers the bytes of its slabs (widened to checksum
-blocks when verifying, so it can be verified alone: the windows are then
-whole blocks), reads only what the original span read there, and feeds
-exactly its slabs; together they feed every element of the original once.
-Neighbouring spans may overlap by a row, or by the block a row straddles
-when verifying: those bytes are read twice.
 
-A region whose one row is larger than ``limit`` is not cut further; its
-span may then exceed ``limit``.
+:func:`split_span` cuts along windows of the saved piece itself, never of
+the regions a rank copies: each window is a box of the piece whose bytes
+are contiguous and at most ``limit`` long. It is a run of rows along the
+outermost dimension whose row fits ``limit``, with every outer index fixed;
+a row longer than ``limit`` is therefore cut along an inner dimension, down
+to single elements. Each copy region becomes its intersection with every
+window it meets, and each window that feeds a copy becomes a span: the
+window's bytes within the original span (widened to whole checksum blocks
+when verifying, so that it can be verified alone; windows that widen to the
+same blocks make one span). Together the spans feed every element of the
+original once and read only what it read; neighbours overlap only by the
+checksum blocks they share.
+
+The windows depend only on the piece, its item size and ``limit``, so
+ranks that read the same span for different regions (replicas, tensor
+parallel column blocks) get the same spans wherever both copy: a span read
+once and sent to the others stays shared after the cut.
 
 Example::
 
@@ -24,53 +30,42 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
-from ..geometry import Box, row_major_strides, runs_within
+from ..geometry import Box, row_major_strides
 from .load_plan import ReadOp
 from .reads import ChunkRead, CopyJob
 
 __all__ = ["split_span"]
 
 
-def _cut_dim(region: Box) -> int | None:
-    return next((d for d, s in enumerate(region.sizes) if s > 1), None)
+def _cut_dim(strides: Sequence[int], itemsize: int, limit: int) -> int:
+    """The outermost dimension whose row (one step of its index) fits ``limit``; the innermost when none does."""
+    return next((d for d, t in enumerate(strides) if t * itemsize <= limit), len(strides) - 1)
 
 
-def _slab(op: ReadOp, d: int, a: int, b: int) -> ReadOp:
-    offsets = list(op.region.offsets)
-    sizes = list(op.region.sizes)
-    offsets[d] += a
-    sizes[d] = b - a
-    return ReadOp(op.chunk, op.src, op.dst, Box(tuple(offsets), tuple(sizes)))
-
-
-def _bytes_of(op: ReadOp, itemsize: int) -> tuple[int, int]:
-    """Chunk-relative bytes ``[first, end)`` from the region's first element to its last."""
-    run = runs_within(op.src.box, op.region)
-    first = op.src.start + run.base
-    end = first + sum((c - 1) * s for c, s in zip(run.counts, run.strides)) + run.length
-    return first * itemsize, end * itemsize
-
-
-def _windows(op: ReadOp, itemsize: int, lo: int, limit: int) -> list[tuple[int, ReadOp]]:
-    """``op`` cut into slabs of whole rows, each with the window (of ``limit`` bytes from ``lo``) its first byte lies in."""
-    first, end = _bytes_of(op, itemsize)
-    d = _cut_dim(op.region)
-    if d is None or (end - 1 - lo) // limit == (first - lo) // limit:  # within one window
-        return [((first - lo) // limit, op)]
-    row = row_major_strides(op.src.box.sizes)[d] * itemsize  # bytes from one row's start to the next's
-    n = op.region.sizes[d]
-    out = []
-    i = 0
-    while i < n:
-        w = (first + i * row - lo) // limit
-        nxt = -(-(lo + (w + 1) * limit - first) // row)  # the first row starting in a later window
-        j = min(n, max(i + 1, nxt))
-        out.append((w, _slab(op, d, i, j)))
-        i = j
-    return out
+def _slabs(op: ReadOp, itemsize: int, limit: int) -> Iterator[tuple[tuple[int, int], ReadOp]]:
+    """``op`` cut by the windows of its piece: each window's chunk bytes ``[first, end)`` and the slab of ``op`` inside it."""
+    box, region, start = op.src.box, op.region, op.src.start
+    if box.ndim == 0:
+        yield (start * itemsize, (start + 1) * itemsize), op
+        return
+    strides = row_major_strides(box.sizes)
+    d = _cut_dim(strides, itemsize, limit)
+    rows = max(1, limit // (strides[d] * itemsize))  # indexes of dim d per window
+    rel = [o - c for o, c in zip(region.offsets, box.offsets)]
+    a, b = rel[d], rel[d] + region.sizes[d]
+    for outer in itertools.product(*(range(rel[k], rel[k] + region.sizes[k]) for k in range(d))):
+        base = start + sum(i * t for i, t in zip(outer, strides))
+        for j in range(a // rows * rows, b, rows):
+            end = min(j + rows, box.sizes[d])
+            lo_d, hi_d = max(j, a), min(end, b)
+            offsets = [box.offsets[k] + i for k, i in enumerate(outer)] + [box.offsets[d] + lo_d, *region.offsets[d + 1 :]]
+            sizes = [1] * d + [hi_d - lo_d, *region.sizes[d + 1 :]]
+            window = ((base + j * strides[d]) * itemsize, (base + end * strides[d]) * itemsize)
+            yield window, ReadOp(op.chunk, op.src, op.dst, Box(tuple(offsets), tuple(sizes)))
 
 
 def _clip(segments: Sequence[tuple[int, int]] | None, lo: int, hi: int) -> tuple[tuple[int, int], ...] | None:
@@ -80,7 +75,11 @@ def _clip(segments: Sequence[tuple[int, int]] | None, lo: int, hi: int) -> tuple
 
 
 def split_span(r: ChunkRead, limit: int, block: int, verify: bool) -> list[ChunkRead]:
-    """``r`` as spans of about ``limit`` bytes each (see the module docs); ``[r]`` when it fits.
+    """``r`` as spans of at most ``limit`` bytes each (see the module docs); ``[r]`` when it fits.
+
+    When verifying, windows are ``limit`` rounded down to whole checksum
+    blocks (at least one), and a span may grow past that by the blocks its
+    ends straddle; a window is never smaller than one element.
 
     Example::
 
@@ -88,25 +87,23 @@ def split_span(r: ChunkRead, limit: int, block: int, verify: bool) -> list[Chunk
     """
     if r.hi - r.lo <= limit or limit <= 0:
         return [r]
-    if verify:  # windows of whole checksum blocks: neighbours then share at most the block a row straddles
+    if verify:  # a span verified alone holds whole checksum blocks: windows of fewer bytes would only repeat them
         limit = max(1, limit // block) * block
-    windows: dict[int, list[tuple[int, ReadOp]]] = {}
+    spans: dict[tuple[int, int], list[tuple[int, ReadOp]]] = {}
     for job in r.jobs:
         for op in job.ops:
-            for w, slab in _windows(op, r.itemsize, r.lo, limit):
-                windows.setdefault(w, []).append((job.target, slab))
+            for (first, end), slab in _slabs(op, r.itemsize, limit):
+                lo, hi = max(r.lo, first), min(r.hi, end)
+                if verify:  # whole checksum blocks, within what the span read
+                    lo, hi = max(r.lo, lo // block * block), min(r.hi, -(-hi // block) * block)
+                # Keyed by the bytes read: windows that widen to the same blocks are one span.
+                spans.setdefault((lo, hi), []).append((job.target, slab))
     out = []
-    for w in sorted(windows):
-        slabs = windows[w]
-        spans = [_bytes_of(op, r.itemsize) for _, op in slabs]
-        lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
-        if verify:  # whole checksum blocks, within what the span read
-            lo, hi = max(r.lo, lo // block * block), min(r.hi, -(-hi // block) * block)
+    for (lo, hi), slabs in sorted(spans.items()):
         jobs: dict[int, list[ReadOp]] = {}
         for target, op in slabs:
             jobs.setdefault(target, []).append(op)
         needed = sum(math.prod(op.region.sizes) for _, op in slabs) * r.itemsize
-        segments = _clip(r.segments, lo, hi)
         out.append(ChunkRead(r.fqn, r.ci, r.chunk, lo, hi, r.dtype, r.itemsize,
-                             tuple(CopyJob(t, tuple(ops)) for t, ops in jobs.items()), segments, needed))
+                             tuple(CopyJob(t, tuple(ops)) for t, ops in jobs.items()), _clip(r.segments, lo, hi), needed))
     return out

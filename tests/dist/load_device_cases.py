@@ -45,12 +45,12 @@ def _targets(state: dict[str, torch.Tensor], rank: int) -> tuple[list[LoadTarget
     return targets, want
 
 
-def shared_load_job(rank: int, world: int, root: str, window: int, corrupt: bool = False) -> dict:
+def shared_load_job(rank: int, world: int, root: str, window: int, corrupt: bool = False, block: int | None = None) -> dict:
     """Load replicated and column-sharded tensors with shared reads onto the simulated device; count pageable copies."""
     path = os.path.join(root, "ck")
     state = _state()
     if rank == 0:
-        sp.save(path, {"extra": state}, process_group=sp.LOCAL)
+        sp.save(path, {"extra": state}, process_group=sp.LOCAL, **({} if block is None else {"block_size": block}))
         if corrupt:  # a span one rank reads for both fails its checksum there
             chunk = sp.read_manifest(path).tensors["extra.big3"].chunks[0]
             flip_byte(os.path.join(path, chunk.file), chunk.offset + 1000)
@@ -72,5 +72,7 @@ def shared_load_job(rank: int, world: int, root: str, window: int, corrupt: bool
         "sim_pageable": sim.pageable_copies,
         "shared_spans": stats.shared_spans,
         "received": stats.bytes_received,
+        "read": stats.bytes_read,
+        "data": sum(sp.read_manifest(path).files.values()),
         "pinned_after": sim.pinned_bytes,
     }

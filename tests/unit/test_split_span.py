@@ -35,22 +35,29 @@ def spans(draw):
     ndim = draw(st.integers(1, 3))
     sizes = tuple(draw(st.integers(1, 24)) for _ in range(ndim))
     itemsize = draw(st.sampled_from([1, 2, 4, 8]))
-    box = Box((0,) * ndim, sizes)
-    src = Piece(box, 0)
-    # Up to three targets, each a block of columns of the last dim (a TP shard), or the whole box.
+    box = Box(tuple(draw(st.integers(0, 5)) for _ in range(ndim)), sizes)
+    lead = draw(st.integers(0, 40))  # elements of the chunk before this piece (a flat-saved chunk's earlier pieces)
+    src = Piece(box, lead)
+    # Up to three targets, each a block of columns of the last dim (a TP shard) over some rows of the first.
     cuts = sorted(set(draw(st.lists(st.integers(1, max(1, sizes[-1] - 1)), max_size=2)))) if sizes[-1] > 1 else []
     edges = [0, *cuts, sizes[-1]]
+    r0 = draw(st.integers(0, sizes[0] - 1)) if ndim > 1 else 0
+    r1 = draw(st.integers(r0 + 1, sizes[0])) if ndim > 1 else sizes[0]
     jobs = []
     for t, (a, b) in enumerate(zip(edges, edges[1:])):
-        region = Box((0,) * (ndim - 1) + (a,), sizes[:-1] + (b - a,))
+        first = (r0,) + (0,) * (ndim - 2) + (a,) if ndim > 1 else (a,)
+        extent = (r1 - r0,) + sizes[1:-1] + (b - a,) if ndim > 1 else (b - a,)
+        region = Box(tuple(o + f for o, f in zip(box.offsets, first)), extent)
         jobs.append(CopyJob(t, (ReadOp(0, src, Piece(region, 0), region),)))
-    n = math.prod(sizes) * itemsize
+    n = (lead + math.prod(sizes)) * itemsize
     block = draw(st.sampled_from([8, 64, 1 << 20]))
     verify = draw(st.booleans())
-    hi = -(-n // block) * block if verify else n
-    chunk = ChunkMeta(box, "data/f.bin", 0, n, ("0" * 16,) * max(1, -(-n // block)), None, 0)
-    r = ChunkRead("w", 0, chunk, 0, min(hi, n), "x", itemsize, tuple(jobs), None, n)
-    limit = draw(st.integers(itemsize, max(itemsize, n)))
+    lo = lead * itemsize // block * block if verify else lead * itemsize
+    hi = min(n, -(-n // block) * block) if verify else n
+    chunk = ChunkMeta(Box.full(sizes), "data/f.bin", 0, n, ("0" * 16,) * max(1, -(-n // block)), None, 0)
+    needed = sum(math.prod(op.region.sizes) for j in jobs for op in j.ops) * itemsize
+    r = ChunkRead("w", 0, chunk, lo, hi, "x", itemsize, tuple(jobs), None, needed)
+    limit = draw(st.integers(1, max(itemsize, n)))
     return r, limit, block, verify
 
 
@@ -78,28 +85,45 @@ def test_the_spans_feed_every_element_once_and_hold_their_bytes(case):
         assert parts == [r]
 
 
-def _row(op: ReadOp, itemsize: int) -> int:
-    """Bytes from one row of ``op``'s region to the next, along its outermost dim with more than one index.
-
-    A one-element region is one row of ``itemsize`` bytes: it may straddle a window's end too.
-    """
-    d = next((i for i, s in enumerate(op.region.sizes) if s > 1), None)
-    return itemsize if d is None else row_major_strides(op.src.box.sizes)[d] * itemsize
+@settings(max_examples=300, deadline=None)
+@given(spans())
+@example((ChunkRead("w", 0, ChunkMeta(Box((0,), (2,)), "data/f.bin", 0, 8, ("0" * 16,), None, 0), 0, 8, "x", 4,
+                    tuple(CopyJob(t, (ReadOp(0, Piece(Box((0,), (2,)), 0), Piece(Box((t,), (1,)), 0), Box((t,), (1,))),))
+                          for t in (0, 1)), None, 8), 5, 8, False))  # one-element regions, the second straddling a window
+def test_every_span_fits_the_limit_whatever_its_rows(case):
+    r, limit, block, verify = case
+    window = max(1, limit // block) * block if verify else limit  # verified spans hold whole checksum blocks
+    parts = split_span(r, limit, block, verify)
+    for p in parts:
+        # A verified span also holds the parts of the checksum blocks its ends straddle.
+        assert p.hi - p.lo <= max(window, r.itemsize) + (2 * (block - 1) if verify else 0)
+    # Spans are named by their bytes on every rank: two with the same bytes would be one span twice.
+    assert len({(p.lo, p.hi) for p in parts}) == len(parts)
 
 
 @settings(max_examples=200, deadline=None)
 @given(spans())
-@example((ChunkRead("w", 0, ChunkMeta(Box((0,), (2,)), "data/f.bin", 0, 8, ("0" * 16,), None, 0), 0, 8, "x", 4,
-                    tuple(CopyJob(t, (ReadOp(0, Piece(Box((0,), (2,)), 0), Piece(Box((t,), (1,)), 0), Box((t,), (1,))),))
-                          for t in (0, 1)), None, 8), 5, 8, False))  # one-element regions, the second straddling the window
-def test_each_span_stays_near_the_limit_when_its_rows_fit(case):
+def test_ranks_copying_other_regions_get_the_same_spans_where_both_copy(case):
+    """Each target's spans alone are spans of all the targets together: a shared span stays shared once cut."""
     r, limit, block, verify = case
-    row = max(_row(op, r.itemsize) for j in r.jobs for op in j.ops)
-    if row > limit:
-        return  # one row larger than the limit is not cut further
-    window = max(1, limit // block) * block if verify else limit  # verified spans are cut at whole blocks
-    for p in split_span(r, limit, block, verify):
-        assert p.hi - p.lo <= window + row + (block if verify else 0)
+    together = {(p.lo, p.hi) for p in split_span(r, limit, block, verify)}
+    for job in r.jobs:
+        alone = ChunkRead(r.fqn, r.ci, r.chunk, r.lo, r.hi, r.dtype, r.itemsize, (job,), r.segments, 0)
+        assert {(p.lo, p.hi) for p in split_span(alone, limit, block, verify)} <= together
+
+
+def test_a_region_whose_one_row_exceeds_the_limit_is_cut_along_the_row():
+    sizes = (2, 3, 4096)  # rows of 48 KiB along dim 0, of 16 KiB along dim 1
+    box = Box((0, 0, 0), sizes)
+    n = math.prod(sizes) * 4
+    chunk = ChunkMeta(box, "data/f.bin", 0, n, ("0" * 16,), None, 0)
+    r = ChunkRead("w", 0, chunk, 0, n, "float32", 4, (CopyJob(0, (ReadOp(0, Piece(box, 0), Piece(box, 0), box),)),), None, n)
+    parts = split_span(r, 10_000, 1 << 20, False)
+    assert all(p.hi - p.lo <= 10_000 for p in parts)
+    assert len(parts) == 2 * 3 * 2  # each 16 KiB row of dim 1 in two windows of 2,500 elements
+    regions = [op.region for p in parts for j in p.jobs for op in j.ops]
+    assert [(g.offsets, g.sizes) for g in regions[:2]] == [((0, 0, 0), (1, 1, 2500)), ((0, 0, 2500), (1, 1, 1596))]
+    assert sum(g.numel for g in regions) == math.prod(sizes)
 
 
 def test_a_large_column_block_becomes_row_slabs_of_the_same_columns():
