@@ -217,8 +217,7 @@ class BounceRing:
                 self.device.order_after(self._last)
                 self._last.synchronize()  # the ring's memory is in use until then
             for _slot, ev in self._inflight:
-                if isinstance(ev, _Joined):
-                    ev.synchronize()  # sends still reading a slot
+                ev.synchronize()  # copies are done by now; a slot's sends may still read it
         finally:
             self._inflight.clear()
             self.ring.free()
