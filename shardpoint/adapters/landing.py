@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .base import LoadTarget
-from .tensors import is_dtensor
+from .tensors import is_dtensor, local_shard
 
 __all__ = [
     "local_of",
@@ -45,9 +45,7 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding ``t``'s data on this rank: a DTensor's local shard, else ``t``."""
-    if is_dtensor(t):
-        return t._local_tensor
-    return t
+    return local_shard(t) if is_dtensor(t) else t
 
 
 def storage_of(t: torch.Tensor) -> int:
@@ -128,7 +126,7 @@ def same_bits(a: Any, b: Any) -> bool:
         return False
     da, db = is_dtensor(a), is_dtensor(b)
     if da and db and a.device_mesh == b.device_mesh and tuple(a.placements) == tuple(b.placements):
-        a, b = a._local_tensor, b._local_tensor
+        a, b = local_shard(a), local_shard(b)
     elif da or db:
         a = a.full_tensor() if da else a
         b = b.full_tensor() if db else b

@@ -39,7 +39,7 @@ from .base import Adapter, AdapterContext, LoadPart, LoadTarget, ParamView, Save
 from .reuse import optimizer_fingerprint, refresh_groups
 from .landing import live_storages, optimizer_tensors, unlanded
 from .torch_steps import torch_capturable, torch_step_pre_hook, torch_step_updates
-from .tensors import empty_like_target, is_dtensor, load_target, save_tensor
+from .tensors import empty_like_target, is_dtensor, load_target, local_shard, save_tensor
 
 # State that is one value per parameter even when the parameter itself is 0-d.
 _SCALAR_STATE = frozenset({"step"})
@@ -346,7 +346,7 @@ def reusable_state(current: Any, field: str | None, p: torch.Tensor, shape: tupl
     if is_dtensor(p):
         if not is_dtensor(t) or t.device_mesh != p.device_mesh or tuple(t.placements) != tuple(p.placements):
             return None
-        local, plocal = t._local_tensor, p._local_tensor
+        local, plocal = local_shard(t), local_shard(p)
         if tuple(local.shape) != tuple(plocal.shape):
             return None
     elif is_dtensor(t) or t.device != p.device:

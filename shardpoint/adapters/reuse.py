@@ -50,7 +50,9 @@ _STRIDED = torch.strided
 
 def _tensor_codes(t: Any, codes: list[int], objs: list) -> bool:
     """Append what identifies ``t`` and its data to ``codes`` (its device to ``objs``); False where it has no single storage to compare."""
-    local = getattr(t, "_local_tensor", None)  # a DTensor's shard
+    # A DTensor's shard, as tensors.local_shard reads it but never through to_local(): that makes a
+    # new tensor at each call, so a fingerprint holding its identity would never match.
+    local = getattr(t, "_local_tensor", None)
     x = t if local is None else local
     if getattr(x, "layout", None) is not _STRIDED:  # not a tensor, or sparse and other layouts
         return False

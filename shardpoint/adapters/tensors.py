@@ -22,7 +22,7 @@ from ..geometry.grid import grid_of_placements
 from ..runtime.torchcompat import compute_local_shape_and_global_offset, describe_placements, mesh_grid, per_mesh, root_mesh
 from .base import AdapterContext, LoadTarget, SaveTensor, global_cost
 
-__all__ = ["is_dtensor", "describe_placements", "save_tensor", "load_target", "empty_like_target"]
+__all__ = ["is_dtensor", "local_shard", "describe_placements", "save_tensor", "load_target", "empty_like_target"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -159,17 +159,31 @@ def save_tensor(fqn: str, t: torch.Tensor, ctx: AdapterContext) -> SaveTensor | 
     )
 
 
-def _local_view(dt) -> torch.Tensor:
-    """The DTensor's local shard, detached, sharing its storage.
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s data on this rank: a DTensor's local shard, else ``t`` itself.
 
-    ``to_local()`` goes through an autograd Function (~60 us per call); the
-    local tensor attribute is what it returns, and a detach of the plain
-    tensor is cheap.
+    A DTensor's shard is the attribute ``to_local()`` returns, read without
+    its autograd Function (about 60 us a call); a tensor subclass that only
+    offers ``to_local()`` is asked under ``no_grad``. The shard shares the
+    data, so in-place writes and ``.data`` writes land in it.
+
+    Example::
+
+        local_shard(torch.ones(2)).shape  # torch.Size([2])
     """
-    local = getattr(dt, "_local_tensor", None)
-    if not isinstance(local, torch.Tensor):
-        local = dt.detach().to_local()
-    return local.detach()
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
+    to_local = getattr(t, "to_local", None)
+    if to_local is None:
+        return t
+    with torch.no_grad():
+        return to_local()
+
+
+def _local_view(dt) -> torch.Tensor:
+    """The DTensor's local shard, detached, sharing its storage (a detach of the plain shard is cheap)."""
+    return local_shard(dt).detach()
 
 
 def load_target(fqn: str, t: torch.Tensor) -> LoadTarget | None:

@@ -55,6 +55,7 @@ import torch
 
 from ..device import CopyEvent, CpuDevice, Device, device_for
 from ..errors import TornSnapshotError
+from ..adapters.tensors import local_shard
 
 __all__ = [
     "SnapshotGuard", "Watch", "GuardedTensor", "Verdict", "QueuedComparison", "torn_error", "SAMPLE_ELEMENTS", "SAMPLE_RUNS", "FINGERPRINTED",
@@ -83,21 +84,9 @@ class GuardedTensor:
     fingerprint: torch.Tensor | None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The data a distributed tensor holds on this rank (writes through ``.data`` land there)."""
-    local = getattr(t, "_local_tensor", None)  # a DTensor's shard: what to_local() returns, without its autograd Function
-    if isinstance(local, torch.Tensor):
-        return local
-    to_local = getattr(t, "to_local", None)
-    if to_local is None:
-        return t
-    with torch.no_grad():
-        return to_local()
-
-
 def _sample_view(t: torch.Tensor) -> torch.Tensor | None:
     """The view of ``t``'s data that its fingerprint copies (runs spread evenly), or None where sampling is not cheap and exact."""
-    t = _local(t)
+    t = local_shard(t)
     if t.device.type == "meta" or not t.is_contiguous() or t.numel() == 0:
         return None
     flat = t.reshape(-1)
@@ -129,7 +118,7 @@ def largest(tensors: Iterable[torch.Tensor], n: int = FINGERPRINTED) -> frozense
 
         largest([torch.zeros(3), torch.zeros(9), torch.zeros(1)], 1)  # frozenset({1})
     """
-    sizes = [_local(t).numel() for t in tensors]
+    sizes = [local_shard(t).numel() for t in tensors]
     return frozenset(heapq.nlargest(n, range(len(sizes)), key=sizes.__getitem__))
 
 
